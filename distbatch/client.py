@@ -1,0 +1,530 @@
+"""`ShardClient`: the aiohttp client that puts, gathers and deletes shards on workers.
+
+One client owns one aiohttp session on one private event-loop thread. Sync
+methods submit work to that loop and wait, so they behave the same from plain
+code, from a thread whose own event loop is running, and from inside a Flask
+handler; the `a*` variants await the same work from any event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import aiohttp
+
+from distbatch import wire
+from distbatch.auth import token_from_env
+from distbatch.errors import (
+    AuthError,
+    CapacityError,
+    InvalidIdError,
+    NodeError,
+    RequestError,
+    ServerError,
+    ShardNotFoundError,
+    WireFormatError,
+    WorkerUnavailableError,
+)
+from distbatch.ids import ShardKey, validate_id, validate_key
+
+T = TypeVar("T")
+
+_NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
+
+
+def validate_node(node: Any) -> str:
+    """Return `node` as `host:port` (an `http://` prefix is dropped) or raise `ValueError`."""
+    if isinstance(node, str) and node.startswith("http://"):
+        node = node[len("http://") :].rstrip("/")
+    if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
+        raise ValueError(f"invalid node address {node!r}: expected 'host:port'")
+    return node
+
+
+class ShardRef(NamedTuple):
+    """Where one shard lives; `nbytes` (if known) lets the client bound response sizes."""
+
+    node: str
+    task_id: str
+    field: str
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    deleted: int
+    bytes_freed: int
+
+    def __add__(self, other: DeleteResult) -> DeleteResult:
+        return DeleteResult(self.deleted + other.deleted, self.bytes_freed + other.bytes_freed)
+
+
+class _LoopThread:
+    """An event loop running on a daemon thread, owned by one client in one process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="distbatch-client", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError(
+                "sync ShardClient methods cannot run on the client's own loop; await the a* variant"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self, session: aiohttp.ClientSession | None) -> None:
+        if not self.loop.is_closed() and self.thread.is_alive():
+            if session is not None:
+                asyncio.run_coroutine_threadsafe(session.close(), self.loop).result(timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _Runtime:
+    """The loop thread and the session living on it; replaced after a fork."""
+
+    def __init__(self) -> None:
+        self.loop_thread = _LoopThread()
+        self.session: aiohttp.ClientSession | None = None
+
+    def close(self) -> None:
+        if self.loop_thread.pid == os.getpid():
+            self.loop_thread.stop(self.session)
+
+
+class ShardClient:
+    """Puts, gathers and deletes shards on worker nodes over HTTP.
+
+    Args:
+        token: bearer token; defaults to `DISTBATCH_TOKEN` from the environment.
+        timeout: seconds a whole call may take against one node, retries included.
+        connect_timeout: seconds to establish one connection.
+        max_connections / max_connections_per_node: connection pool bounds.
+        max_keys_per_request / max_bytes_per_request: how requests are split.
+        retries: extra attempts after a connection error, timeout or 5xx.
+        backoff / backoff_max: exponential backoff between attempts, in seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        max_connections: int = 64,
+        max_connections_per_node: int = 8,
+        max_keys_per_request: int = 8192,
+        max_bytes_per_request: int = 64 << 20,
+        retries: int = 3,
+        backoff: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        if min(max_connections, max_connections_per_node, max_keys_per_request, max_bytes_per_request) < 1:
+            raise ValueError("connection and request limits must be >= 1")
+        if timeout <= 0 or connect_timeout <= 0 or retries < 0:
+            raise ValueError("timeouts must be > 0 and retries >= 0")
+        self.token = token if token is not None else token_from_env()
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_connections = max_connections
+        self.max_connections_per_node = max_connections_per_node
+        self.max_keys_per_request = max_keys_per_request
+        self.max_bytes_per_request = max_bytes_per_request
+        self.retries = retries
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self._runtime_lock = threading.Lock()
+        self._runtime: _Runtime | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _get_runtime(self) -> _Runtime:
+        with self._runtime_lock:
+            runtime = self._runtime
+            if runtime is None or runtime.loop_thread.pid != os.getpid():
+                # After a fork the parent's loop thread does not exist here: start afresh.
+                runtime = self._runtime = _Runtime()
+                self._finalizer = weakref.finalize(self, runtime.close)
+            return runtime
+
+    def close(self) -> None:
+        """Close the session and stop the loop thread; the client restarts them if used again."""
+        with self._runtime_lock:
+            if self._finalizer is not None:
+                self._finalizer()
+            self._runtime = None
+            self._finalizer = None
+
+    def __enter__(self) -> ShardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._get_runtime().loop_thread.submit(coro)
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._get_runtime().loop_thread.loop
+        if asyncio.get_running_loop() is loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def _session(self) -> aiohttp.ClientSession:
+        runtime = self._get_runtime()
+        if runtime.session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.max_connections,
+                limit_per_host=self.max_connections_per_node,
+                ttl_dns_cache=300,
+            )
+            runtime.session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, trust_env=False
+            )
+        return runtime.session
+
+    # ------------------------------------------------------------------ transport
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {}
+        if content_type:
+            headers["Content-Type"] = content_type
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    async def _request(
+        self,
+        node: str,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        json_body: Any = None,
+        binary_response: bool = False,
+    ) -> Any:
+        """One logical request with retries inside one deadline; returns JSON or a bytearray."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        if json_body is not None:
+            body = json.dumps(json_body, separators=(",", ":")).encode()
+            headers = self._headers("application/json")
+        else:
+            headers = self._headers(wire.CONTENT_TYPE if body is not None else None)
+        url = f"http://{node}{path}"
+        session = self._session()
+        attempt = 0
+        while True:
+            remaining = deadline - loop.time()
+            timeout = aiohttp.ClientTimeout(
+                total=remaining, sock_connect=min(self.connect_timeout, remaining)
+            )
+            try:
+                async with session.request(
+                    method, url, data=body, headers=headers, timeout=timeout
+                ) as response:
+                    if response.status < 400:
+                        if binary_response:
+                            return await _read_into_bytearray(response)
+                        return json.loads(await response.read())
+                    error = _error_from_response(node, response.status, await response.read())
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+                error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
+            if not isinstance(error, (WorkerUnavailableError, ServerError)):
+                raise error
+            attempt += 1
+            delay = min(self.backoff * 2 ** (attempt - 1), self.backoff_max) * (0.5 + random.random() / 2)
+            if attempt > self.retries or loop.time() + delay >= deadline:
+                raise error
+            await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------------ put
+
+    def _encode_put(self, shards: Mapping[Any, Any]) -> list[tuple[list[ShardKey], bytes]]:
+        """Validate and encode every shard, split into bounded request bodies."""
+        tensors, json_texts = wire.split_values(shards)
+        requests: list[tuple[list[ShardKey], bytes]] = []
+        batch_t: dict[ShardKey, wire.RawTensor] = {}
+        batch_j: dict[ShardKey, str] = {}
+        size = 0
+
+        def flush() -> None:
+            nonlocal batch_t, batch_j, size
+            if batch_t or batch_j:
+                body = wire.join_parts(wire.build_container(batch_t, batch_j))
+                requests.append(([*batch_t, *batch_j], body))
+            batch_t, batch_j, size = {}, {}, 0
+
+        items: list[tuple[ShardKey, wire.RawTensor | str]] = [*tensors.items(), *json_texts.items()]
+        for key, value in items:
+            nbytes = value.nbytes if isinstance(value, wire.RawTensor) else len(value)
+            if (batch_t or batch_j) and (
+                len(batch_t) + len(batch_j) >= self.max_keys_per_request
+                or size + nbytes > self.max_bytes_per_request
+            ):
+                flush()
+            if isinstance(value, wire.RawTensor):
+                batch_t[key] = value
+            else:
+                batch_j[key] = value
+            size += nbytes
+        flush()
+        return requests
+
+    async def _put_encoded(self, node: str, requests: list[tuple[list[ShardKey], bytes]]) -> PutResult:
+        results = await asyncio.gather(
+            *(self._request(node, "PUT", "/v1/shards", body=body) for _, body in requests),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            # Requests are atomic one by one; undo the ones that landed so the
+            # call as a whole stores all or nothing.
+            landed = [
+                k for (keys, _), r in zip(requests, results) if not isinstance(r, BaseException) for k in keys
+            ]
+            if landed:
+                try:
+                    await self._delete(node, keys=landed)
+                except NodeError:
+                    pass  # the original failure is what the caller needs to see
+            raise failures[0]
+        return PutResult(sum(r["stored"] for r in results), sum(r["bytes"] for r in results))
+
+    def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
+        """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""
+        node = validate_node(node)
+        requests = self._encode_put(shards)
+        return self._run(self._put_encoded(node, requests))
+
+    async def aput(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
+        node = validate_node(node)
+        requests = self._encode_put(shards)
+        return await self._on_loop(self._put_encoded(node, requests))
+
+    # ------------------------------------------------------------------ fetch
+
+    def _plan_fetch(
+        self, refs: Iterable[Any]
+    ) -> tuple[list[tuple[str, ShardKey]], list[tuple[str, list[ShardKey]]]]:
+        order: list[tuple[str, ShardKey]] = []
+        per_node: dict[str, dict[ShardKey, int]] = defaultdict(dict)
+        for ref in refs:
+            ref = ShardRef(*ref)
+            node = validate_node(ref.node)
+            key = validate_key((ref.task_id, ref.field))
+            order.append((node, key))
+            per_node[node][key] = ref.nbytes or 0
+        requests: list[tuple[str, list[ShardKey]]] = []
+        for node, sizes in per_node.items():
+            batch: list[ShardKey] = []
+            size = 0
+            for key, nbytes in sizes.items():
+                if batch and (
+                    len(batch) >= self.max_keys_per_request or size + nbytes > self.max_bytes_per_request
+                ):
+                    requests.append((node, batch))
+                    batch, size = [], 0
+                batch.append(key)
+                size += nbytes
+            requests.append((node, batch))
+        return order, requests
+
+    async def _fetch_one(self, node: str, keys: list[ShardKey]) -> dict[ShardKey, Any]:
+        body = await self._request(
+            node, "POST", "/v1/shards/fetch", json_body={"keys": keys}, binary_response=True
+        )
+        try:
+            values = wire.decode_bundle(body)
+        except WireFormatError as exc:
+            raise WireFormatError(f"{node}: bad response container: {exc}") from None
+        if len(values) != len(keys) or any(k not in values for k in keys):
+            raise WireFormatError(f"{node}: response does not hold the shards asked for")
+        return values
+
+    async def _fetch(
+        self, order: list[tuple[str, ShardKey]], requests: list[tuple[str, list[ShardKey]]]
+    ) -> list[Any]:
+        results = await asyncio.gather(
+            *(self._fetch_one(node, keys) for node, keys in requests), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _merge_errors(errors)
+        found: dict[tuple[str, ShardKey], Any] = {}
+        for (node, _), values in zip(requests, results):
+            for key, value in values.items():
+                found[(node, key)] = value
+        return [found[item] for item in order]
+
+    def fetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
+        """Gather shards, given as `(node, task_id, field[, nbytes])`, in the order asked.
+
+        Keys are grouped per node into bounded requests; nodes are fetched
+        concurrently. Raises `ShardNotFoundError` naming every missing key.
+        """
+        order, requests = self._plan_fetch(refs)
+        if not order:
+            return []
+        return self._run(self._fetch(order, requests))
+
+    async def afetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
+        order, requests = self._plan_fetch(refs)
+        if not order:
+            return []
+        return await self._on_loop(self._fetch(order, requests))
+
+    # ------------------------------------------------------------------ delete
+
+    async def _delete(
+        self, node: str, *, task_ids: Sequence[str] | None = None, keys: Sequence[ShardKey] | None = None
+    ) -> DeleteResult:
+        if (task_ids is None) == (keys is None):
+            raise ValueError("give exactly one of task_ids or keys")
+        name, items = ("task_ids", list(task_ids)) if task_ids is not None else ("keys", list(keys or ()))
+        step = self.max_keys_per_request
+        total = DeleteResult(0, 0)
+        for start in range(0, len(items), step):
+            reply = await self._request(
+                node, "POST", "/v1/shards/delete", json_body={name: items[start : start + step]}
+            )
+            total += DeleteResult(reply["deleted"], reply["bytes_freed"])
+        return total
+
+    def _check_delete_args(
+        self, task_ids: Iterable[str] | None, keys: Iterable[Any] | None
+    ) -> tuple[list[str] | None, list[ShardKey] | None]:
+        if (task_ids is None) == (keys is None):
+            raise ValueError("give exactly one of task_ids or keys")
+        if task_ids is not None:
+            if isinstance(task_ids, str):
+                raise InvalidIdError("task_ids must be a list of ids, not one string")
+            return [validate_id(t, "task_id") for t in task_ids], None
+        return None, [validate_key(k) for k in keys or ()]
+
+    def delete(
+        self, node: str, *, task_ids: Iterable[str] | None = None, keys: Iterable[Any] | None = None
+    ) -> DeleteResult:
+        """Delete all fields of `task_ids`, or exactly `keys`, on `node`; idempotent."""
+        node = validate_node(node)
+        task_ids, keys = self._check_delete_args(task_ids, keys)
+        return self._run(self._delete(node, task_ids=task_ids, keys=keys))
+
+    async def adelete(
+        self, node: str, *, task_ids: Iterable[str] | None = None, keys: Iterable[Any] | None = None
+    ) -> DeleteResult:
+        node = validate_node(node)
+        task_ids, keys = self._check_delete_args(task_ids, keys)
+        return await self._on_loop(self._delete(node, task_ids=task_ids, keys=keys))
+
+    async def _delete_many(self, keys_by_node: dict[str, list[ShardKey]]) -> DeleteResult:
+        results = await asyncio.gather(
+            *(self._delete(node, keys=keys) for node, keys in keys_by_node.items()),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _merge_errors(errors)
+        total = DeleteResult(0, 0)
+        for result in results:
+            total += result
+        return total
+
+    def delete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
+        """Delete keys on several nodes concurrently; returns the summed result."""
+        plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
+        return self._run(self._delete_many(plan))
+
+    async def adelete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
+        plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
+        return await self._on_loop(self._delete_many(plan))
+
+    # ------------------------------------------------------------------ info
+
+    def stats(self, node: str) -> dict[str, Any]:
+        """The node's store statistics (shards, tasks, bytes, capacity, free)."""
+        return self._run(self._request(validate_node(node), "GET", "/v1/stats"))
+
+    async def astats(self, node: str) -> dict[str, Any]:
+        return await self._on_loop(self._request(validate_node(node), "GET", "/v1/stats"))
+
+    def health(self, node: str) -> dict[str, Any]:
+        """The node's `/health` answer; `WorkerUnavailableError` if it does not answer."""
+        return self._run(self._request(validate_node(node), "GET", "/health"))
+
+    async def ahealth(self, node: str) -> dict[str, Any]:
+        return await self._on_loop(self._request(validate_node(node), "GET", "/health"))
+
+
+async def _read_into_bytearray(response: aiohttp.ClientResponse) -> bytearray:
+    """Read the body into one writable buffer, so tensors can be decoded without a copy."""
+    size = response.content_length
+    if size is None:
+        return bytearray(await response.read())
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    position = 0
+    async for chunk in response.content.iter_any():
+        end = position + len(chunk)
+        if end > size:
+            raise aiohttp.ClientPayloadError("response longer than its Content-Length")
+        view[position:end] = chunk
+        position = end
+    if position != size:
+        raise aiohttp.ClientPayloadError(f"response ended after {position} of {size} bytes")
+    return buffer
+
+
+def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
+    try:
+        payload = json.loads(body)
+        code, message = str(payload.get("error", "error")), str(payload.get("message", ""))
+    except (ValueError, AttributeError):
+        payload, code, message = {}, "error", body[:200].decode(errors="replace")
+    if status == 401:
+        return AuthError(node, message or "unauthorized")
+    if status == 507:
+        return CapacityError(node, message)
+    if status == 404 and isinstance(payload.get("missing"), list):
+        return ShardNotFoundError(node, [tuple(k) for k in payload["missing"]])
+    if status >= 500:
+        return ServerError(node, status, code, message)
+    return RequestError(node, status, code, message)
+
+
+def _merge_errors(errors: list[BaseException]) -> BaseException:
+    """One error for several failed requests: all missing keys together, else the first."""
+    not_found = [e for e in errors if isinstance(e, ShardNotFoundError)]
+    others = [e for e in errors if not isinstance(e, ShardNotFoundError)]
+    if others:
+        return others[0]
+    if len(not_found) == 1:
+        return not_found[0]
+    nodes = sorted({e.node for e in not_found})
+    merged = ShardNotFoundError(", ".join(nodes), [k for e in not_found for k in e.keys])
+    merged.missing_by_node = {n: [k for e in not_found if e.node == n for k in e.keys] for n in nodes}
+    return merged

@@ -1,0 +1,48 @@
+"""Task ids, field names and shard keys: what they may contain and how they are checked."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+from distbatch.errors import InvalidIdError
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:@=+-]{1,200}")
+# Not in the id alphabet, so "task/field" splits unambiguously.
+KEY_SEPARATOR = "/"
+
+
+class ShardKey(NamedTuple):
+    """Names one shard: one field of one task."""
+
+    task_id: str
+    field: str
+
+    def wire_name(self) -> str:
+        return f"{self.task_id}{KEY_SEPARATOR}{self.field}"
+
+
+def validate_id(value: Any, what: str = "id") -> str:
+    """Return `value` if it is a valid task id / field name, else raise `InvalidIdError`."""
+    if not isinstance(value, str) or ID_PATTERN.fullmatch(value) is None:
+        raise InvalidIdError(f"invalid {what} {value!r}: must be 1-200 characters of [A-Za-z0-9._:@=+-]")
+    return value
+
+
+def validate_key(key: Any) -> ShardKey:
+    """Coerce a `(task_id, field)` pair to a validated `ShardKey`."""
+    if isinstance(key, ShardKey):
+        task_id, field = key
+    elif isinstance(key, (tuple, list)) and len(key) == 2:
+        task_id, field = key
+    else:
+        raise InvalidIdError(f"invalid shard key {key!r}: expected a (task_id, field) pair")
+    return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
+
+
+def parse_wire_name(name: str) -> ShardKey:
+    """Split a `task/field` tensor name from a container back into a key."""
+    task_id, sep, field = name.partition(KEY_SEPARATOR)
+    if not sep:
+        raise InvalidIdError(f"invalid shard name {name!r}: expected 'task_id/field'")
+    return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))

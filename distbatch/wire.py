@@ -1,0 +1,403 @@
+"""The wire format: a bundle of shards as one safetensors container.
+
+Layout (the safetensors spec): 8-byte little-endian header length, a UTF-8 JSON
+header, then the raw tensor bytes. Tensors are named ``task_id/field``; JSON
+(non-tensor) shards ride in the header's ``__metadata__`` under the same names,
+as JSON text. Nothing here pickles, evaluates or base64-encodes anything.
+
+Two layers: the *raw* layer (`parse_container`, `build_container`) works on
+dtype names, shapes and bytes and needs no torch, so a worker can validate,
+store and serve shards without ever materialising a tensor; the *torch* layer
+(`encode_bundle`, `decode_bundle`) converts to and from tensors, zero-copy on
+decode when the buffer is writable.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distbatch.errors import InvalidIdError, WireFormatError
+from distbatch.ids import ShardKey, parse_wire_name, validate_key
+
+if TYPE_CHECKING:
+    import torch
+
+Buffer = bytes | bytearray | memoryview
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+MAX_DIMS = 64
+METADATA_KEY = "__metadata__"
+CONTENT_TYPE = "application/octet-stream"
+
+# safetensors dtype name -> bytes per element. The names are the spec's, so a
+# container we write loads with the `safetensors` package and vice versa.
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+    "C128": 16,  # not in the spec; our extension so complex128 is not lost
+}
+
+_TORCH_DTYPE_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float64": "F64",
+    "complex64": "C64",
+    "complex128": "C128",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A tensor as the wire sees it: dtype name, shape and C-contiguous bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: Buffer
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+@dataclass(slots=True)
+class Container:
+    """A parsed container: tensors as `RawTensor`, JSON shards as their JSON text."""
+
+    tensors: dict[ShardKey, RawTensor]
+    json_texts: dict[ShardKey, str]
+
+    def __len__(self) -> int:
+        return len(self.tensors) + len(self.json_texts)
+
+
+# --------------------------------------------------------------------------- raw layer
+
+
+def build_container(
+    tensors: Mapping[ShardKey, RawTensor], json_texts: Mapping[ShardKey, str]
+) -> list[Buffer]:
+    """Lay out a container; returns its parts (header first) to send or join.
+
+    Tensors are ordered by element size, largest first, so that every tensor's
+    data starts aligned to its element size (the header is padded to 8 bytes),
+    which keeps zero-copy decoding aligned without breaking the spec's rule
+    that the byte buffer has no holes.
+    """
+    header: dict[str, Any] = {}
+    metadata = {"format": "pt"}
+    for key, text in json_texts.items():
+        metadata[key.wire_name()] = text
+    header[METADATA_KEY] = metadata
+    parts: list[Buffer] = [b""]
+    offset = 0
+    ordered = sorted(tensors.items(), key=lambda item: -ITEMSIZE[item[1].dtype])
+    for key, raw in ordered:
+        nbytes = raw.nbytes
+        header[key.wire_name()] = {
+            "dtype": raw.dtype,
+            "shape": list(raw.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        if nbytes:
+            parts.append(raw.data)
+        offset += nbytes
+    try:
+        header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise WireFormatError(f"JSON value is not valid UTF-8: {exc}") from None
+    header_bytes += b" " * (-(8 + len(header_bytes)) % 8)
+    parts[0] = len(header_bytes).to_bytes(8, "little") + header_bytes
+    return parts
+
+
+def join_parts(parts: list[Buffer]) -> bytes:
+    return b"".join(parts)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise WireFormatError(f"duplicate key {key!r} in container header")
+        out[key] = value
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_tensor_entry(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    if not isinstance(info, dict):
+        raise WireFormatError(f"header entry {name!r} is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in ITEMSIZE:
+        raise WireFormatError(f"{name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireFormatError(f"{name!r}: shape must be a list of non-negative ints, got {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise WireFormatError(f"{name!r}: bad data_offsets {offsets!r}")
+    expected = math.prod(shape) * ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise WireFormatError(
+            f"{name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+            f"dtype {dtype} and shape {shape} need {expected}"
+        )
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def parse_container(buf: Buffer) -> Container:
+    """Validate a container and split it into raw shards (views into `buf`, no copies).
+
+    Every malformation raises `WireFormatError`: truncation, a header length
+    past the end, bad JSON, unknown dtypes, sizes that do not match shapes,
+    overlapping / out-of-range / gapped offsets, invalid ids.
+    """
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if view.nbytes < 8:
+        raise WireFormatError(f"container truncated: {view.nbytes} bytes, need at least 8")
+    header_len = int.from_bytes(view[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise WireFormatError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
+    if 8 + header_len > view.nbytes:
+        raise WireFormatError(
+            f"header length {header_len} runs past the end of a {view.nbytes}-byte container"
+        )
+    try:
+        header = json.loads(
+            bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_reject_duplicates
+        )
+    except WireFormatError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireFormatError(f"container header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireFormatError("container header must be a JSON object")
+    data = view[8 + header_len :]
+    metadata = header.pop(METADATA_KEY, None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise WireFormatError("__metadata__ must map strings to strings")
+
+    try:
+        tensors: dict[ShardKey, RawTensor] = {}
+        spans: list[tuple[int, int, str]] = []
+        for name, info in header.items():
+            key = parse_wire_name(name)
+            dtype, shape, start, end = _parse_tensor_entry(name, info)
+            spans.append((start, end, name))
+            tensors[key] = RawTensor(dtype, shape, data[start:end])
+        json_texts: dict[ShardKey, str] = {}
+        for name, text in metadata.items():
+            if "/" not in name:
+                continue  # free-form metadata such as "format"
+            key = parse_wire_name(name)
+            if key in tensors:
+                raise WireFormatError(f"{name!r} is both a tensor and a JSON value")
+            _load_json_text(name, text)
+            json_texts[key] = text
+    except InvalidIdError as exc:
+        raise WireFormatError(str(exc)) from None
+
+    position = 0
+    for start, end, name in sorted(spans):
+        if start != position:
+            problem = "overlaps the previous tensor" if start < position else "leaves a gap"
+            raise WireFormatError(f"{name!r}: data_offsets start at {start}, {problem}")
+        position = end
+    if position != data.nbytes:
+        raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
+    return Container(tensors, json_texts)
+
+
+def _load_json_text(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise WireFormatError(f"{name!r}: invalid JSON value: {exc}") from None
+
+
+# --------------------------------------------------------------------------- torch layer
+
+
+@functools.cache
+def _torch_dtype_table() -> tuple[dict[Any, str], dict[str, Any]]:
+    import torch
+
+    to_name: dict[Any, str] = {}
+    for attr, name in _TORCH_DTYPE_NAMES.items():
+        dtype = getattr(torch, attr, None)
+        if isinstance(dtype, torch.dtype):
+            to_name[dtype] = name
+    return to_name, {name: dtype for dtype, name in to_name.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (`WireFormatError` if it has none)."""
+    try:
+        return _torch_dtype_table()[0][dtype]
+    except KeyError:
+        raise WireFormatError(f"unsupported tensor dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name (`WireFormatError` if this torch lacks it)."""
+    try:
+        return _torch_dtype_table()[1][name]
+    except KeyError:
+        raise WireFormatError(f"dtype {name!r} is not available in this torch build") from None
+
+
+def tensor_to_raw(tensor: torch.Tensor) -> RawTensor:
+    """Describe a tensor's bytes without copying when it is already a contiguous CPU tensor."""
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise WireFormatError(f"only dense tensors can be sent, got layout {tensor.layout}")
+    name = dtype_name(tensor.dtype)
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    shape = tuple(tensor.shape)
+    if tensor.numel() == 0:
+        return RawTensor(name, shape, b"")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return RawTensor(name, shape, memoryview(flat.numpy()))
+
+
+def raw_to_tensor(raw: RawTensor) -> torch.Tensor:
+    """A tensor over `raw.data` (zero-copy when the buffer is writable)."""
+    import torch
+
+    dtype = torch_dtype(raw.dtype)
+    if raw.nbytes == 0:
+        return torch.empty(raw.shape, dtype=dtype)
+    return torch.frombuffer(raw.data, dtype=dtype).reshape(raw.shape)
+
+
+def _check_json(value: Any, depth: int = 0) -> Any:
+    """Return `value` as plain JSON types, or raise if it would not round-trip exactly."""
+    if depth > MAX_JSON_DEPTH:
+        raise WireFormatError(f"JSON value nested deeper than {MAX_JSON_DEPTH}")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_check_json(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise WireFormatError(f"JSON object keys must be strings, got {k!r}")
+        return {k: _check_json(v, depth + 1) for k, v in value.items()}
+    raise WireFormatError(
+        f"cannot send a value of type {type(value).__name__}: use a torch.Tensor or "
+        "JSON types (str, int, float, bool, None, list, dict)"
+    )
+
+
+def is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def value_to_wire(value: Any) -> RawTensor | str:
+    """One shard value as a `RawTensor` (tensors, numpy arrays) or JSON text."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return tensor_to_raw(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "__array_interface__"):
+        if getattr(value, "ndim", 0) or type(value).__name__ == "ndarray":
+            return tensor_to_raw(torch.from_numpy(value))
+    return json.dumps(_check_json(value), separators=(",", ":"), ensure_ascii=False)
+
+
+def split_values(
+    shards: Mapping[Any, Any],
+) -> tuple[dict[ShardKey, RawTensor], dict[ShardKey, str]]:
+    """Validate keys and convert values; the raw layer's input."""
+    tensors: dict[ShardKey, RawTensor] = {}
+    json_texts: dict[ShardKey, str] = {}
+    for key, value in shards.items():
+        try:
+            shard_key = validate_key(key)
+        except InvalidIdError as exc:
+            raise WireFormatError(str(exc)) from None
+        encoded = value_to_wire(value)
+        if isinstance(encoded, RawTensor):
+            tensors[shard_key] = encoded
+        else:
+            json_texts[shard_key] = encoded
+    return tensors, json_texts
+
+
+def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:
+    """Encode `{(task_id, field): value}` as container parts (join them to get the bytes)."""
+    tensors, json_texts = split_values(shards)
+    return build_container(tensors, json_texts)
+
+
+def encode_bundle_bytes(shards: Mapping[Any, Any]) -> bytes:
+    """Encode a bundle into one `bytes` object."""
+    return join_parts(encode_bundle(shards))
+
+
+def decode_bundle(buf: Buffer) -> dict[ShardKey, Any]:
+    """Decode a container into `{ShardKey: tensor | JSON value}`.
+
+    Tensors share memory with `buf` when it is writable (a `bytearray`); a
+    read-only buffer (`bytes`) is copied once first, so no tensor ever aliases
+    immutable memory.
+    """
+    if memoryview(buf).readonly:
+        buf = bytearray(buf)
+    container = parse_container(buf)
+    out: dict[ShardKey, Any] = {}
+    for key, raw in container.tensors.items():
+        out[key] = raw_to_tensor(raw)
+    for key, text in container.json_texts.items():
+        out[key] = json.loads(text)
+    return out

@@ -1,0 +1,68 @@
+"""`python -m rpc_server`: run one worker; prints its `host:port` as the first stdout line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from rpc_server.app import (
+    DEFAULT_MAX_JSON_BYTES,
+    DEFAULT_MAX_KEYS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerConfig,
+    create_app,
+)
+from rpc_server.serve import WorkerServer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m rpc_server", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--max-bytes", type=int, default=None, help="store capacity in bytes")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
+    parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
+    parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
+    parser.add_argument("--log-level", default="WARNING")
+    return parser.parse_args(argv)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    config = ServerConfig(
+        max_bytes=args.max_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_json_bytes=args.max_json_bytes,
+        max_keys_per_request=args.max_keys_per_request,
+    )
+    server = WorkerServer(create_app(config), args.host, args.port)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    print(server.node, flush=True)
+    if args.address_file is not None:
+        _write_atomically(args.address_file, server.node + "\n")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    main()

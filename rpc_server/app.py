@@ -1,0 +1,141 @@
+"""The worker's Flask app factory: config, auth, JSON errors, metrics hooks."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+from flask import Flask, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from distbatch.auth import token_from_env
+from distbatch.errors import InvalidIdError, WireFormatError
+from rpc_server.metrics import Metrics
+from rpc_server.store import MissingShardsError, ShardStore, StoreCapacityError
+
+logger = logging.getLogger("rpc_server")
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 30
+DEFAULT_MAX_JSON_BYTES = 64 << 20
+DEFAULT_MAX_KEYS_PER_REQUEST = 200_000
+
+
+@dataclass
+class ServerConfig:
+    """Everything a worker server can be told; the CLI fills it from flags and env."""
+
+    max_bytes: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_keys_per_request: int = DEFAULT_MAX_KEYS_PER_REQUEST
+    token: str | None = field(default_factory=token_from_env)
+    node: str = "unbound"
+
+
+@dataclass
+class ServerState:
+    """What the views share: hangs off `app.extensions`, never a module global."""
+
+    config: ServerConfig
+    store: ShardStore
+    metrics: Metrics
+
+
+class ApiError(Exception):
+    """An error a view raises to answer with `{"error": code, "message": ...}`."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: object) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.extra = extra
+
+
+def state() -> ServerState:
+    return current_app.extensions["distbatch"]
+
+
+def error_response(status: int, code: str, message: str, **extra: object) -> Response:
+    response = jsonify({"error": code, "message": message, **extra})
+    response.status_code = status
+    return response
+
+
+def create_app(config: ServerConfig | None = None, *, store: ShardStore | None = None) -> Flask:
+    """Build a worker app. State lives on the app, so several can share a process."""
+    from rpc_server.routes import data_routes
+
+    config = config or ServerConfig()
+    app = Flask("rpc_server")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
+    app.extensions["distbatch"] = ServerState(
+        config=config,
+        store=store if store is not None else ShardStore(config.max_bytes),
+        metrics=Metrics(),
+    )
+    app.register_blueprint(data_routes)
+    app.before_request(_start_and_authenticate)
+    app.after_request(_record_metrics)
+    _register_error_handlers(app)
+    return app
+
+
+def _start_and_authenticate() -> Response | None:
+    g.started = time.perf_counter()
+    token = state().config.token
+    if token is None or request.endpoint == "data.health":
+        return None
+    header = request.headers.get("Authorization", "")
+    scheme, _, provided = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(provided.strip().encode(), token.encode()):
+        return error_response(401, "unauthorized", "missing or wrong bearer token")
+    return None
+
+
+def _record_metrics(response: Response) -> Response:
+    started = g.get("started")
+    if started is not None:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        state().metrics.observe(
+            rule,
+            request.method,
+            response.status_code,
+            time.perf_counter() - started,
+            request.content_length or 0,
+            response.content_length or 0,
+        )
+    return response
+
+
+def _register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError) -> Response:
+        return error_response(exc.status, exc.code, str(exc), **exc.extra)
+
+    @app.errorhandler(WireFormatError)
+    def _wire_error(exc: WireFormatError) -> Response:
+        return error_response(400, "bad_container", str(exc))
+
+    @app.errorhandler(InvalidIdError)
+    def _id_error(exc: InvalidIdError) -> Response:
+        return error_response(400, "invalid_id", str(exc))
+
+    @app.errorhandler(StoreCapacityError)
+    def _capacity_error(exc: StoreCapacityError) -> Response:
+        return error_response(507, "insufficient_storage", str(exc))
+
+    @app.errorhandler(MissingShardsError)
+    def _missing_error(exc: MissingShardsError) -> Response:
+        return error_response(404, "shards_not_found", str(exc), missing=[list(k) for k in exc.keys])
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Response:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return error_response(exc.code or 500, code, exc.description or code)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,123 @@
+"""The worker's data endpoints: health, shards (put / fetch / delete), stats, metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
+
+from distbatch import wire
+from distbatch.ids import ShardKey, validate_id, validate_key
+from rpc_server.app import ApiError, state
+from rpc_server.store import StoredShard
+
+data_routes = Blueprint("data", __name__)
+
+BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
+
+
+def _read_json_body() -> dict[str, Any]:
+    """The request's JSON object, bounded by `max_json_bytes`."""
+    if request.mimetype != "application/json":
+        raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/json")
+    limit = state().config.max_json_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "payload_too_large", f"JSON body over {limit} bytes")
+    raw = request.stream.read(limit + 1)
+    if len(raw) > limit:
+        raise ApiError(413, "payload_too_large", f"JSON body over {limit} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, "bad_json", f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "bad_json", "body must be a JSON object")
+    return body
+
+
+def _key_list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ApiError(400, "bad_request", f"'{name}' must be a list")
+    limit = state().config.max_keys_per_request
+    if len(value) > limit:
+        raise ApiError(413, "too_many_keys", f"{len(value)} entries in '{name}', limit {limit}")
+    return value
+
+
+def _validated_keys(value: Any) -> list[ShardKey]:
+    return [validate_key(k) for k in _key_list(value, "keys")]
+
+
+@data_routes.get("/health")
+def health() -> Response:
+    return jsonify({"status": "ok", "node": state().config.node})
+
+
+@data_routes.put("/v1/shards")
+def put_shards() -> Response:
+    if request.mimetype not in BINARY_TYPES:
+        raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/octet-stream")
+    body = request.get_data(cache=False)
+    container = wire.parse_container(body)
+    if len(container) > state().config.max_keys_per_request:
+        raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
+    # Copy each shard out of the request body so that deleting one frees its memory.
+    shards: dict[ShardKey, StoredShard] = {
+        key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
+    }
+    for key, text in container.json_texts.items():
+        shards[key] = StoredShard(None, (), text.encode())
+    stored, nbytes = state().store.put(shards)
+    return jsonify({"stored": stored, "bytes": nbytes})
+
+
+@data_routes.post("/v1/shards/fetch")
+def fetch_shards() -> Response:
+    keys = _validated_keys(_read_json_body().get("keys"))
+    found = state().store.get(keys)
+    tensors: dict[ShardKey, wire.RawTensor] = {}
+    json_texts: dict[ShardKey, str] = {}
+    for key, shard in zip(keys, found):
+        if shard.dtype is None:
+            json_texts[key] = shard.data.decode()
+        else:
+            tensors[key] = wire.RawTensor(shard.dtype, shard.shape, shard.data)
+    body = wire.join_parts(wire.build_container(tensors, json_texts))
+    return Response(body, mimetype=wire.CONTENT_TYPE)
+
+
+@data_routes.post("/v1/shards/delete")
+def delete_shards() -> Response:
+    body = _read_json_body()
+    has_tasks, has_keys = "task_ids" in body, "keys" in body
+    if has_tasks == has_keys:
+        raise ApiError(400, "bad_request", "give exactly one of 'task_ids' or 'keys'")
+    store = state().store
+    if has_tasks:
+        task_ids = [validate_id(t, "task_id") for t in _key_list(body["task_ids"], "task_ids")]
+        count, freed = store.delete_tasks(task_ids)
+    else:
+        count, freed = store.delete_keys(_validated_keys(body["keys"]))
+    return jsonify({"deleted": count, "bytes_freed": freed})
+
+
+@data_routes.get("/v1/stats")
+def stats() -> Response:
+    current = state()
+    return jsonify({"node": current.config.node, **current.store.stats().as_dict()})
+
+
+@data_routes.get("/metrics")
+def metrics() -> Response:
+    current = state()
+    stats = current.store.stats()
+    text = current.metrics.render(
+        {
+            "distbatch_shards": ("Shards stored.", stats.shards),
+            "distbatch_tasks": ("Tasks with at least one stored shard.", stats.tasks),
+            "distbatch_stored_bytes": ("Bytes of shard data stored.", stats.bytes),
+            "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
+        }
+    )
+    return Response(text, mimetype="text/plain; version=0.0.4")

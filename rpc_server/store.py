@@ -1,0 +1,148 @@
+"""The worker's shard store: thread-safe, all-or-nothing puts, a byte capacity."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from distbatch.ids import ShardKey
+
+
+@dataclass(frozen=True, slots=True)
+class StoredShard:
+    """One shard in wire form, so serving it needs no (de)serialisation.
+
+    `dtype` is the safetensors dtype name for a tensor, or None for a JSON value,
+    whose UTF-8 JSON text is then `data`.
+    """
+
+    dtype: str | None
+    shape: tuple[int, ...]
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+class StoreCapacityError(Exception):
+    """The put would exceed the store's capacity; nothing was stored."""
+
+
+class MissingShardsError(Exception):
+    """Some requested keys are not stored."""
+
+    def __init__(self, keys: list[ShardKey]) -> None:
+        super().__init__(f"{len(keys)} shard(s) not found")
+        self.keys = keys
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    shards: int
+    tasks: int
+    bytes: int
+    capacity: int | None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {
+            "shards": self.shards,
+            "tasks": self.tasks,
+            "bytes": self.bytes,
+            "capacity": self.capacity,
+            "free": None if self.capacity is None else self.capacity - self.bytes,
+        }
+
+
+class ShardStore:
+    """Shards keyed by task id then field; every public method is atomic."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self._tasks: dict[str, dict[str, StoredShard]] = {}
+        self._shard_count = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
+        """Store every shard or none; an existing key is replaced (puts are idempotent).
+
+        Returns (shards stored, bytes stored). Raises `StoreCapacityError`
+        when the store would grow past its capacity.
+        """
+        incoming = sum(s.nbytes for s in shards.values())
+        with self._lock:
+            replaced = 0
+            new_keys = 0
+            for task_id, field in shards:
+                old = self._tasks.get(task_id, {}).get(field)
+                if old is None:
+                    new_keys += 1
+                else:
+                    replaced += old.nbytes
+            after = self._bytes + incoming - replaced
+            if self.max_bytes is not None and after > self.max_bytes:
+                raise StoreCapacityError(
+                    f"storing {incoming} bytes would use {after} of {self.max_bytes} bytes"
+                )
+            for (task_id, field), shard in shards.items():
+                self._tasks.setdefault(task_id, {})[field] = shard
+            self._bytes = after
+            self._shard_count += new_keys
+        return len(shards), incoming
+
+    def get(self, keys: Iterable[ShardKey]) -> list[StoredShard]:
+        """The shards for `keys`, in order; `MissingShardsError` lists any absent."""
+        found: list[StoredShard] = []
+        missing: list[ShardKey] = []
+        with self._lock:
+            for key in keys:
+                shard = self._tasks.get(key[0], {}).get(key[1])
+                if shard is None:
+                    missing.append(key)
+                else:
+                    found.append(shard)
+        if missing:
+            raise MissingShardsError(missing)
+        return found
+
+    def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
+        """Delete the given shards; absent keys are skipped. Returns (count, bytes freed)."""
+        count = freed = 0
+        with self._lock:
+            for task_id, field in keys:
+                fields = self._tasks.get(task_id)
+                if fields is None or field not in fields:
+                    continue
+                freed += fields.pop(field).nbytes
+                count += 1
+                if not fields:
+                    del self._tasks[task_id]
+            self._account_deleted(count, freed)
+        return count, freed
+
+    def delete_tasks(self, task_ids: Iterable[str]) -> tuple[int, int]:
+        """Delete every field of the given tasks. Returns (count, bytes freed)."""
+        count = freed = 0
+        with self._lock:
+            for task_id in task_ids:
+                fields = self._tasks.pop(task_id, None)
+                if fields:
+                    count += len(fields)
+                    freed += sum(s.nbytes for s in fields.values())
+            self._account_deleted(count, freed)
+        return count, freed
+
+    def _account_deleted(self, count: int, freed: int) -> None:
+        self._shard_count -= count
+        self._bytes -= freed
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(self._shard_count, len(self._tasks), self._bytes, self.max_bytes)
+
+    def __len__(self) -> int:
+        return self._shard_count
