@@ -4,7 +4,15 @@ The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 """
 
-from distbatch.client import DeleteResult, PutResult, ShardClient, ShardRef
+from distbatch.batch import BatchStatus, DistributedBatchMemory
+from distbatch.client import (
+    DeleteResult,
+    PutResult,
+    ShardClient,
+    ShardRef,
+    default_client,
+    set_default_client,
+)
 from distbatch.errors import (
     AuthError,
     BatchStatusError,
@@ -19,10 +27,18 @@ from distbatch.errors import (
     WorkerUnavailableError,
 )
 from distbatch.ids import ShardKey
+from distbatch.meta import BatchMeta, FieldMeta, MetaFormatError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchMeta",
+    "BatchStatus",
+    "DistributedBatchMemory",
+    "FieldMeta",
+    "MetaFormatError",
+    "default_client",
+    "set_default_client",
     "AuthError",
     "BatchStatusError",
     "CapacityError",

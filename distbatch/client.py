@@ -16,7 +16,7 @@ import re
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -354,10 +354,14 @@ class ShardClient:
             requests.append((node, batch))
         return order, requests
 
-    async def _fetch_one(self, node: str, keys: list[ShardKey]) -> dict[ShardKey, Any]:
+    async def _fetch_one(
+        self, node: str, keys: list[ShardKey], progress: Callable[[int], None] | None = None
+    ) -> dict[ShardKey, Any]:
         body = await self._request(
             node, "POST", "/v1/shards/fetch", json_body={"keys": keys}, binary_response=True
         )
+        if progress is not None:
+            progress(len(body))
         try:
             values = wire.decode_bundle(body)
         except WireFormatError as exc:
@@ -367,10 +371,13 @@ class ShardClient:
         return values
 
     async def _fetch(
-        self, order: list[tuple[str, ShardKey]], requests: list[tuple[str, list[ShardKey]]]
+        self,
+        order: list[tuple[str, ShardKey]],
+        requests: list[tuple[str, list[ShardKey]]],
+        progress: Callable[[int], None] | None = None,
     ) -> list[Any]:
         results = await asyncio.gather(
-            *(self._fetch_one(node, keys) for node, keys in requests), return_exceptions=True
+            *(self._fetch_one(node, keys, progress) for node, keys in requests), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -381,16 +388,19 @@ class ShardClient:
                 found[(node, key)] = value
         return [found[item] for item in order]
 
-    def fetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
+    def fetch(
+        self, refs: Iterable[ShardRef | tuple], *, progress: Callable[[int], None] | None = None
+    ) -> list[Any]:
         """Gather shards, given as `(node, task_id, field[, nbytes])`, in the order asked.
 
         Keys are grouped per node into bounded requests; nodes are fetched
         concurrently. Raises `ShardNotFoundError` naming every missing key.
+        `progress(nbytes)` is called (on the client's thread) as each response lands.
         """
         order, requests = self._plan_fetch(refs)
         if not order:
             return []
-        return self._run(self._fetch(order, requests))
+        return self._run(self._fetch(order, requests, progress))
 
     async def afetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
         order, requests = self._plan_fetch(refs)
@@ -528,3 +538,34 @@ def _merge_errors(errors: list[BaseException]) -> BaseException:
     merged = ShardNotFoundError(", ".join(nodes), [k for e in not_found for k in e.keys])
     merged.missing_by_node = {n: [k for e in not_found if e.node == n for k in e.keys] for n in nodes}
     return merged
+
+
+class _DefaultClientHolder:
+    """The per-process client that batches use unless given one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._client: ShardClient | None = None
+
+    def get(self) -> ShardClient:
+        with self._lock:
+            if self._client is None:
+                self._client = ShardClient()
+            return self._client
+
+    def set(self, client: ShardClient | None) -> None:
+        with self._lock:
+            self._client = client
+
+
+_default_holder = _DefaultClientHolder()
+
+
+def default_client() -> ShardClient:
+    """The process-wide `ShardClient` batches use (created on first use, fork-safe)."""
+    return _default_holder.get()
+
+
+def set_default_client(client: ShardClient | None) -> None:
+    """Replace the process-wide client (e.g. one with a token or other limits); None resets."""
+    _default_holder.set(client)

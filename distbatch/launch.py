@@ -65,17 +65,19 @@ def spawn_worker(
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
-    assert process.stdout is not None
+    stdout = process.stdout
+    if stdout is None:  # cannot happen with stdout=PIPE; keeps type checkers honest
+        raise RuntimeError("worker stdout is not a pipe")
     deadline = time.monotonic() + startup_timeout
     line = b""
     with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(stdout, selectors.EVENT_READ)
         while not line.endswith(b"\n"):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or process.poll() is not None:
                 break
             if selector.select(timeout=min(remaining, 0.5)):
-                chunk = os.read(process.stdout.fileno(), 256)
+                chunk = os.read(stdout.fileno(), 256)
                 if not chunk:
                     break
                 line += chunk

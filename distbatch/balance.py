@@ -1,0 +1,106 @@
+"""Sequence-length balancing: Karmarkar–Karp largest differencing over k partitions.
+
+Used by `DistributedBatchMemory.chunk_balanced` and the seqlen-balanced sampler.
+Every function validates its input and raises `ValueError` (never `assert`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+class _State:
+    """k partial partitions (sums and members), kept sorted by sum, largest first."""
+
+    __slots__ = ("sums", "members")
+
+    def __init__(self, sums: list[int], members: list[list[int]]) -> None:
+        order = sorted(range(len(sums)), key=lambda i: (-sums[i], members[i]))
+        self.sums = [sums[i] for i in order]
+        self.members = [members[i] for i in order]
+
+    @property
+    def spread(self) -> int:
+        return self.sums[0] - self.sums[-1]
+
+    def merge(self, other: _State) -> _State:
+        # Pair the heaviest partitions of one with the lightest of the other.
+        k = len(self.sums)
+        sums = [self.sums[i] + other.sums[k - 1 - i] for i in range(k)]
+        members = [self.members[i] + other.members[k - 1 - i] for i in range(k)]
+        return _State(sums, members)
+
+
+def _check_lengths(seqlen_list: Sequence[int], k_partitions: int) -> list[int]:
+    if not isinstance(k_partitions, int) or isinstance(k_partitions, bool) or k_partitions < 1:
+        raise ValueError(f"k_partitions must be a positive int, got {k_partitions!r}")
+    lengths = list(seqlen_list)
+    for value in lengths:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"sequence lengths must be non-negative ints, got {value!r}")
+    return lengths
+
+
+def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Split item indexes into `k_partitions` lists with near-equal length sums.
+
+    With `equal_size` every partition gets the same number of items (the item
+    count must then be divisible by k). Each returned list is sorted.
+    """
+    lengths = _check_lengths(seqlen_list, k_partitions)
+    k = k_partitions
+    if equal_size and len(lengths) % k:
+        raise ValueError(f"{len(lengths)} items cannot be split into {k} equal-size partitions")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    states: list[_State] = []
+    if equal_size:
+        for start in range(0, len(order), k):
+            chunk = order[start : start + k]
+            states.append(_State([lengths[i] for i in chunk], [[i] for i in chunk]))
+    else:
+        for i in order:
+            states.append(_State([lengths[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    if not states:
+        return [[] for _ in range(k)]
+    heap = [(-s.spread, n, s) for n, s in enumerate(states)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = a.merge(b)
+        heapq.heappush(heap, (-merged.spread, counter, merged))
+        counter += 1
+    return [sorted(m) for m in heap[0][2].members]
+
+
+def get_seqlen_balanced_partitions(
+    seqlen_list: Sequence[int], k_partitions: int, equal_size: bool
+) -> list[list[int]]:
+    """Balanced partitions of item indexes; every partition non-empty when possible.
+
+    Like `karmarkar_karp`, plus a check that the result covers each index once.
+    Raises `ValueError` when there are fewer items than partitions.
+    """
+    lengths = _check_lengths(seqlen_list, k_partitions)
+    if len(lengths) < k_partitions:
+        raise ValueError(f"{len(lengths)} items cannot fill {k_partitions} partitions")
+    partitions = karmarkar_karp(lengths, k_partitions, equal_size)
+    seen = sorted(i for p in partitions for i in p)
+    if seen != list(range(len(lengths))) or any(not p for p in partitions):
+        raise ValueError("balancing produced an invalid partition")  # a bug, not user error
+    return partitions
+
+
+def balanced_group_partitions(group_lengths: Sequence[int], k_partitions: int) -> list[list[int]]:
+    """Partition groups into k parts whose counts differ by at most one, lengths balanced.
+
+    When the count is not divisible by k, zero-length placeholders fill the
+    remainder for an equal-size split and are dropped afterwards.
+    """
+    lengths = _check_lengths(group_lengths, k_partitions)
+    padding = -len(lengths) % k_partitions
+    padded = lengths + [0] * padding
+    parts = karmarkar_karp(padded, k_partitions, equal_size=True)
+    return [[i for i in part if i < len(lengths)] for part in parts]

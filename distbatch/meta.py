@@ -1,0 +1,263 @@
+"""Batch metadata: where each shard of a REMOTE batch lives, and its dtype and shape.
+
+Columnar and compact: per field one dtype, and per task a node index and a
+shape. Its size grows with the number of shards, never with sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distbatch.client import ShardRef, validate_node
+from distbatch.errors import DistBatchError, InvalidIdError
+from distbatch.ids import ShardKey, validate_id
+from distbatch.wire import ITEMSIZE
+
+META_VERSION = 1
+
+
+class MetaFormatError(DistBatchError, ValueError):
+    """Serialized metadata is malformed (bad JSON, ids, nodes, dtypes or shapes)."""
+
+
+@dataclass
+class FieldMeta:
+    """One column: `dtype` is a wire dtype name, or None for a JSON field.
+
+    `nodes[i]` indexes `BatchMeta.nodes` for task i; `shapes[i]` is its shape
+    (`()` for JSON values).
+    """
+
+    dtype: str | None
+    nodes: list[int]
+    shapes: list[tuple[int, ...]]
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    def nbytes(self, i: int) -> int | None:
+        if self.dtype is None:
+            return None
+        return math.prod(self.shapes[i]) * ITEMSIZE[self.dtype]
+
+    def take(self, indices: Sequence[int]) -> FieldMeta:
+        return FieldMeta(self.dtype, [self.nodes[i] for i in indices], [self.shapes[i] for i in indices])
+
+
+@dataclass
+class BatchMeta:
+    """Per task and field: the node holding the shard, its dtype and its shape."""
+
+    task_ids: list[str]
+    nodes: list[str]
+    fields: dict[str, FieldMeta] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.task_ids)
+
+    # --------------------------------------------------------------- queries
+
+    def node_of(self, field_name: str, i: int) -> str:
+        return self.nodes[self.fields[field_name].nodes[i]]
+
+    def refs(self, fields: Iterable[str], indices: Sequence[int] | None = None) -> list[ShardRef]:
+        """ShardRefs for `fields` of the tasks at `indices` (all tasks by default), task-major."""
+        rows = range(len(self.task_ids)) if indices is None else indices
+        fms = [(name, self.fields[name]) for name in fields]
+        return [
+            ShardRef(self.nodes[fm.nodes[i]], self.task_ids[i], name, fm.nbytes(i))
+            for i in rows
+            for name, fm in fms
+        ]
+
+    def keys_by_node(self) -> dict[str, list[ShardKey]]:
+        """Every shard this batch names, grouped by the node that holds it."""
+        out: dict[str, list[ShardKey]] = {}
+        for name, fm in self.fields.items():
+            for task_id, node_index in zip(self.task_ids, fm.nodes):
+                out.setdefault(self.nodes[node_index], []).append(ShardKey(task_id, name))
+        return out
+
+    def lengths(self, field_name: str) -> list[int]:
+        """Per-task length of a tensor field: its first dimension (1 for a 0-d shard)."""
+        fm = self.fields[field_name]
+        if not fm.is_tensor:
+            raise ValueError(f"field {field_name!r} holds JSON values; lengths need a tensor field")
+        return [shape[0] if shape else 1 for shape in fm.shapes]
+
+    def total_bytes(self) -> int:
+        """Bytes of tensor data the batch names (JSON shards are not counted)."""
+        return sum(
+            math.prod(s) * ITEMSIZE[fm.dtype] for fm in self.fields.values() if fm.dtype for s in fm.shapes
+        )
+
+    # --------------------------------------------------------------- derivation
+
+    def take(self, indices: Sequence[int]) -> BatchMeta:
+        """The sub-batch of the tasks at `indices`, nodes compacted to those still named."""
+        sub = {name: fm.take(indices) for name, fm in self.fields.items()}
+        return BatchMeta._compact([self.task_ids[i] for i in indices], self.nodes, sub)
+
+    def select_fields(self, names: Iterable[str]) -> BatchMeta:
+        return BatchMeta._compact(list(self.task_ids), self.nodes, {n: self.fields[n] for n in names})
+
+    @staticmethod
+    def _compact(task_ids: list[str], nodes: list[str], fields: dict[str, FieldMeta]) -> BatchMeta:
+        used = sorted({i for fm in fields.values() for i in fm.nodes})
+        remap = {old: new for new, old in enumerate(used)}
+        return BatchMeta(
+            task_ids,
+            [nodes[i] for i in used],
+            {
+                n: FieldMeta(fm.dtype, [remap[i] for i in fm.nodes], list(fm.shapes))
+                for n, fm in fields.items()
+            },
+        )
+
+    @staticmethod
+    def merge(
+        task_ids: list[str],
+        parts: Sequence[tuple[BatchMeta, Sequence[int] | None]],
+        field_order: Sequence[str],
+    ) -> BatchMeta:
+        """Build one meta whose fields come from `parts`.
+
+        Each part is (meta, rows) where rows[i] is the row of that meta for
+        task i of the result (None: rows already match). A field is taken from
+        the last part that has it.
+        """
+        nodes: list[str] = []
+        node_index: dict[str, int] = {}
+        fields: dict[str, FieldMeta] = {}
+        for meta, rows in parts:
+            for name, fm in meta.fields.items():
+                picked = fm if rows is None else fm.take(rows)
+                mapped = []
+                for i in picked.nodes:
+                    node = meta.nodes[i]
+                    if node not in node_index:
+                        node_index[node] = len(nodes)
+                        nodes.append(node)
+                    mapped.append(node_index[node])
+                fields[name] = FieldMeta(fm.dtype, mapped, list(picked.shapes))
+        ordered = {name: fields[name] for name in field_order}
+        return BatchMeta._compact(task_ids, nodes, ordered)
+
+    @staticmethod
+    def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
+        """Tasks of `metas` one after another (same fields and dtypes assumed checked)."""
+        nodes: list[str] = []
+        node_index: dict[str, int] = {}
+        names = list(metas[0].fields)
+        cols: dict[str, FieldMeta] = {n: FieldMeta(metas[0].fields[n].dtype, [], []) for n in names}
+        task_ids: list[str] = []
+        for meta in metas:
+            task_ids += meta.task_ids
+            local = []
+            for node in meta.nodes:
+                if node not in node_index:
+                    node_index[node] = len(nodes)
+                    nodes.append(node)
+                local.append(node_index[node])
+            for n in names:
+                fm = meta.fields[n]
+                cols[n].nodes += [local[i] for i in fm.nodes]
+                cols[n].shapes += fm.shapes
+        return BatchMeta(task_ids, nodes, cols)
+
+    # --------------------------------------------------------------- serialization
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-safe form. Shapes are flattened: `ndim` per task, then dims."""
+        fields = {}
+        for name, fm in self.fields.items():
+            fields[name] = {
+                "dtype": fm.dtype,
+                "nodes": fm.nodes,
+                "shapes": _flatten_shapes(fm.shapes),
+            }
+        return {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @staticmethod
+    def from_dict(data: Any) -> BatchMeta:
+        """Validate and load `to_dict` output; every problem is a `MetaFormatError`."""
+        try:
+            return _load_meta(data)
+        except MetaFormatError:
+            raise
+        except (InvalidIdError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise MetaFormatError(f"invalid batch metadata: {exc}") from None
+
+    @staticmethod
+    def from_json(text: str | bytes) -> BatchMeta:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise MetaFormatError(f"batch metadata is not valid JSON: {exc}") from None
+        return BatchMeta.from_dict(data)
+
+
+def _flatten_shapes(shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    flat: list[int] = []
+    for shape in shapes:
+        flat.append(len(shape))
+        flat.extend(shape)
+    return flat
+
+
+def _unflatten_shapes(flat: Sequence[Any], count: int) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    pos = 0
+    for _ in range(count):
+        ndim = flat[pos]
+        if not _is_count(ndim) or ndim > 64:
+            raise MetaFormatError(f"bad ndim {ndim!r} in shapes")
+        dims = flat[pos + 1 : pos + 1 + ndim]
+        if len(dims) != ndim or not all(_is_count(d) for d in dims):
+            raise MetaFormatError("shapes are truncated or hold non-integer dims")
+        shapes.append(tuple(dims))
+        pos += 1 + ndim
+    if pos != len(flat):
+        raise MetaFormatError("shapes hold more entries than there are tasks")
+    return shapes
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _load_meta(data: Any) -> BatchMeta:
+    if not isinstance(data, dict) or data.get("version") != META_VERSION:
+        raise MetaFormatError(f"expected batch metadata version {META_VERSION}")
+    task_ids = [validate_id(t, "task_id") for t in data["task_ids"]]
+    if len(set(task_ids)) != len(task_ids):
+        raise MetaFormatError("duplicate task ids in metadata")
+    nodes = [validate_node(n) for n in data["nodes"]]
+    raw_fields = data["fields"]
+    if not isinstance(raw_fields, dict):
+        raise MetaFormatError("'fields' must be an object")
+    fields: dict[str, FieldMeta] = {}
+    for name, raw in raw_fields.items():
+        validate_id(name, "field")
+        dtype = raw["dtype"]
+        if dtype is not None and dtype not in ITEMSIZE:
+            raise MetaFormatError(f"field {name!r}: unknown dtype {dtype!r}")
+        node_list = raw["nodes"]
+        if (
+            not isinstance(node_list, list)
+            or len(node_list) != len(task_ids)
+            or not all(_is_count(i) and i < len(nodes) for i in node_list)
+        ):
+            raise MetaFormatError(f"field {name!r}: node indexes must be one valid index per task")
+        if not isinstance(raw["shapes"], list):
+            raise MetaFormatError(f"field {name!r}: shapes must be a list")
+        fields[name] = FieldMeta(dtype, list(node_list), _unflatten_shapes(raw["shapes"], len(task_ids)))
+    return BatchMeta(task_ids, nodes, fields)
