@@ -4,7 +4,6 @@ The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 """
 
-from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.client import (
     DeleteResult,
     PutResult,
@@ -18,6 +17,7 @@ from distbatch.errors import (
     BatchStatusError,
     CapacityError,
     DistBatchError,
+    EngineError,
     InvalidIdError,
     NodeError,
     RequestError,
@@ -27,9 +27,28 @@ from distbatch.errors import (
     WorkerUnavailableError,
 )
 from distbatch.ids import ShardKey
-from distbatch.meta import BatchMeta, FieldMeta, MetaFormatError
 
 __version__ = "0.1.0"
+
+# Imported on first use: these pull in torch, which a data-only worker never needs.
+_LAZY = {
+    "BatchStatus": "distbatch.batch",
+    "DistributedBatchMemory": "distbatch.batch",
+    "BatchMeta": "distbatch.meta",
+    "FieldMeta": "distbatch.meta",
+    "MetaFormatError": "distbatch.meta",
+    "WorkerGroup": "distbatch.group",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distbatch' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BatchMeta",
@@ -40,6 +59,8 @@ __all__ = [
     "default_client",
     "set_default_client",
     "AuthError",
+    "EngineError",
+    "WorkerGroup",
     "BatchStatusError",
     "CapacityError",
     "DeleteResult",

@@ -101,6 +101,9 @@ def balanced_group_partitions(group_lengths: Sequence[int], k_partitions: int) -
     """
     lengths = _check_lengths(group_lengths, k_partitions)
     padding = -len(lengths) % k_partitions
-    padded = lengths + [0] * padding
+    # Placeholders go first (indexes 0..padding-1): they then sort ahead of any real
+    # zero-length group into the first k-item chunk, whose items all land in
+    # different partitions, so no partition receives two of them.
+    padded = [0] * padding + lengths
     parts = karmarkar_karp(padded, k_partitions, equal_size=True)
-    return [[i for i in part if i < len(lengths)] for part in parts]
+    return [[i - padding for i in part if i >= padding] for part in parts]

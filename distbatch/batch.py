@@ -400,14 +400,10 @@ class DistributedBatchMemory:
         local = self.to_local()
         return {name: local[name] for name in local.fields}
 
-    def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
-        """Push a LOCAL batch's shards to `node`; returns the REMOTE batch that points at them."""
-        if self.status is BatchStatus.EMPTY:
-            return DistributedBatchMemory()
-        if self._meta is not None:
-            raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
+    def export_shards(self, node: str) -> tuple[dict[tuple[str, str], Any], BatchMeta]:
+        """A LOCAL batch as `{(task_id, field): value}` plus the metadata naming `node` as holder."""
+        self._require_local("export shards")
         node = validate_node(node)
-        client = client or self._client
         shards: dict[tuple[str, str], Any] = {}
         fields: dict[str, FieldMeta] = {}
         for name, col in (self._data or {}).items():
@@ -417,8 +413,17 @@ class DistributedBatchMemory:
             fields[name] = FieldMeta(dtype, [0] * len(self), shapes)
             for task_id, value in zip(self._task_ids, _column_items(col)):
                 shards[(task_id, name)] = value
-        (client or default_client()).put(node, shards)
-        meta = BatchMeta(list(self._task_ids), [node], fields)
+        return shards, BatchMeta(list(self._task_ids), [node], fields)
+
+    def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
+        """Push a LOCAL batch's shards to `node`; returns the REMOTE batch that points at them."""
+        if self.status is BatchStatus.EMPTY:
+            return DistributedBatchMemory()
+        if self._meta is not None:
+            raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
+        shards, meta = self.export_shards(node)
+        client = client or self._client
+        (client or default_client()).put(meta.nodes[0], shards)
         return self._make_remote(meta, client)
 
     def clear(self) -> int:

@@ -27,6 +27,7 @@ from distbatch.auth import token_from_env
 from distbatch.errors import (
     AuthError,
     CapacityError,
+    EngineError,
     InvalidIdError,
     NodeError,
     RequestError,
@@ -102,6 +103,26 @@ class _LoopThread:
             self.loop.close()
 
 
+@dataclass
+class Traffic:
+    """HTTP body bytes and requests this client moved (its view of the network)."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.requests - other.requests,
+            self.bytes_sent - other.bytes_sent,
+            self.bytes_received - other.bytes_received,
+        )
+
+
 class _Runtime:
     """The loop thread and the session living on it; replaced after a fork."""
 
@@ -157,6 +178,7 @@ class ShardClient:
         self.backoff_max = backoff_max
         self._runtime_lock = threading.Lock()
         self._runtime: _Runtime | None = None
+        self._traffic = Traffic()
         self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -183,6 +205,11 @@ class ShardClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def traffic(self) -> Traffic:
+        """A snapshot of the bytes and requests this client has moved so far."""
+        t = self._traffic
+        return Traffic(t.requests, t.bytes_sent, t.bytes_received)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._get_runtime().loop_thread.submit(coro)
@@ -225,42 +252,98 @@ class ShardClient:
         body: bytes | None = None,
         json_body: Any = None,
         binary_response: bool = False,
+        timeout: float | None | object = ...,
+        idempotent: bool = True,
     ) -> Any:
-        """One logical request with retries inside one deadline; returns JSON or a bytearray."""
+        """One logical request with retries inside one deadline; returns JSON or a bytearray.
+
+        `timeout` overrides the client's (None: no deadline, for long engine
+        calls; a dead worker still fails at once because its socket closes).
+        A non-idempotent request is retried only when no connection was made.
+        """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
+        limit = self.timeout if timeout is ... else timeout
+        deadline = None if limit is None else loop.time() + float(limit)  # type: ignore[arg-type]
         if json_body is not None:
             body = json.dumps(json_body, separators=(",", ":")).encode()
             headers = self._headers("application/json")
         else:
-            headers = self._headers(wire.CONTENT_TYPE if body is not None else None)
+            content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
+            headers = self._headers(content_type if body is not None else None)
         url = f"http://{node}{path}"
         session = self._session()
         attempt = 0
         while True:
-            remaining = deadline - loop.time()
-            timeout = aiohttp.ClientTimeout(
-                total=remaining, sock_connect=min(self.connect_timeout, remaining)
-            )
+            remaining = None if deadline is None else deadline - loop.time()
+            connect = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
+            client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
+            self._traffic.requests += 1
+            self._traffic.bytes_sent += len(body or b"")
             try:
                 async with session.request(
-                    method, url, data=body, headers=headers, timeout=timeout
+                    method, url, data=body, headers=headers, timeout=client_timeout
                 ) as response:
                     if response.status < 400:
-                        if binary_response:
-                            return await _read_into_bytearray(response)
-                        return json.loads(await response.read())
-                    error = _error_from_response(node, response.status, await response.read())
+                        payload = (
+                            await _read_into_bytearray(response) if binary_response else await response.read()
+                        )
+                        self._traffic.bytes_received += len(payload)
+                        return payload if binary_response else json.loads(payload)
+                    raw = await response.read()
+                    self._traffic.bytes_received += len(raw)
+                    error = _error_from_response(node, response.status, raw)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
-            if not isinstance(error, (WorkerUnavailableError, ServerError)):
+                if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
+                    raise error from None
+            if not isinstance(error, (WorkerUnavailableError, ServerError)) or (
+                not idempotent and isinstance(error, ServerError)
+            ):
                 raise error
             attempt += 1
             delay = min(self.backoff * 2 ** (attempt - 1), self.backoff_max) * (0.5 + random.random() / 2)
-            if attempt > self.retries or loop.time() + delay >= deadline:
+            if attempt > self.retries or (deadline is not None and loop.time() + delay >= deadline):
                 raise error
             await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------------ engine calls
+
+    async def _call(self, node: str, method: str, body: bytes, timeout: float | None) -> Any:
+        return await self._request(
+            node,
+            "POST",
+            f"/v1/call/{method}",
+            body=body,
+            json_body=None,
+            timeout=timeout,
+            idempotent=False,
+        )
+
+    async def _call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
+        results = await asyncio.gather(
+            *(self._call(node, method, body, timeout) for node, method, body in calls),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+    def call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None = None) -> list[Any]:
+        """Run encoded engine calls `(node, method, body)` concurrently; replies in order.
+
+        Waits for every call to finish, then raises the first failure if any.
+        """
+        checked = [(validate_node(n), m, b) for n, m, b in calls]
+        return self._run(self._call_many(checked, timeout))
+
+    def call_raw(self, node: str, method: str, body: bytes, timeout: float | None = None) -> Any:
+        """POST an encoded engine call (see `distbatch.rpc`) and return the decoded JSON reply."""
+        return self._run(self._call(validate_node(node), method, body, timeout))
+
+    async def acall_raw(self, node: str, method: str, body: bytes, timeout: float | None = None) -> Any:
+        return await self._on_loop(self._call(validate_node(node), method, body, timeout))
 
     # ------------------------------------------------------------------ put
 
@@ -521,6 +604,10 @@ def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
         return CapacityError(node, message)
     if status == 404 and isinstance(payload.get("missing"), list):
         return ShardNotFoundError(node, [tuple(k) for k in payload["missing"]])
+    if code == "engine_error":
+        return EngineError(
+            node, str(payload.get("exception", "Exception")), message, str(payload.get("traceback", ""))
+        )
     if status >= 500:
         return ServerError(node, status, code, message)
     return RequestError(node, status, code, message)

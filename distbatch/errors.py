@@ -64,6 +64,18 @@ class ServerError(NodeError):
         self.code = code
 
 
+class EngineError(NodeError):
+    """An engine method raised on the worker; the worker stays up.
+
+    `exception_type` and `remote_traceback` tell what happened there.
+    """
+
+    def __init__(self, node: str, exception_type: str, message: str, remote_traceback: str = "") -> None:
+        super().__init__(node, f"engine raised {exception_type}: {message}")
+        self.exception_type = exception_type
+        self.remote_traceback = remote_traceback
+
+
 class RequestError(NodeError, ValueError):
     """The node rejected the request as invalid (another 4xx); `status` and `code` say why."""
 

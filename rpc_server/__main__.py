@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from rpc_server.app import (
@@ -27,7 +29,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
     parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
+    parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
     parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
+    parser.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -42,6 +51,17 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """SIGTERM ourselves once `parent_pid` stops being our parent (it died; we were re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
@@ -50,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         max_json_bytes=args.max_json_bytes,
         max_keys_per_request=args.max_keys_per_request,
+        engine=args.engine,
     )
     server = WorkerServer(create_app(config), args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.exit_with_parent is not None:
+        _watch_parent(args.exit_with_parent)
     print(server.node, flush=True)
     if args.address_file is not None:
         _write_atomically(args.address_file, server.node + "\n")

@@ -6,14 +6,20 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flask import Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from distbatch.auth import token_from_env
 from distbatch.errors import InvalidIdError, WireFormatError
+from distbatch.meta import MetaFormatError
+from rpc_server.errors import EngineCallFailed, UnknownMethodError
 from rpc_server.metrics import Metrics
 from rpc_server.store import MissingShardsError, ShardStore, StoreCapacityError
+
+if TYPE_CHECKING:
+    from rpc_server.engine import EngineHost
 
 logger = logging.getLogger("rpc_server")
 
@@ -32,6 +38,7 @@ class ServerConfig:
     max_keys_per_request: int = DEFAULT_MAX_KEYS_PER_REQUEST
     token: str | None = field(default_factory=token_from_env)
     node: str = "unbound"
+    engine: str | None = None
 
 
 @dataclass
@@ -41,6 +48,7 @@ class ServerState:
     config: ServerConfig
     store: ShardStore
     metrics: Metrics
+    engine: EngineHost | None = None
 
 
 class ApiError(Exception):
@@ -69,12 +77,20 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
 
     config = config or ServerConfig()
     app = Flask("rpc_server")
-    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
-    app.extensions["distbatch"] = ServerState(
+    # One byte of slack: `routes._read_body` enforces the exact bound and must be able
+    # to see that a chunked body (no Content-Length) runs past it.
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
+    server_state = ServerState(
         config=config,
         store=store if store is not None else ShardStore(config.max_bytes),
         metrics=Metrics(),
     )
+    if config.engine:
+        from rpc_server.engine import EngineHost, WorkerContext, load_engine  # imports torch
+
+        context = WorkerContext(server_state.store, config)
+        server_state.engine = EngineHost(load_engine(config.engine, context), context)
+    app.extensions["distbatch"] = server_state
     app.register_blueprint(data_routes)
     app.before_request(_start_and_authenticate)
     app.after_request(_record_metrics)
@@ -117,6 +133,20 @@ def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(WireFormatError)
     def _wire_error(exc: WireFormatError) -> Response:
         return error_response(400, "bad_container", str(exc))
+
+    @app.errorhandler(MetaFormatError)
+    def _meta_error(exc: MetaFormatError) -> Response:
+        return error_response(400, "bad_metadata", str(exc))
+
+    @app.errorhandler(UnknownMethodError)
+    def _unknown_method(exc: UnknownMethodError) -> Response:
+        return error_response(404, "unknown_method", str(exc))
+
+    @app.errorhandler(EngineCallFailed)
+    def _engine_failed(exc: EngineCallFailed) -> Response:
+        return error_response(
+            500, "engine_error", str(exc), exception=exc.exception_type, traceback=exc.traceback
+        )
 
     @app.errorhandler(InvalidIdError)
     def _id_error(exc: InvalidIdError) -> Response:

@@ -17,16 +17,42 @@ data_routes = Blueprint("data", __name__)
 BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
 
 
+def _read_body(limit: int, what: str = "request body") -> bytearray:
+    """The request body, or 413 if it is over `limit` bytes, with or without a Content-Length.
+
+    The app lets werkzeug's stream run one byte past `max_request_bytes`, so a
+    chunked body over the limit is seen (and refused) instead of cut short.
+    """
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
+    stream = request.stream
+    if length is not None:
+        body = bytearray(length)
+        with memoryview(body) as view:
+            filled = 0
+            while filled < length:
+                n = stream.readinto(view[filled:])
+                if not n:
+                    raise ApiError(400, "truncated_body", f"{what} ended after {filled} of {length} bytes")
+                filled += n
+        return body
+    body = bytearray()
+    while len(body) <= limit:
+        chunk = stream.read(min(4 << 20, limit + 1 - len(body)))
+        if not chunk:
+            break
+        body += chunk
+    if len(body) > limit:
+        raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
+    return body
+
+
 def _read_json_body() -> dict[str, Any]:
     """The request's JSON object, bounded by `max_json_bytes`."""
     if request.mimetype != "application/json":
         raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/json")
-    limit = state().config.max_json_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "payload_too_large", f"JSON body over {limit} bytes")
-    raw = request.stream.read(limit + 1)
-    if len(raw) > limit:
-        raise ApiError(413, "payload_too_large", f"JSON body over {limit} bytes")
+    raw = _read_body(state().config.max_json_bytes, "JSON body")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -51,14 +77,16 @@ def _validated_keys(value: Any) -> list[ShardKey]:
 
 @data_routes.get("/health")
 def health() -> Response:
-    return jsonify({"status": "ok", "node": state().config.node})
+    current = state()
+    engine = current.engine.name if current.engine is not None else None
+    return jsonify({"status": "ok", "node": current.config.node, "engine": engine})
 
 
 @data_routes.put("/v1/shards")
 def put_shards() -> Response:
     if request.mimetype not in BINARY_TYPES:
         raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/octet-stream")
-    body = request.get_data(cache=False)
+    body = _read_body(state().config.max_request_bytes)
     container = wire.parse_container(body)
     if len(container) > state().config.max_keys_per_request:
         raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
@@ -121,3 +149,15 @@ def metrics() -> Response:
         }
     )
     return Response(text, mimetype="text/plain; version=0.0.4")
+
+
+@data_routes.post("/v1/call/<method>")
+def call_engine(method: str) -> Response:
+    """Run an engine method; batches in and out travel as metadata."""
+    host = state().engine
+    if host is None:
+        raise ApiError(
+            404, "no_engine", "this worker runs no engine (start it with --engine pkg.module:Factory)"
+        )
+    host.method(method)  # 404 before reading the body if there is no such method
+    return jsonify({"result": host.call(method, _read_json_body())})

@@ -1,0 +1,148 @@
+"""`WorkerGroup`: start or connect to workers and call their engine methods.
+
+The controller sends metadata only: batch arguments travel as their shard
+metadata, and per-task results stay on the worker that produced them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from distbatch.client import ShardClient, default_client, validate_node
+from distbatch.errors import WorkerUnavailableError
+from distbatch.launch import WorkerProcess, spawn_workers
+from distbatch.rpc import decode_value, encode_call
+
+
+def _stop_all(processes: list[WorkerProcess]) -> None:
+    for process in processes:
+        process.stop()
+
+
+class WorkerGroup:
+    """An ordered set of worker nodes; worker i receives chunk i."""
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        processes: Sequence[WorkerProcess] = (),
+        client: ShardClient | None = None,
+        call_timeout: float | None = None,
+    ) -> None:
+        self.nodes = [validate_node(n) for n in nodes]
+        if not self.nodes:
+            raise ValueError("a worker group needs at least one node")
+        self.processes = list(processes)
+        self.call_timeout = call_timeout
+        self._client = client
+        # Stops the processes on shutdown(), on garbage collection and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_all, self.processes)
+
+    @classmethod
+    def local(
+        cls,
+        n: int,
+        engine: str | None = None,
+        *,
+        env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        args: Sequence[str] = (),
+        client: ShardClient | None = None,
+        call_timeout: float | None = None,
+        startup_timeout: float = 60.0,
+    ) -> WorkerGroup:
+        """Spawn `n` `rpc_server` processes on loopback, hosting `engine` ('pkg.module:Factory')."""
+        extra = [*args, *(["--engine", engine] if engine else [])]
+        processes = spawn_workers(n, args=extra, env=env, startup_timeout=startup_timeout)
+        group = cls(
+            [p.node for p in processes], processes=processes, client=client, call_timeout=call_timeout
+        )
+        try:
+            group.wait_ready()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @classmethod
+    def connect(
+        cls, addresses: Sequence[str], *, client: ShardClient | None = None, call_timeout: float | None = None
+    ) -> WorkerGroup:
+        """A group over workers someone else started (Slurm, by hand, another launcher)."""
+        group = cls(addresses, client=client, call_timeout=call_timeout)
+        group.wait_ready()
+        return group
+
+    @property
+    def client(self) -> ShardClient:
+        return self._client or default_client()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.nodes})"
+
+    def wait_ready(self) -> None:
+        """Check every worker answers `/health` (raises `WorkerUnavailableError` naming it)."""
+        for node in self.nodes:
+            self.client.health(node)
+
+    def _node(self, worker: int | str) -> str:
+        if isinstance(worker, int):
+            return self.nodes[worker]
+        node = validate_node(worker)
+        if node not in self.nodes:
+            raise ValueError(f"{node} is not in this group")
+        return node
+
+    def _run(self, calls: list[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
+        self._check_alive([node for node, _, _ in calls])
+        try:
+            replies = self.client.call_many(calls, timeout=timeout or self.call_timeout)
+        except WorkerUnavailableError as exc:
+            self._check_alive([node for node, _, _ in calls])
+            raise exc
+        return [decode_value(reply["result"], self._client) for reply in replies]
+
+    def _check_alive(self, nodes: list[str]) -> None:
+        for process in self.processes:
+            if process.node in nodes and not process.alive():
+                code = process.process.returncode
+                raise WorkerUnavailableError(process.node, f"worker process exited with code {code}")
+
+    def call(
+        self, method: str, chunks: Sequence[Any], *, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Call `method(chunks[i], **kwargs)` on worker i, all concurrently; results in worker order."""
+        if len(chunks) != len(self.nodes):
+            raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
+        calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
+        return self._run(calls, timeout)
+
+    def call_all(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every worker concurrently; results in worker order."""
+        body = encode_call(args, kwargs)
+        return self._run([(node, method, body) for node in self.nodes], timeout)
+
+    def call_on(
+        self, worker: int | str, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """Call `method(*args, **kwargs)` on one worker (by index or node)."""
+        return self._run([(self._node(worker), method, encode_call(args, kwargs))], timeout)[0]
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every worker's `/v1/stats`, in worker order."""
+        return [self.client.stats(node) for node in self.nodes]
+
+    def shutdown(self) -> None:
+        """Stop the workers this group started (connected workers are left running)."""
+        self._finalizer()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

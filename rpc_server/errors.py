@@ -1,0 +1,22 @@
+"""Exceptions the worker turns into HTTP answers (kept free of heavy imports)."""
+
+from __future__ import annotations
+
+import traceback
+
+
+class EngineLoadError(Exception):
+    """The `--engine` spec could not be imported or instantiated."""
+
+
+class UnknownMethodError(Exception):
+    """No public engine method of that name."""
+
+
+class EngineCallFailed(Exception):
+    """The engine method raised; carries what to report."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exception_type = type(exc).__name__
+        self.traceback = "".join(traceback.format_exception(exc))
