@@ -11,12 +11,17 @@ from collections.abc import Sequence
 
 
 class _State:
-    """k partial partitions (sums and members), kept sorted by sum, largest first."""
+    """k partial partitions (sums and members), kept sorted by sum, largest first.
+
+    Ties in sum put the partition with more members first, so empty partitions
+    come last and a merge fills them before stacking two items together (every
+    partition ends non-empty whenever there are at least k items).
+    """
 
     __slots__ = ("sums", "members")
 
     def __init__(self, sums: list[int], members: list[list[int]]) -> None:
-        order = sorted(range(len(sums)), key=lambda i: (-sums[i], members[i]))
+        order = sorted(range(len(sums)), key=lambda i: (-sums[i], -len(members[i]), members[i]))
         self.sums = [sums[i] for i in order]
         self.members = [members[i] for i in order]
 

@@ -494,49 +494,90 @@ class ShardClient:
     # ------------------------------------------------------------------ delete
 
     async def _delete(
-        self, node: str, *, task_ids: Sequence[str] | None = None, keys: Sequence[ShardKey] | None = None
+        self,
+        node: str,
+        *,
+        task_ids: Sequence[str] | None = None,
+        keys: Sequence[ShardKey] | None = None,
+        fields: Sequence[str] | None = None,
     ) -> DeleteResult:
         if (task_ids is None) == (keys is None):
             raise ValueError("give exactly one of task_ids or keys")
-        name, items = ("task_ids", list(task_ids)) if task_ids is not None else ("keys", list(keys or ()))
-        step = self.max_keys_per_request
+        if task_ids is not None:
+            step = max(1, self.max_keys_per_request // max(len(fields or ()), 1))
+            bodies: list[dict[str, Any]] = [
+                {"task_ids": list(task_ids[i : i + step]), **({"fields": list(fields)} if fields else {})}
+                for i in range(0, len(task_ids), step)
+            ]
+        else:
+            items = list(keys or ())
+            step = self.max_keys_per_request
+            bodies = [{"keys": items[i : i + step]} for i in range(0, len(items), step)]
         total = DeleteResult(0, 0)
-        for start in range(0, len(items), step):
-            reply = await self._request(
-                node, "POST", "/v1/shards/delete", json_body={name: items[start : start + step]}
-            )
+        for body in bodies:
+            reply = await self._request(node, "POST", "/v1/shards/delete", json_body=body)
             total += DeleteResult(reply["deleted"], reply["bytes_freed"])
         return total
 
     def _check_delete_args(
-        self, task_ids: Iterable[str] | None, keys: Iterable[Any] | None
-    ) -> tuple[list[str] | None, list[ShardKey] | None]:
+        self, task_ids: Iterable[str] | None, keys: Iterable[Any] | None, fields: Iterable[str] | None
+    ) -> tuple[list[str] | None, list[ShardKey] | None, list[str] | None]:
         if (task_ids is None) == (keys is None):
             raise ValueError("give exactly one of task_ids or keys")
+        if fields is not None and task_ids is None:
+            raise ValueError("fields goes with task_ids")
+        for name, ids in (("task_ids", task_ids), ("fields", fields)):
+            if isinstance(ids, str):
+                raise InvalidIdError(f"{name} must be a list of ids, not one string")
+        checked_fields = None if fields is None else [validate_id(f, "field") for f in fields]
         if task_ids is not None:
-            if isinstance(task_ids, str):
-                raise InvalidIdError("task_ids must be a list of ids, not one string")
-            return [validate_id(t, "task_id") for t in task_ids], None
-        return None, [validate_key(k) for k in keys or ()]
+            return [validate_id(t, "task_id") for t in task_ids], None, checked_fields
+        return None, [validate_key(k) for k in keys or ()], None
 
     def delete(
-        self, node: str, *, task_ids: Iterable[str] | None = None, keys: Iterable[Any] | None = None
+        self,
+        node: str,
+        *,
+        task_ids: Iterable[str] | None = None,
+        keys: Iterable[Any] | None = None,
+        fields: Iterable[str] | None = None,
     ) -> DeleteResult:
-        """Delete all fields of `task_ids`, or exactly `keys`, on `node`; idempotent."""
+        """Delete on `node`: all fields of `task_ids` (only `fields` of them, if given), or `keys`.
+
+        Idempotent: deleting what is not there counts zero.
+        """
         node = validate_node(node)
-        task_ids, keys = self._check_delete_args(task_ids, keys)
-        return self._run(self._delete(node, task_ids=task_ids, keys=keys))
+        task_ids, keys, fields = self._check_delete_args(task_ids, keys, fields)
+        return self._run(self._delete(node, task_ids=task_ids, keys=keys, fields=fields))
 
     async def adelete(
-        self, node: str, *, task_ids: Iterable[str] | None = None, keys: Iterable[Any] | None = None
+        self,
+        node: str,
+        *,
+        task_ids: Iterable[str] | None = None,
+        keys: Iterable[Any] | None = None,
+        fields: Iterable[str] | None = None,
     ) -> DeleteResult:
         node = validate_node(node)
-        task_ids, keys = self._check_delete_args(task_ids, keys)
-        return await self._on_loop(self._delete(node, task_ids=task_ids, keys=keys))
+        task_ids, keys, fields = self._check_delete_args(task_ids, keys, fields)
+        return await self._on_loop(self._delete(node, task_ids=task_ids, keys=keys, fields=fields))
+
+    async def _delete_keys_compact(self, node: str, keys: list[ShardKey]) -> DeleteResult:
+        """Delete exactly `keys`, sent as (task ids x fields) products: far smaller than key pairs."""
+        fields_of: dict[str, list[str]] = {}
+        for task_id, field in keys:
+            fields_of.setdefault(task_id, []).append(field)
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for task_id, task_fields in fields_of.items():
+            groups.setdefault(tuple(sorted(set(task_fields))), []).append(task_id)
+        total = DeleteResult(0, 0)
+        for fields, task_ids in groups.items():
+            total += await self._delete(node, task_ids=task_ids, fields=fields)
+        return total
 
     async def _delete_many(self, keys_by_node: dict[str, list[ShardKey]]) -> DeleteResult:
         results = await asyncio.gather(
-            *(self._delete(node, keys=keys) for node, keys in keys_by_node.items()),
+            *(self._delete_keys_compact(node, keys) for node, keys in keys_by_node.items()),
             return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -548,7 +589,7 @@ class ShardClient:
         return total
 
     def delete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
-        """Delete keys on several nodes concurrently; returns the summed result."""
+        """Delete exactly the given keys on several nodes concurrently; returns the summed result."""
         plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
         return self._run(self._delete_many(plan))
 

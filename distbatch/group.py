@@ -18,6 +18,8 @@ from distbatch.rpc import decode_value, encode_call
 
 def _stop_all(processes: list[WorkerProcess]) -> None:
     for process in processes:
+        process.terminate()  # all at once: each takes a moment to exit
+    for process in processes:
         process.stop()
 
 

@@ -39,6 +39,11 @@ class WorkerProcess:
         if self.process.stdout is not None:
             self.process.stdout.close()
 
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (see `stop`)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL at once (for failure tests)."""
         if self.process.poll() is None:

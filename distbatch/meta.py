@@ -173,14 +173,24 @@ class BatchMeta:
     # --------------------------------------------------------------- serialization
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-safe form. Shapes are flattened: `ndim` per task, then dims."""
-        fields = {}
+        """Plain, JSON-safe, compact form.
+
+        Node indexes are run-length encoded (`[index, run, index, run, ...]`);
+        shapes are `{"uniform": dims}` when every task has the same shape,
+        `{"like": other_field}` when they equal an earlier field's, else a flat
+        list of `ndim, dims...` per task.
+        """
+        fields: dict[str, Any] = {}
+        seen_shapes: list[tuple[str, list[tuple[int, ...]]]] = []
         for name, fm in self.fields.items():
-            fields[name] = {
-                "dtype": fm.dtype,
-                "nodes": fm.nodes,
-                "shapes": _flatten_shapes(fm.shapes),
-            }
+            shapes: Any
+            if fm.shapes and all(s == fm.shapes[0] for s in fm.shapes):
+                shapes = {"uniform": list(fm.shapes[0])}
+            else:
+                like = next((other for other, prev in seen_shapes if prev == fm.shapes), None)
+                shapes = {"like": like} if like is not None else _flatten_shapes(fm.shapes)
+                seen_shapes.append((name, fm.shapes))
+            fields[name] = {"dtype": fm.dtype, "nodes": _run_length(fm.nodes), "shapes": shapes}
         return {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
 
     def to_json(self) -> str:
@@ -203,6 +213,31 @@ class BatchMeta:
         except (ValueError, RecursionError) as exc:
             raise MetaFormatError(f"batch metadata is not valid JSON: {exc}") from None
         return BatchMeta.from_dict(data)
+
+
+def _run_length(values: Sequence[int]) -> list[int]:
+    out: list[int] = []
+    for value in values:
+        if out and out[-2] == value:
+            out[-1] += 1
+        else:
+            out += [value, 1]
+    return out
+
+
+def _expand_runs(runs: Any, count: int, limit: int) -> list[int]:
+    if not isinstance(runs, list) or len(runs) % 2:
+        raise MetaFormatError("node runs must be a flat list of [index, count] pairs")
+    out: list[int] = []
+    for index, run in zip(runs[::2], runs[1::2]):
+        if not (_is_count(index) and index < limit and _is_count(run) and run > 0):
+            raise MetaFormatError(f"bad node run ({index!r}, {run!r})")
+        if len(out) + run > count:
+            raise MetaFormatError("node runs cover more tasks than the batch has")
+        out += [index] * run
+    if len(out) != count:
+        raise MetaFormatError(f"node runs cover {len(out)} tasks, the batch has {count}")
+    return out
 
 
 def _flatten_shapes(shapes: Sequence[tuple[int, ...]]) -> list[int]:
@@ -250,14 +285,21 @@ def _load_meta(data: Any) -> BatchMeta:
         dtype = raw["dtype"]
         if dtype is not None and dtype not in ITEMSIZE:
             raise MetaFormatError(f"field {name!r}: unknown dtype {dtype!r}")
-        node_list = raw["nodes"]
-        if (
-            not isinstance(node_list, list)
-            or len(node_list) != len(task_ids)
-            or not all(_is_count(i) and i < len(nodes) for i in node_list)
-        ):
-            raise MetaFormatError(f"field {name!r}: node indexes must be one valid index per task")
-        if not isinstance(raw["shapes"], list):
-            raise MetaFormatError(f"field {name!r}: shapes must be a list")
-        fields[name] = FieldMeta(dtype, list(node_list), _unflatten_shapes(raw["shapes"], len(task_ids)))
+        node_list = _expand_runs(raw["nodes"], len(task_ids), len(nodes))
+        raw_shapes = raw["shapes"]
+        if isinstance(raw_shapes, dict) and set(raw_shapes) == {"uniform"}:
+            dims = raw_shapes["uniform"]
+            if not isinstance(dims, list) or len(dims) > 64 or not all(_is_count(d) for d in dims):
+                raise MetaFormatError(f"field {name!r}: bad uniform shape {dims!r}")
+            shapes = [tuple(dims)] * len(task_ids)
+        elif isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
+            other = fields.get(raw_shapes["like"])  # type: ignore[arg-type]
+            if other is None:
+                raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {raw_shapes['like']!r}")
+            shapes = list(other.shapes)
+        elif isinstance(raw_shapes, list):
+            shapes = _unflatten_shapes(raw_shapes, len(task_ids))
+        else:
+            raise MetaFormatError(f"field {name!r}: shapes must be a list or a uniform/like object")
+        fields[name] = FieldMeta(dtype, node_list, shapes)
     return BatchMeta(task_ids, nodes, fields)

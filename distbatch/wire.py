@@ -60,6 +60,9 @@ ITEMSIZE: dict[str, int] = {
     "C128": 16,  # not in the spec; our extension so complex128 is not lost
 }
 
+# Where the tensor data starts in a container we build: a multiple of every element size.
+_DATA_ALIGNMENT = max(ITEMSIZE.values())
+
 _TORCH_DTYPE_NAMES = {
     "bool": "BOOL",
     "uint8": "U8",
@@ -117,7 +120,8 @@ def build_container(
     """Lay out a container; returns its parts (header first) to send or join.
 
     Tensors are ordered by element size, largest first, so that every tensor's
-    data starts aligned to its element size (the header is padded to 8 bytes),
+    data starts aligned to its element size (the header is padded so the data
+    starts at a multiple of the largest element size, 16 for C128),
     which keeps zero-copy decoding aligned without breaking the spec's rule
     that the byte buffer has no holes.
     """
@@ -143,7 +147,7 @@ def build_container(
         header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     except UnicodeEncodeError as exc:
         raise WireFormatError(f"JSON value is not valid UTF-8: {exc}") from None
-    header_bytes += b" " * (-(8 + len(header_bytes)) % 8)
+    header_bytes += b" " * (-(8 + len(header_bytes)) % _DATA_ALIGNMENT)
     parts[0] = len(header_bytes).to_bytes(8, "little") + header_bytes
     return parts
 
@@ -169,7 +173,7 @@ def _parse_tensor_entry(name: str, info: Any) -> tuple[str, tuple[int, ...], int
     if not isinstance(info, dict):
         raise WireFormatError(f"header entry {name!r} is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise WireFormatError(f"{name!r}: unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
         raise WireFormatError(f"{name!r}: shape must be a list of non-negative ints, got {shape!r}")
@@ -217,7 +221,9 @@ def parse_container(buf: Buffer) -> Container:
     if not isinstance(header, dict):
         raise WireFormatError("container header must be a JSON object")
     data = view[8 + header_len :]
-    metadata = header.pop(METADATA_KEY, None) or {}
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is None:  # absent, or null (which safetensors accepts too)
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise WireFormatError("__metadata__ must map strings to strings")
 
@@ -315,7 +321,11 @@ def raw_to_tensor(raw: RawTensor) -> torch.Tensor:
     dtype = torch_dtype(raw.dtype)
     if raw.nbytes == 0:
         return torch.empty(raw.shape, dtype=dtype)
-    return torch.frombuffer(raw.data, dtype=dtype).reshape(raw.shape)
+    tensor = torch.frombuffer(raw.data, dtype=dtype)
+    if tensor.data_ptr() % tensor.element_size():
+        # The spec allows unaligned offsets; copy rather than hand out an unaligned tensor.
+        tensor = torch.frombuffer(raw.data, dtype=torch.uint8).clone().view(dtype)
+    return tensor.reshape(raw.shape)
 
 
 def _check_json(value: Any, depth: int = 0) -> Any:
@@ -351,8 +361,17 @@ def value_to_wire(value: Any) -> RawTensor | str:
         return tensor_to_raw(value)
     if type(value).__module__ == "numpy" and hasattr(value, "__array_interface__"):
         if getattr(value, "ndim", 0) or type(value).__name__ == "ndarray":
-            return tensor_to_raw(torch.from_numpy(value))
-    return json.dumps(_check_json(value), separators=(",", ":"), ensure_ascii=False)
+            if any(stride < 0 for stride in value.strides):
+                value = value.copy()  # torch.from_numpy refuses negative strides
+            try:
+                return tensor_to_raw(torch.from_numpy(value))
+            except TypeError:
+                raise WireFormatError(f"unsupported numpy dtype {value.dtype}") from None
+    checked = _check_json(value)
+    try:
+        return json.dumps(checked, separators=(",", ":"), ensure_ascii=False)
+    except ValueError as exc:  # e.g. an int longer than sys.get_int_max_str_digits()
+        raise WireFormatError(f"cannot encode JSON value: {exc}") from None
 
 
 def split_values(

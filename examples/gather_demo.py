@@ -45,8 +45,10 @@ def main() -> None:
         shards = make_rollout(args.tasks, args.mean_len, args.seed)
         keys = list(shards)
         # Each worker keeps the half of the rollout it "produced".
-        halves = [{k: shards[k] for k in keys[: len(keys) // 2]},
-                  {k: shards[k] for k in keys[len(keys) // 2 :]}]
+        halves = [
+            {k: shards[k] for k in keys[: len(keys) // 2]},
+            {k: shards[k] for k in keys[len(keys) // 2 :]},
+        ]
         started = time.perf_counter()
         for worker, half in zip(workers, halves):
             result = client.put(worker.node, half)
@@ -64,12 +66,18 @@ def main() -> None:
                 raise SystemExit(f"mismatch in {key}")
         total = sum(client.stats(w.node)["bytes"] for w in workers)
         tokens = sum(shards[k].numel() for k in keys if k[1] == "input_ids")
-        print(f"gathered {len(keys)} shards ({tokens} tokens, {total / 1e6:.1f} MB) from 2 workers, "
-              f"all bit-exact")
+        print(
+            f"gathered {len(keys)} shards ({tokens} tokens, {total / 1e6:.1f} MB) from 2 workers, "
+            f"all bit-exact"
+        )
         print(f"put {total / put_s / 1e9:.2f} GB/s, gather {total / gather_s / 1e9:.2f} GB/s (loopback)")
-        deleted = client.delete_many({w.node: [k for k in keys if k in half] for w, half in zip(workers, halves)})
+        deleted = client.delete_many(
+            {w.node: [k for k in keys if k in half] for w, half in zip(workers, halves)}
+        )
         left = [client.stats(w.node)["shards"] for w in workers]
-        print(f"cleared {deleted.deleted} shards, {deleted.bytes_freed / 1e6:.1f} MB; shards left per worker: {left}")
+        print(
+            f"cleared {deleted.deleted} shards, {deleted.bytes_freed / 1e6:.1f} MB; shards left per worker: {left}"
+        )
         client.close()
     finally:
         for worker in workers:

@@ -38,6 +38,8 @@ class Metrics:
         self._latency: dict[str, _Histogram] = defaultdict(_Histogram)
         self._bytes_in = 0
         self._bytes_out = 0
+        self._bytes_out_by_endpoint: dict[str, int] = defaultdict(int)
+        self._bytes_in_by_endpoint: dict[str, int] = defaultdict(int)
 
     def observe(
         self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int
@@ -47,11 +49,24 @@ class Metrics:
             self._latency[endpoint].observe(seconds)
             self._bytes_in += bytes_in
             self._bytes_out += bytes_out
+            self._bytes_in_by_endpoint[endpoint] += bytes_in
+            self._bytes_out_by_endpoint[endpoint] += bytes_out
 
     def request_count(self, endpoint: str) -> int:
         """Requests served on `endpoint` (a route rule such as '/v1/shards/fetch')."""
         with self._lock:
             return sum(n for (ep, _, _), n in self._requests.items() if ep == endpoint)
+
+    def traffic(self) -> dict[str, int]:
+        """Shard bytes this worker served (fetch responses) and took in (put bodies)."""
+        with self._lock:
+            return {
+                "fetch_bytes_served": self._bytes_out_by_endpoint.get("/v1/shards/fetch", 0),
+                "put_bytes_received": self._bytes_in_by_endpoint.get("/v1/shards", 0),
+                "fetch_requests": sum(
+                    n for (ep, _, _), n in self._requests.items() if ep == "/v1/shards/fetch"
+                ),
+            }
 
     def render(self, gauges: dict[str, tuple[str, float | int | None]]) -> str:
         """Prometheus exposition text; `gauges` maps name -> (help, value)."""

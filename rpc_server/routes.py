@@ -121,10 +121,21 @@ def delete_shards() -> Response:
     has_tasks, has_keys = "task_ids" in body, "keys" in body
     if has_tasks == has_keys:
         raise ApiError(400, "bad_request", "give exactly one of 'task_ids' or 'keys'")
+    if "fields" in body and not has_tasks:
+        raise ApiError(400, "bad_request", "'fields' goes with 'task_ids'")
     store = state().store
     if has_tasks:
         task_ids = [validate_id(t, "task_id") for t in _key_list(body["task_ids"], "task_ids")]
-        count, freed = store.delete_tasks(task_ids)
+        if "fields" in body:
+            fields = [validate_id(f, "field") for f in _key_list(body["fields"], "fields")]
+            limit = state().config.max_keys_per_request
+            if len(task_ids) * len(fields) > limit:
+                raise ApiError(
+                    413, "too_many_keys", f"{len(task_ids)} tasks x {len(fields)} fields > {limit}"
+                )
+            count, freed = store.delete_keys([ShardKey(t, f) for t in task_ids for f in fields])
+        else:
+            count, freed = store.delete_tasks(task_ids)
     else:
         count, freed = store.delete_keys(_validated_keys(body["keys"]))
     return jsonify({"deleted": count, "bytes_freed": freed})
@@ -133,7 +144,9 @@ def delete_shards() -> Response:
 @data_routes.get("/v1/stats")
 def stats() -> Response:
     current = state()
-    return jsonify({"node": current.config.node, **current.store.stats().as_dict()})
+    return jsonify(
+        {"node": current.config.node, **current.store.stats().as_dict(), **current.metrics.traffic()}
+    )
 
 
 @data_routes.get("/metrics")

@@ -1,0 +1,284 @@
+"""The main job: a synthetic GRPO loop whose data never passes through the controller.
+
+Rollout workers generate prompts x n responses (log-normal lengths) and keep
+them. The controller receives REMOTE batches (metadata), asks a worker for
+group-normalised advantages, balances the batch over the train workers by
+token count without fetching a byte, and the train workers gather their
+chunks straight from the rollout workers. Each step ends with `clear()`.
+
+    python examples/grpo_pipeline.py --compare      # distributed, then centralised
+    python examples/grpo_pipeline.py --centralised  # the design we replace
+
+`--centralised` runs the same job the old way: the controller pulls every
+batch and pushes the chunks to the train workers itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distbatch import DistributedBatchMemory, WorkerGroup, default_client
+
+ENGINE_MODULE = "grpo_pipeline"
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_FIELDS = ["input_ids", "logprobs", "loss_mask", "advantages"]
+
+
+# ----------------------------------------------------------------------------- engines (run on workers)
+
+
+class RolloutEngine:
+    """Stands in for an inference engine: makes GRPO groups of ragged sequences."""
+
+    def generate(
+        self, prompts: list[int], n: int, mean_len: int, max_len: int, step: int, seed: int
+    ) -> DistributedBatchMemory:
+        samples, task_ids = [], []
+        for prompt in prompts:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + prompt)
+            prompt_len = int(torch.randint(32, 256, (), generator=gen))
+            difficulty = float(torch.rand((), generator=gen))
+            for j in range(n):
+                response_len = math.exp(math.log(mean_len) + 0.6 * float(torch.randn((), generator=gen)))
+                response_len = int(min(max(response_len, 8), max_len - prompt_len))
+                length = prompt_len + response_len
+                mask = torch.zeros(length, dtype=torch.bool)
+                mask[prompt_len:] = True
+                samples.append(
+                    {
+                        "input_ids": torch.randint(0, 151_000, (length,), dtype=torch.int32, generator=gen),
+                        "logprobs": -torch.rand(length, generator=gen) * mask,
+                        "loss_mask": mask,
+                        "rewards": torch.tensor(float(torch.rand((), generator=gen) > difficulty)),
+                        "uid": f"s{step}-p{prompt}",
+                    }
+                )
+                task_ids.append(f"s{step}-p{prompt}-r{j}")
+        # A LOCAL batch returned from an engine is stored on this worker; the
+        # controller gets a REMOTE batch back.
+        return DistributedBatchMemory.from_list(samples, task_ids=task_ids)
+
+    def compute_advantages(self, batch: DistributedBatchMemory, eps: float = 1e-6) -> dict[str, Any]:
+        """GRPO: reward minus its group mean, over the group std. Gathers two small columns."""
+        rewards, uids = batch["rewards"], batch["uid"]
+        groups: dict[str, list[int]] = {}
+        for i, uid in enumerate(uids):
+            groups.setdefault(uid, []).append(i)
+        advantages = torch.zeros(len(batch))
+        for rows in groups.values():
+            r = rewards[rows]
+            advantages[rows] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+        return {"advantages": advantages}
+
+
+class TrainEngine:
+    """Stands in for a training engine: a toy policy-gradient loss over the gathered tokens."""
+
+    def __init__(self) -> None:
+        self.temperature = torch.tensor(1.0, requires_grad=True)
+        self.loss_sum = 0.0
+        self.tasks = 0
+
+    def train_step(self, batch: DistributedBatchMemory, lr: float = 1e-3) -> dict[str, Any]:
+        data = batch.to_local()  # gathers every field straight from the workers that hold it
+        losses = []
+        self.temperature.grad = None
+        for ids, old_logprobs, mask, advantage in zip(
+            data["input_ids"], data["logprobs"], data["loss_mask"], data["advantages"]
+        ):
+            new_logprobs = old_logprobs / self.temperature + 1e-6 * ids.float().mean()
+            ratio = torch.exp(new_logprobs - old_logprobs)
+            loss = -(advantage * ratio * mask).sum() / mask.sum().clamp(min=1)
+            loss.backward()
+            losses.append(loss.detach())
+        with torch.no_grad():
+            if self.temperature.grad is not None:
+                self.temperature -= lr * self.temperature.grad / max(len(losses), 1)
+        self.loss_sum += float(sum(losses))
+        self.tasks += len(losses)
+        # Per-task results stay on this worker; the controller gets their metadata.
+        return {"loss": torch.stack(losses) if losses else torch.zeros(0)}
+
+    def metrics(self) -> dict[str, float]:
+        """Plain JSON back to the controller: the mean loss since the last call."""
+        out = {"loss_sum": self.loss_sum, "tasks": self.tasks}
+        self.loss_sum, self.tasks = 0.0, 0
+        return out
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+@dataclass
+class StepReport:
+    step: int
+    tasks: int
+    tokens: int
+    worker_bytes: int  # shard bytes gathered worker -> worker
+    controller_bytes: int  # every HTTP body byte the controller sent or received
+    rank_tokens: list[int]
+    seconds: float
+    mean_loss: float
+
+    @property
+    def balance(self) -> float:
+        return max(self.rank_tokens) / max(min(self.rank_tokens), 1)
+
+
+@dataclass
+class PipelineReport:
+    mode: str
+    steps: list[StepReport] = field(default_factory=list)
+    shards_left: int = -1
+
+    def totals(self) -> tuple[int, int, float]:
+        return (
+            sum(s.worker_bytes for s in self.steps),
+            sum(s.controller_bytes for s in self.steps),
+            sum(s.seconds for s in self.steps),
+        )
+
+
+def _fetch_served(groups: list[WorkerGroup]) -> int:
+    return sum(s["fetch_bytes_served"] for g in groups for s in g.stats())
+
+
+def _group_advantages(rewards: torch.Tensor, uids: list[str], eps: float = 1e-6) -> torch.Tensor:
+    return RolloutEngine().compute_advantages(
+        DistributedBatchMemory.from_dict({"rewards": rewards, "uid": uids}), eps
+    )["advantages"]
+
+
+def run_step(
+    step: int, args: argparse.Namespace, rollout: WorkerGroup, train: WorkerGroup, centralised: bool
+) -> StepReport:
+    client = default_client()
+    served0 = _fetch_served([rollout, train])  # measuring is not part of the step's traffic
+    traffic0 = client.traffic()
+    started = time.perf_counter()
+
+    prompt_ids = list(range(args.prompts))
+    per_worker = [prompt_ids[i :: len(rollout)] for i in range(len(rollout))]
+    produced = rollout.call(
+        "generate",
+        per_worker,
+        n=args.n,
+        mean_len=args.mean_len,
+        max_len=args.max_len,
+        step=step,
+        seed=args.seed,
+    )
+    batch = DistributedBatchMemory.concat(produced)
+
+    if centralised:
+        # The old way: every byte comes to the controller, and goes out again.
+        local = batch.to_local()
+        batch.clear()
+        local["advantages"] = _group_advantages(local["rewards"], local["uid"])
+        chunks = local.chunk_balanced(len(train), group_size=args.n, length_field="input_ids")
+        pushed = [
+            chunk.select_fields(TRAIN_FIELDS).to_remote(node) for chunk, node in zip(chunks, train.nodes)
+        ]
+        results = train.call("train_step", pushed, lr=args.lr)
+        rank_tokens = [sum(c.lengths("input_ids")) for c in chunks]
+        losses = DistributedBatchMemory.concat(results)
+        batch = DistributedBatchMemory.concat(pushed).union(losses)
+    else:
+        # Send each call only the fields it reads: metadata is small, but not free.
+        batch.union_(rollout.call_on(0, "compute_advantages", batch.select_fields(["rewards", "uid"])))
+        chunks = batch.select_fields(TRAIN_FIELDS).chunk_balanced(
+            len(train), group_size=args.n, length_field="input_ids"
+        )
+        results = train.call("train_step", chunks, lr=args.lr)
+        rank_tokens = [sum(c.lengths("input_ids")) for c in chunks]
+        batch.union_(DistributedBatchMemory.concat(results))
+
+    metrics = train.call_all("metrics")
+    mean_loss = sum(m["loss_sum"] for m in metrics) / max(sum(m["tasks"] for m in metrics), 1)
+    tokens = sum(batch.lengths("input_ids"))
+    tasks = len(batch)
+    batch.clear()
+    seconds = time.perf_counter() - started
+
+    traffic = client.traffic() - traffic0
+    # The controller fetches no shard in the distributed mode; in the centralised
+    # one its pulls are served by workers too, so they are taken out here.
+    fetched_by_controller = traffic.bytes_received
+    worker_bytes = max(_fetch_served([rollout, train]) - served0 - fetched_by_controller, 0)
+    return StepReport(step, tasks, tokens, worker_bytes, traffic.total, rank_tokens, seconds, mean_loss)
+
+
+def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: bool = False) -> PipelineReport:
+    """Start the workers, run `args.steps` steps, check every store is empty, stop the workers."""
+    env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    report = PipelineReport("centralised" if centralised else "distributed")
+    say = (lambda *a: None) if quiet else print
+    with (
+        WorkerGroup.local(args.rollout_workers, f"{ENGINE_MODULE}:RolloutEngine", env=env) as rollout,
+        WorkerGroup.local(args.train_workers, f"{ENGINE_MODULE}:TrainEngine", env=env) as train,
+    ):
+        say(f"[{report.mode}] rollout workers {rollout.nodes}, train workers {train.nodes}")
+        for step in range(args.steps):
+            r = run_step(step, args, rollout, train, centralised)
+            report.steps.append(r)
+            share = r.controller_bytes / max(r.worker_bytes + r.controller_bytes, 1)
+            say(
+                f"[{report.mode}] step {r.step}: {r.tasks} tasks, {r.tokens:,} tokens | "
+                f"worker->worker {_mb(r.worker_bytes)} | through controller {_mb(r.controller_bytes)} "
+                f"({share:.2%}) | tokens per train rank {r.rank_tokens} (max/min {r.balance:.3f}) | "
+                f"loss {r.mean_loss:+.4f} | {r.seconds:.2f} s"
+            )
+        report.shards_left = sum(s["shards"] for g in (rollout, train) for s in g.stats())
+    say(f"[{report.mode}] shards left on all workers after the last step: {report.shards_left}")
+    return report
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rollout-workers", type=int, default=2)
+    parser.add_argument("--train-workers", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
+    parser.add_argument("--mean-len", type=int, default=1024, help="median response length")
+    parser.add_argument("--max-len", type=int, default=8192, help="longest sequence")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--centralised", action="store_true", help="controller pulls and pushes all data")
+    mode.add_argument("--compare", action="store_true", help="run distributed, then centralised")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reports = []
+    if not args.centralised:
+        reports.append(run_pipeline(args, centralised=False))
+    if args.centralised or args.compare:
+        reports.append(run_pipeline(args, centralised=True))
+    print()
+    print(f"{'mode':<12} {'worker->worker':>15} {'through controller':>19} {'time':>8}  stores empty")
+    for report in reports:
+        worker, controller, seconds = report.totals()
+        empty = "yes" if report.shards_left == 0 else f"NO ({report.shards_left} shards)"
+        print(f"{report.mode:<12} {_mb(worker):>15} {_mb(controller):>19} {seconds:>7.2f}s  {empty}")
+    return 0 if all(r.shards_left == 0 for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
