@@ -60,7 +60,8 @@ def _column_len(col: Column) -> int:
 def _take_column(col: Column, indices: Sequence[int]) -> Column:
     if isinstance(col, torch.Tensor):
         return col[torch.as_tensor(list(indices), dtype=torch.long)]
-    return [col[i] for i in indices]
+    # Re-normalize: the picked tasks of a ragged column may all share one shape.
+    return _normalize_column("", [col[i] for i in indices])
 
 
 def _column_items(col: Column) -> list[Any]:

@@ -9,6 +9,7 @@ handler; the `a*` variants await the same work from any event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -39,6 +40,8 @@ from distbatch.errors import (
 from distbatch.ids import ShardKey, validate_id, validate_key
 
 T = TypeVar("T")
+
+_CLOSED_IN_FLIGHT = "ShardClient was closed while this call was in flight"
 
 _NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 
@@ -91,12 +94,34 @@ class _LoopThread:
             raise RuntimeError(
                 "sync ShardClient methods cannot run on the client's own loop; await the a* variant"
             )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.CancelledError:
+                raise RuntimeError(_CLOSED_IN_FLIGHT) from None
+            except TimeoutError:
+                if future.done():
+                    raise  # the call itself raised TimeoutError
+                if not self.thread.is_alive():  # the loop stopped under us: never wait forever
+                    future.cancel()
+                    raise RuntimeError(_CLOSED_IN_FLIGHT) from None
+
+    async def _shutdown(self, session: aiohttp.ClientSession | None) -> None:
+        # Cancel calls still in flight so that whoever waits on them is released.
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if session is not None:
+            await session.close()
 
     def stop(self, session: aiohttp.ClientSession | None) -> None:
         if not self.loop.is_closed() and self.thread.is_alive():
-            if session is not None:
-                asyncio.run_coroutine_threadsafe(session.close(), self.loop).result(timeout=5)
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(session), self.loop).result(timeout=5)
+            except TimeoutError:
+                pass  # stop the loop regardless; waiters notice the thread is gone
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
         if not self.thread.is_alive():
@@ -218,7 +243,13 @@ class ShardClient:
         loop = self._get_runtime().loop_thread.loop
         if asyncio.get_running_loop() is loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        try:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller is being cancelled
+            raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
     def _session(self) -> aiohttp.ClientSession:
         runtime = self._get_runtime()

@@ -272,6 +272,8 @@ def _is_count(value: Any) -> bool:
 def _load_meta(data: Any) -> BatchMeta:
     if not isinstance(data, dict) or data.get("version") != META_VERSION:
         raise MetaFormatError(f"expected batch metadata version {META_VERSION}")
+    if not isinstance(data["task_ids"], list) or not isinstance(data["nodes"], list):
+        raise MetaFormatError("'task_ids' and 'nodes' must be lists")
     task_ids = [validate_id(t, "task_id") for t in data["task_ids"]]
     if len(set(task_ids)) != len(task_ids):
         raise MetaFormatError("duplicate task ids in metadata")

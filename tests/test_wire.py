@@ -1,0 +1,1238 @@
+"""The wire format: a bundle of shards ``{(task_id, field): value}`` as one safetensors container.
+
+Covers the torch layer (`encode_bundle_bytes` / `decode_bundle`), the raw layer
+(`build_container` / `parse_container`), zero-copy and alignment, interop with the
+real `safetensors` package, every malformation we can name, and hypothesis
+round-trip / fuzz properties.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distbatch import wire
+from distbatch.errors import DistBatchError, WireFormatError
+from distbatch.ids import ShardKey
+
+# --------------------------------------------------------------------------- helpers
+
+ID_ALPHABET = string.ascii_letters + string.digits + "._:@=+-"
+
+# (wire name, torch attribute) for every dtype distbatch.wire maps, whether or not this torch has it.
+DTYPE_TABLE = sorted((name, attr) for attr, name in wire._TORCH_DTYPE_NAMES.items())
+# The ones this torch build has: (wire name, torch.dtype).
+AVAILABLE = [(name, getattr(torch, attr)) for name, attr in DTYPE_TABLE if hasattr(torch, attr)]
+AVAILABLE_DTYPES = [dtype for _, dtype in AVAILABLE]
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ROUND_TRIP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def torch_dtype_param(name: str, attr: str) -> Any:
+    dtype = getattr(torch, attr, None)
+    marks = [] if dtype is not None else [pytest.mark.skip(reason=f"this torch has no torch.{attr}")]
+    return pytest.param(name, dtype, id=name, marks=marks)
+
+
+DTYPE_PARAMS = [torch_dtype_param(name, attr) for name, attr in DTYPE_TABLE]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bit patterns (NaNs, infs, -0.0, subnormals included); bools are 0/1."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    count = math.prod(shape) * dtype.itemsize
+    raw = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).numpy())
+
+
+def assert_identical(actual: Any, expected: torch.Tensor) -> None:
+    """Same dtype, shape and bytes (NaN-safe, -0.0-safe)."""
+    assert isinstance(actual, torch.Tensor)
+    assert actual.dtype == expected.dtype
+    assert tuple(actual.shape) == tuple(expected.shape)
+    assert actual.device.type == "cpu"
+    assert actual.is_contiguous()
+    assert not actual.requires_grad
+    assert bits(actual) == bits(expected)
+
+
+def as_json(value: Any) -> Any:
+    """What a value looks like after a JSON round trip: tuples become lists."""
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    return value
+
+
+def json_identical(a: Any, b: Any) -> bool:
+    """Strict equality: same types (bool is not int), NaN equals NaN, -0.0 is not 0.0, key order kept."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(json_identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(json_identical(a[k], b[k]) for k in a)
+    return a == b
+
+
+def assert_bundle_equal(decoded: dict[ShardKey, Any], bundle: dict[Any, Any]) -> None:
+    assert set(decoded) == {ShardKey(*k) for k in bundle}
+    for key, value in bundle.items():
+        got = decoded[ShardKey(*key)]
+        if isinstance(value, torch.Tensor):
+            assert_identical(got, value)
+        else:
+            assert json_identical(got, as_json(value)), (key, got, value)
+
+
+def round_trip(bundle: dict[Any, Any]) -> dict[ShardKey, Any]:
+    return wire.decode_bundle(wire.encode_bundle_bytes(bundle))
+
+
+def address(buf: bytes | bytearray) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def entry(dtype: str, shape: list[Any], start: Any, end: Any) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
+
+
+def container(header: Any, data: bytes = b"", *, length: int | None = None, pad: bool = True) -> bytes:
+    """Hand-assemble a container: 8-byte LE header length + header (JSON-dumped unless bytes) + data."""
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    if pad:
+        head += b" " * (-(8 + len(head)) % 8)
+    size = len(head) if length is None else length
+    return size.to_bytes(8, "little") + head + data
+
+
+def split_container(buf: bytes) -> tuple[dict[str, Any], bytes]:
+    header_len = int.from_bytes(buf[:8], "little")
+    return json.loads(buf[8 : 8 + header_len]), buf[8 + header_len :]
+
+
+def assert_wire_error(func: Callable[[], Any]) -> WireFormatError:
+    """Exactly a WireFormatError, with a message and no chained exception to read past."""
+    with pytest.raises(WireFormatError) as info:
+        func()
+    exc = info.value
+    assert type(exc) is WireFormatError
+    assert isinstance(exc, DistBatchError) and isinstance(exc, ValueError)
+    assert str(exc)
+    assert exc.__cause__ is None
+    assert exc.__context__ is None or exc.__suppress_context__
+    return exc
+
+
+# --------------------------------------------------------------------------- dtype table
+
+
+def test_dtype_table_is_consistent_with_itemsizes() -> None:
+    assert set(wire._TORCH_DTYPE_NAMES.values()) == set(wire.ITEMSIZE)
+    for name, dtype in AVAILABLE:
+        assert wire.dtype_name(dtype) == name
+        assert wire.torch_dtype(name) == dtype
+        assert wire.ITEMSIZE[name] == dtype.itemsize
+    # The dtypes the task names must all be present in this torch (2.13).
+    for required in ("bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64"):
+        assert getattr(torch, required) in AVAILABLE_DTYPES
+    for required in ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn"):
+        assert getattr(torch, required) in AVAILABLE_DTYPES
+
+
+def test_unknown_dtype_names_and_unsupported_torch_dtypes_raise() -> None:
+    assert_wire_error(lambda: wire.torch_dtype("F128"))
+    assert_wire_error(lambda: wire.torch_dtype("f32"))
+    assert_wire_error(lambda: wire.dtype_name(torch.complex32))
+    assert_wire_error(lambda: wire.dtype_name(torch.quint8))
+
+
+# --------------------------------------------------------------------------- tensor round trips
+
+
+@pytest.mark.parametrize(("name", "dtype"), DTYPE_PARAMS)
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5), (2, 3, 4), (0,), (0, 5), (3, 0)], ids=str)
+def test_every_dtype_round_trips_bit_exactly(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tensor = random_tensor(dtype, shape, seed=len(shape) * 31 + sum(shape))
+    buf = wire.encode_bundle_bytes({("task-1", "x"): tensor})
+    header, _ = split_container(buf)
+    assert header["task-1/x"]["dtype"] == name
+    assert header["task-1/x"]["shape"] == list(shape)
+    for source in (buf, bytearray(buf), memoryview(buf)):
+        assert_identical(wire.decode_bundle(source)[("task-1", "x")], tensor)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [d for d in AVAILABLE_DTYPES if (d.is_floating_point or d.is_complex) and d.itemsize > 1],
+    ids=str,
+)
+def test_special_float_values_keep_their_bits(dtype: torch.dtype) -> None:
+    values = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.5, -2.25]
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
+    got = round_trip({("t", "v"): tensor})[("t", "v")]
+    assert_identical(got, tensor)
+    if not dtype.is_complex:
+        assert math.copysign(1.0, float(got[1])) == -1.0
+        assert torch.isnan(got[4])
+
+
+def test_all_dtypes_in_one_bundle() -> None:
+    bundle = {
+        (f"task-{i}", f"f.{name}"): random_tensor(dtype, (i % 4, 3) if i % 2 else (5,), seed=i)
+        for i, (name, dtype) in enumerate(AVAILABLE)
+    }
+    bundle[("task-0", "meta")] = {"note": "mixed"}
+    assert_bundle_equal(round_trip(bundle), bundle)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.arange(12.0).reshape(3, 4).t(), id="transposed"),
+        pytest.param(lambda: torch.arange(60).reshape(6, 10)[::2, 1::3], id="step-sliced"),
+        pytest.param(lambda: torch.arange(10, dtype=torch.int16)[3:7], id="offset-slice"),
+        pytest.param(lambda: torch.arange(3.0).expand(4, 3), id="expanded-stride-0"),
+        pytest.param(
+            lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last),
+            id="channels-last",
+        ),
+        pytest.param(lambda: torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1), id="permuted"),
+        pytest.param(lambda: (torch.arange(4.0) + 1j * torch.arange(4.0)).conj(), id="conj-view"),
+        pytest.param(lambda: torch.randn(5, 6, dtype=torch.bfloat16).t()[1:, ::2], id="bf16-strided"),
+        pytest.param(lambda: torch.arange(8).reshape(2, 4).diagonal(), id="diagonal"),
+    ],
+)
+def test_non_contiguous_inputs_arrive_contiguous_with_the_same_values(
+    make: Callable[[], torch.Tensor],
+) -> None:
+    tensor = make()
+    got = round_trip({("t", "x"): tensor})[("t", "x")]
+    assert got.is_contiguous()
+    assert_identical(got, tensor.resolve_conj().contiguous())
+    assert torch.equal(got, tensor)
+
+
+def test_requires_grad_tensors_are_sent_detached() -> None:
+    leaf = torch.randn(3, 4, requires_grad=True)
+    non_leaf = leaf * 2
+    bundle = {("t", "leaf"): leaf, ("t", "nonleaf"): non_leaf}
+    out = round_trip(bundle)
+    assert_identical(out[("t", "leaf")], leaf.detach())
+    assert_identical(out[("t", "nonleaf")], non_leaf.detach())
+    assert leaf.requires_grad and leaf.grad is None  # the input is left alone
+
+
+def test_encoding_copies_so_later_changes_to_the_source_do_not_leak() -> None:
+    tensor = torch.arange(6, dtype=torch.int32)
+    buf = wire.encode_bundle_bytes({("t", "x"): tensor})
+    tensor.fill_(-1)
+    assert torch.equal(wire.decode_bundle(buf)[("t", "x")], torch.arange(6, dtype=torch.int32))
+
+
+def test_encode_bundle_parts_join_to_the_same_bytes() -> None:
+    bundle = {("a", "x"): torch.arange(5), ("a", "y"): [1, "two"], ("b", "x"): torch.ones(2, 2)}
+    parts = wire.encode_bundle(bundle)
+    assert wire.join_parts(parts) == wire.encode_bundle_bytes(bundle)
+    assert b"".join(bytes(p) for p in parts) == wire.encode_bundle_bytes(bundle)
+
+
+def test_ragged_per_task_shapes() -> None:
+    bundle: dict[Any, Any] = {}
+    for i in range(20):
+        bundle[(f"prompt-0:resp-{i}", "input_ids")] = torch.arange(i * 7 % 23, dtype=torch.int64)
+        bundle[(f"prompt-0:resp-{i}", "logprobs")] = torch.randn(i * 7 % 23, dtype=torch.bfloat16)
+        bundle[(f"prompt-0:resp-{i}", "image")] = torch.rand(i % 3, 4, 4)
+        bundle[(f"prompt-0:resp-{i}", "reward")] = float(i) / 3
+    assert_bundle_equal(round_trip(bundle), bundle)
+
+
+def test_ten_thousand_shards_in_one_bundle() -> None:
+    bundle: dict[Any, Any] = {}
+    for i in range(5000):
+        bundle[(f"task-{i:05d}", "ids")] = torch.arange(i % 13, dtype=torch.int32) + i
+        bundle[(f"task-{i:05d}", "uid")] = f"uid-{i // 8}"
+    assert len(bundle) == 10_000
+    buf = wire.encode_bundle_bytes(bundle)
+    parsed = wire.parse_container(buf)
+    assert len(parsed) == 10_000
+    assert len(parsed.tensors) == 5000 and len(parsed.json_texts) == 5000
+    out = wire.decode_bundle(bytearray(buf))
+    assert len(out) == 10_000
+    for i in (0, 1, 12, 13, 4321, 4999):
+        assert torch.equal(out[(f"task-{i:05d}", "ids")], torch.arange(i % 13, dtype=torch.int32) + i)
+        assert out[(f"task-{i:05d}", "uid")] == f"uid-{i // 8}"
+    assert all(isinstance(k, ShardKey) for k in out)
+
+
+def test_decoded_keys_are_shard_keys() -> None:
+    out = round_trip({("t.1", "f"): 1, ShardKey("t.2", "g"): torch.zeros(1)})
+    assert set(out) == {ShardKey("t.1", "f"), ShardKey("t.2", "g")}
+    for key in out:
+        assert type(key) is ShardKey
+        assert key.wire_name() == f"{key.task_id}/{key.field}"
+
+
+def test_empty_bundle_round_trips() -> None:
+    buf = wire.encode_bundle_bytes({})
+    assert wire.decode_bundle(buf) == {}
+    assert len(wire.parse_container(buf)) == 0
+
+
+def test_ids_at_the_alphabet_and_length_limits() -> None:
+    long_id = ("aZ09._:@=+-" * 20)[:200]
+    bundle = {(long_id, long_id): torch.ones(2), ("-", "+"): "x", ("..", "."): 1, ("a:b@c=d", "e+f"): None}
+    assert_bundle_equal(round_trip(bundle), bundle)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        pytest.param(np.arange(6, dtype=np.float32).reshape(2, 3), id="f32"),
+        pytest.param(np.array([True, False, True]), id="bool"),
+        pytest.param(np.arange(6, dtype=np.uint16).reshape(3, 2).T, id="transposed-u16"),
+        pytest.param(np.array(2.5), id="0-d"),
+        pytest.param(np.zeros((0, 4), dtype=np.int64), id="empty"),
+        pytest.param(np.arange(5, dtype=np.int64)[::-1], id="negative-stride"),
+        pytest.param(np.arange(10, dtype=np.complex128)[::3], id="c128-step"),
+    ],
+)
+def test_numpy_arrays_are_sent_as_tensors(array: np.ndarray) -> None:
+    got = round_trip({("t", "x"): array})[("t", "x")]
+    assert isinstance(got, torch.Tensor)
+    assert tuple(got.shape) == array.shape
+    assert np.array_equal(got.numpy(), array)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        pytest.param(np.array(["a", "b"]), id="str"),
+        pytest.param(np.array([object(), 1], dtype=object), id="object"),
+        pytest.param(np.array(["2024-01-01"], dtype="datetime64[D]"), id="datetime"),
+    ],
+)
+def test_numpy_arrays_without_a_tensor_dtype_raise(array: np.ndarray) -> None:
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "x"): array}))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.zeros(3, dtype=torch.complex32), id="complex32"),
+        pytest.param(lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8), id="quint8"),
+        pytest.param(lambda: torch.eye(3).to_sparse(), id="sparse-coo"),
+        pytest.param(lambda: torch.eye(3).to_sparse_csr(), id="sparse-csr"),
+        pytest.param(lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), id="nested"),
+    ],
+)
+def test_unsendable_tensors_raise(make: Callable[[], torch.Tensor]) -> None:
+    tensor = make()
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "x"): tensor}))
+
+
+# --------------------------------------------------------------------------- JSON values
+
+JSON_VALUES = [
+    pytest.param("", id="empty-str"),
+    pytest.param("héllo wörld ✓ 🎉 \U0001f9ea 中文 \x00 \n\t\"'\\", id="unicode"),
+    pytest.param(0, id="zero"),
+    pytest.param(-17, id="negative-int"),
+    pytest.param(2**63, id="2**63"),
+    pytest.param(-(2**64) - 1, id="below-i64"),
+    pytest.param(10**300 + 7, id="big-int"),
+    pytest.param(1.5, id="float"),
+    pytest.param(0.1, id="float-0.1"),
+    pytest.param(5e-324, id="subnormal"),
+    pytest.param(1.7976931348623157e308, id="max-float"),
+    pytest.param(float("nan"), id="nan"),
+    pytest.param(float("inf"), id="inf"),
+    pytest.param(float("-inf"), id="-inf"),
+    pytest.param(-0.0, id="-0.0"),
+    pytest.param(True, id="true"),
+    pytest.param(False, id="false"),
+    pytest.param(None, id="none"),
+    pytest.param([], id="empty-list"),
+    pytest.param({}, id="empty-dict"),
+    pytest.param([1, "a", None, True, 2.5, [[], {}]], id="mixed-list"),
+    pytest.param({"b": 1, "a": [1, {"x": None}], "": "", "🎉": -0.0, "nan": float("nan")}, id="nested-dict"),
+    pytest.param((1, (2, "x"), []), id="tuple"),
+    pytest.param({"t": (1.0, -0.0)}, id="tuple-in-dict"),
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_json_values_round_trip_exactly(value: Any) -> None:
+    buf = wire.encode_bundle_bytes({("task", "val"): value, ("task", "t"): torch.ones(1)})
+    for source in (buf, bytearray(buf)):
+        got = wire.decode_bundle(source)[("task", "val")]
+        assert json_identical(got, as_json(value)), (got, value)
+
+
+def test_negative_zero_keeps_its_sign() -> None:
+    got = round_trip({("t", "z"): -0.0, ("t", "l"): [0.0, -0.0]})
+    assert math.copysign(1.0, got[("t", "z")]) == -1.0
+    assert [math.copysign(1.0, v) for v in got[("t", "l")]] == [1.0, -1.0]
+
+
+def test_bool_stays_bool_and_int_stays_int() -> None:
+    got = round_trip({("t", "b"): True, ("t", "i"): 1, ("t", "f"): 1.0})
+    assert got[("t", "b")] is True
+    assert type(got[("t", "i")]) is int
+    assert type(got[("t", "f")]) is float
+
+
+def test_json_values_ride_in_metadata_as_json_text() -> None:
+    buf = wire.encode_bundle_bytes({("t", "j"): {"a": [1, 2]}, ("t", "x"): torch.zeros(2)})
+    header, _ = split_container(buf)
+    assert json.loads(header["__metadata__"]["t/j"]) == {"a": [1, 2]}
+    assert "t/j" not in header
+    parsed = wire.parse_container(buf)
+    assert set(parsed.json_texts) == {("t", "j")}
+    assert set(parsed.tensors) == {("t", "x")}
+
+
+def test_big_ints_up_to_the_interpreter_limit_round_trip_and_beyond_it_raise() -> None:
+    limit = sys.get_int_max_str_digits()
+    if limit == 0:
+        pytest.skip("the int/str digit limit is disabled in this interpreter")
+    for value in (10 ** (limit - 1), -(10 ** (limit - 1))):
+        assert round_trip({("t", "n"): value})[("t", "n")] == value
+    too_big = 10 ** (limit + 10)
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "n"): too_big}))
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "n"): [1, {"k": -too_big}]}))
+    # A peer sending such a number: the decoder refuses it the same way.
+    forged = container({"__metadata__": {"t/n": "1" * (limit + 10)}})
+    assert_wire_error(lambda: wire.decode_bundle(forged))
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param({1: "a"}, id="int-key"),
+        pytest.param({None: 1}, id="none-key"),
+        pytest.param({True: 1}, id="bool-key"),
+        pytest.param({(1, 2): 1}, id="tuple-key"),
+        pytest.param({"ok": {2.5: 1}}, id="nested-float-key"),
+        pytest.param({1, 2}, id="set"),
+        pytest.param(frozenset(), id="frozenset"),
+        pytest.param([1, {2}], id="set-in-list"),
+        pytest.param(Opaque(), id="object"),
+        pytest.param(object(), id="bare-object"),
+        pytest.param(b"bytes", id="bytes"),
+        pytest.param(bytearray(b"x"), id="bytearray"),
+        pytest.param(1j, id="complex"),
+        pytest.param(range(3), id="range"),
+        pytest.param(print, id="function"),
+        pytest.param(np.int64(3), id="np.int64"),
+        pytest.param(np.int32(3), id="np.int32"),
+        pytest.param(np.uint8(3), id="np.uint8"),
+        pytest.param(np.float32(1.5), id="np.float32"),
+        pytest.param(np.float16(1.5), id="np.float16"),
+        pytest.param(np.bool_(True), id="np.bool_"),
+        pytest.param(np.complex64(1j), id="np.complex64"),
+        pytest.param([np.int64(1)], id="np-scalar-in-list"),
+        pytest.param({"k": np.float32(2.0)}, id="np-scalar-in-dict"),
+        pytest.param("\ud800", id="lone-surrogate"),
+        pytest.param({"\udfff": 1}, id="lone-surrogate-key"),
+    ],
+)
+def test_values_that_are_not_json_raise_at_encode(value: Any) -> None:
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "v"): value}))
+    assert_wire_error(lambda: wire.encode_bundle({("t", "ok"): 1, ("t", "v"): value}))
+
+
+def nested_lists(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def nested_dicts(depth: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+def test_nesting_up_to_the_limit_round_trips() -> None:
+    for value in (nested_lists(wire.MAX_JSON_DEPTH), nested_dicts(wire.MAX_JSON_DEPTH)):
+        got = round_trip({("t", "deep"): value})[("t", "deep")]
+        assert got == value
+
+
+@pytest.mark.parametrize("depth", [wire.MAX_JSON_DEPTH + 5, 500, 100_000])
+def test_excessive_nesting_raises_at_encode(depth: int) -> None:
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "deep"): nested_lists(depth)}))
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "deep"): nested_dicts(depth)}))
+
+
+def test_self_referencing_value_raises_at_encode() -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "loop"): loop}))
+    cyclic: dict[str, Any] = {}
+    cyclic["me"] = cyclic
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "loop"): cyclic}))
+
+
+# --------------------------------------------------------------------------- invalid keys at encode
+
+BAD_IDS = [
+    "",
+    "a" * 201,
+    "a/b",
+    "../x",
+    "..\\x",
+    "a b",
+    "tab\t",
+    "line\n",
+    "é",
+    "🎉",
+    "a\x00",
+    "a,b",
+    "a*",
+    "~home",
+    None,
+    1,
+    1.5,
+    b"ab",
+    ("a",),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_invalid_task_id_or_field_raises_at_encode(bad: Any) -> None:
+    value = torch.zeros(1)
+    assert_wire_error(lambda: wire.encode_bundle_bytes({(bad, "field"): value}))
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("task", bad): 1}))
+    # ShardKey does no checking of its own; the wire must still refuse it.
+    assert_wire_error(lambda: wire.encode_bundle_bytes({ShardKey("task", bad): 1}))
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["ab", "task/field", ("a",), ("a", "b", "c"), (), 1, None, frozenset({"a", "b"})],
+    ids=repr,
+)
+def test_keys_that_are_not_pairs_raise_at_encode(key: Any) -> None:
+    assert_wire_error(lambda: wire.encode_bundle_bytes({key: 1}))
+    assert_wire_error(lambda: wire.encode_bundle_bytes({("ok", "ok"): 1, key: torch.ones(1)}))
+
+
+# --------------------------------------------------------------------------- zero copy and alignment
+
+
+def test_decoding_a_bytearray_is_zero_copy() -> None:
+    bundle = {
+        ("t", "i64"): torch.arange(10, dtype=torch.int64),
+        ("t", "f32"): torch.ones(3, 4),
+        ("t", "u8"): torch.arange(5, dtype=torch.uint8),
+        ("t", "bf16"): torch.randn(7, dtype=torch.bfloat16),
+        ("t", "json"): {"x": 1},
+    }
+    buf = bytearray(wire.encode_bundle_bytes(bundle))
+    out = wire.decode_bundle(buf)
+    base = address(buf)
+    for key in [k for k, v in bundle.items() if isinstance(v, torch.Tensor)]:
+        tensor = out[key]
+        start = tensor.data_ptr() - base
+        assert 0 <= start and start + tensor.nbytes <= len(buf), key
+        before = bits(tensor)
+        buf[start] ^= 0xFF  # writing the buffer changes the tensor...
+        assert bits(tensor) != before
+        assert bits(tensor)[0] == before[0] ^ 0xFF
+        buf[start] ^= 0xFF
+        assert bits(tensor) == before
+    # ...and writing the tensor changes the buffer.
+    ids = out[("t", "i64")]
+    ids[0] = 0x0102030405060708
+    start = ids.data_ptr() - base
+    assert bytes(buf[start : start + 8]) == (0x0102030405060708).to_bytes(8, "little")
+
+
+def test_zero_copy_tensors_pin_the_bytearray() -> None:
+    buf = bytearray(wire.encode_bundle_bytes({("t", "x"): torch.arange(4)}))
+    out = wire.decode_bundle(buf)
+    with pytest.raises(BufferError):  # resizing would leave the tensor pointing at freed memory
+        buf.extend(b"\x00" * 1024)
+    assert torch.equal(out[("t", "x")], torch.arange(4))
+    del out
+    buf.extend(b"\x00")  # released once the tensors are gone
+
+
+def test_decoding_readonly_bytes_copies_and_does_not_warn() -> None:
+    src = torch.arange(16, dtype=torch.float32)
+    buf = wire.encode_bundle_bytes({("t", "x"): src, ("t", "y"): torch.arange(3, dtype=torch.int8)})
+    snapshot = bytes(bytearray(buf))
+    base = address(buf)
+    for source in (buf, memoryview(buf)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("error")
+            out = wire.decode_bundle(source)
+        assert caught == []
+        for tensor in out.values():
+            ptr = tensor.data_ptr()
+            assert not base <= ptr < base + len(buf), "tensor aliases immutable bytes"
+            tensor.add_(1)  # writable: a private copy
+        assert torch.equal(out[("t", "x")], src + 1)
+        assert buf == snapshot
+
+
+def test_parse_container_returns_views_not_copies() -> None:
+    bundle = {("t", "x"): torch.arange(6, dtype=torch.int16), ("t", "e"): torch.zeros(0)}
+    for buf in (wire.encode_bundle_bytes(bundle), bytearray(wire.encode_bundle_bytes(bundle))):
+        parsed = wire.parse_container(buf)
+        for raw in parsed.tensors.values():
+            assert isinstance(raw.data, memoryview)
+            assert raw.data.obj is buf
+        raw = parsed.tensors[("t", "x")]
+        assert raw.dtype == "I16" and raw.shape == (6,) and raw.nbytes == 12
+        assert bytes(raw.data) == bytes(torch.arange(6, dtype=torch.int16).numpy())
+
+
+def _mixed_bundle(task_id: str) -> dict[Any, Any]:
+    bundle: dict[Any, Any] = {}
+    for i, (name, dtype) in enumerate(AVAILABLE):
+        bundle[(task_id, f"{name}.odd")] = random_tensor(dtype, (3,), seed=i)
+        bundle[(task_id, f"{name}.one")] = random_tensor(dtype, (), seed=i + 100)
+        bundle[(task_id, f"{name}.none")] = random_tensor(dtype, (0, 2), seed=i)
+    bundle[(task_id, "json")] = "x" * (len(task_id) % 5)
+    return bundle
+
+
+@pytest.mark.parametrize("id_len", range(1, 33))
+def test_every_encoded_tensor_is_aligned_to_its_element_size(id_len: int) -> None:
+    # Varying the id length walks the header length through every residue mod 16.
+    task_id = "t" * id_len
+    bundle = _mixed_bundle(task_id)
+    buf = wire.encode_bundle_bytes(bundle)
+    header, data = split_container(buf)
+    header_len = len(buf) - len(data) - 8
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        position = 8 + header_len + info["data_offsets"][0]
+        assert position % wire.ITEMSIZE[info["dtype"]] == 0, (name, position)
+    for source in (bytearray(buf), buf):
+        out = wire.decode_bundle(source)
+        for key, tensor in out.items():
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                assert tensor.data_ptr() % tensor.element_size() == 0, key
+        assert_bundle_equal(out, bundle)
+
+
+def test_misaligned_but_valid_container_decodes_to_aligned_tensors() -> None:
+    f32 = np.array([1.5, -2.0], dtype=np.float32).tobytes()
+    f64 = np.array([3.25], dtype=np.float64).tobytes()
+    c128 = np.array([1 + 2j], dtype=np.complex128).tobytes()
+    header = {
+        "a/u8": entry("U8", [1], 0, 1),
+        "a/f32": entry("F32", [2], 1, 9),
+        "a/f64": entry("F64", [1], 9, 17),
+        "a/c128": entry("C128", [1], 17, 33),
+    }
+    buf = container(header, b"\x07" + f32 + f64 + c128)
+    for source in (bytearray(buf), buf):
+        out = wire.decode_bundle(source)
+        for tensor in out.values():
+            assert tensor.data_ptr() % tensor.element_size() == 0
+        assert out[("a", "u8")].tolist() == [7]
+        assert out[("a", "f32")].tolist() == [1.5, -2.0]
+        assert out[("a", "f64")].tolist() == [3.25]
+        assert out[("a", "c128")].tolist() == [1 + 2j]
+
+
+def test_decoding_an_offset_memoryview_of_a_bytearray() -> None:
+    inner = wire.encode_bundle_bytes({("t", "x"): torch.arange(3, dtype=torch.float64), ("t", "j"): [1]})
+    for shift in range(8):
+        outer = bytearray(b"\xee" * shift) + bytearray(inner) + bytearray(b"\xee" * 3)
+        view = memoryview(outer)[shift : shift + len(inner)]
+        out = wire.decode_bundle(view)
+        assert out[("t", "x")].tolist() == [0.0, 1.0, 2.0]
+        assert out[("t", "x")].data_ptr() % 8 == 0
+        assert out[("t", "j")] == [1]
+
+
+# --------------------------------------------------------------------------- safetensors interop
+
+
+def _safetensors_supports(dtype: torch.dtype) -> bool:
+    try:
+        safetensors.torch.load(safetensors.torch.save({"p/q": random_tensor(dtype, (2,))}))
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("name", "dtype"), DTYPE_PARAMS)
+def test_our_containers_load_with_safetensors(name: str, dtype: torch.dtype) -> None:
+    if not _safetensors_supports(dtype):
+        if name == "C128":
+            pytest.skip("C128 is our extension; the safetensors spec has no complex128")
+        pytest.skip(f"safetensors {safetensors.__version__} cannot load {name} at all")
+    bundle = {
+        ("task-1", "x"): random_tensor(dtype, (3, 4), seed=1),
+        ("task-2", "x"): random_tensor(dtype, (0,)),
+    }
+    bundle[("task-3", "scalar")] = random_tensor(dtype, (), seed=3)
+    loaded = safetensors.torch.load(wire.encode_bundle_bytes(bundle))
+    assert set(loaded) == {"task-1/x", "task-2/x", "task-3/scalar"}
+    for (task_id, field), tensor in bundle.items():
+        assert_identical(loaded[f"{task_id}/{field}"], tensor)
+    # And our dtype name is the one safetensors itself writes.
+    theirs, _ = split_container(safetensors.torch.save({"p/q": bundle[("task-1", "x")]}))
+    assert theirs["p/q"]["dtype"] == name
+
+
+@pytest.mark.parametrize(("name", "dtype"), DTYPE_PARAMS)
+def test_safetensors_containers_decode_with_ours(name: str, dtype: torch.dtype) -> None:
+    if not _safetensors_supports(dtype):
+        pytest.skip(f"safetensors {safetensors.__version__} cannot write {name}")
+    tensors = {"t1/x": random_tensor(dtype, (2, 5), seed=5), "t2/x": random_tensor(dtype, (0, 3))}
+    tensors["t3/y"] = random_tensor(dtype, (), seed=6)
+    buf = safetensors.torch.save(tensors)
+    out = wire.decode_bundle(buf)
+    assert set(out) == {ShardKey("t1", "x"), ShardKey("t2", "x"), ShardKey("t3", "y")}
+    for tensor_name, tensor in tensors.items():
+        assert_identical(out[ShardKey(*tensor_name.split("/"))], tensor)
+
+
+def test_mixed_bundle_interop_both_ways_with_metadata(tmp_path: Any) -> None:
+    supported = [(n, d) for n, d in AVAILABLE if _safetensors_supports(d)]
+    tensors = {
+        f"task-{i}/{n}": random_tensor(d, (i % 3 + 1, 2), seed=i) for i, (n, d) in enumerate(supported)
+    }
+    ours = wire.encode_bundle_bytes(
+        {**{tuple(k.split("/")): v for k, v in tensors.items()}, ("task-0", "uid"): {"a": [1, "é"]}}
+    )
+    path = tmp_path / "ours.safetensors"
+    path.write_bytes(ours)
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        assert set(handle.keys()) == set(tensors)
+        meta = handle.metadata()
+        assert json.loads(meta["task-0/uid"]) == {"a": [1, "é"]}
+        for name, tensor in tensors.items():
+            assert_identical(handle.get_tensor(name), tensor)
+    # safetensors-written, JSON shards carried in its metadata.
+    theirs = safetensors.torch.save(tensors, metadata={"format": "pt", "task-0/uid": '{"a":[1,"é"]}'})
+    out = wire.decode_bundle(theirs)
+    assert out[("task-0", "uid")] == {"a": [1, "é"]}
+    for name, tensor in tensors.items():
+        assert_identical(out[ShardKey(*name.split("/"))], tensor)
+
+
+# --------------------------------------------------------------------------- raw layer
+
+
+def test_raw_layer_round_trip_without_torch_values() -> None:
+    tensors = {
+        ShardKey("a", "f"): wire.RawTensor("F32", (2,), b"\x00\x00\x80?\x00\x00\x00@"),
+        ShardKey("a", "e"): wire.RawTensor("C128", (0, 3), b""),
+        ShardKey("b", "f"): wire.RawTensor("U8", (3,), bytearray(b"xyz")),
+    }
+    texts = {ShardKey("a", "j"): '{"k":[1,2]}', ShardKey("b", "j"): "NaN"}
+    buf = wire.join_parts(wire.build_container(tensors, texts))
+    parsed = wire.parse_container(buf)
+    assert parsed.json_texts == texts
+    assert set(parsed.tensors) == set(tensors)
+    for key, raw in tensors.items():
+        got = parsed.tensors[key]
+        assert (got.dtype, got.shape, bytes(got.data)) == (raw.dtype, raw.shape, bytes(raw.data))
+    decoded = wire.decode_bundle(buf)
+    assert decoded[("a", "f")].tolist() == [1.0, 2.0]
+    assert math.isnan(decoded[("b", "j")])
+
+
+# --------------------------------------------------------------------------- accepted oddities
+
+
+def test_extra_header_padding_and_free_form_metadata_are_accepted() -> None:
+    header = {
+        "__metadata__": {"format": "pt", "creator": "someone else"},
+        "b/x": entry("U8", [2], 4, 6),
+        "a/x": entry("F32", [1], 0, 4),
+        "c/e": entry("F64", [0, 7], 6, 6),
+    }
+    head = json.dumps(header).encode() + b" " * 37
+    buf = len(head).to_bytes(8, "little") + head + np.float32(0.5).tobytes() + b"\x01\x02"
+    out = wire.decode_bundle(buf)
+    assert out[("a", "x")].tolist() == [0.5]
+    assert out[("b", "x")].tolist() == [1, 2]
+    assert tuple(out[("c", "e")].shape) == (0, 7)
+    assert len(out) == 3
+
+
+def test_null_metadata_is_accepted_like_safetensors_does() -> None:
+    out = wire.decode_bundle(container({"__metadata__": None, "a/x": entry("I8", [1], 0, 1)}, b"\xff"))
+    assert list(out) == [("a", "x")]
+    assert_identical(out[("a", "x")], torch.tensor([-1], dtype=torch.int8))
+
+
+def test_header_only_container_is_an_empty_bundle() -> None:
+    assert wire.decode_bundle(container({})) == {}
+    assert wire.decode_bundle(container({"__metadata__": {"format": "pt"}})) == {}
+
+
+# --------------------------------------------------------------------------- malformed containers
+
+ONE = {"a/x": entry("U8", [4], 0, 4)}
+MAX_HEADER = wire.MAX_HEADER_BYTES
+
+MALFORMED: dict[str, bytes] = {
+    # framing
+    "empty": b"",
+    "one-byte": b"\x00",
+    "seven-bytes": b"\x00" * 7,
+    "length-only-zero": b"\x00" * 8,
+    "header-length-past-end": container(b"{}", length=100),
+    "header-length-one-past-end": (9).to_bytes(8, "little") + b"{}      ",
+    "header-length-over-max": (MAX_HEADER + 1).to_bytes(8, "little") + b"{}",
+    "header-length-2**64-1": b"\xff" * 8 + b"{}",
+    "header-length-2**63": (2**63).to_bytes(8, "little") + b"{}",
+    # header text
+    "non-utf8": container(b'{"a/x": "\xff\xfe"}'),
+    "truncated-utf8": container(b'{"\xe2\x82": 1}'),
+    "utf8-bom": container(b"\xef\xbb\xbf{}"),
+    "invalid-json": container(b'{"a/x": '),
+    "json-trailing-garbage": container(b"{} {}"),
+    "json-single-quotes": container(b"{'a': 1}"),
+    "empty-header": container(b"", pad=False),
+    "spaces-only-header": container(b"        ", pad=False),
+    "nul-header": container(b"\x00" * 8, pad=False),
+    "deeply-nested-header": container(b"[" * 200_000 + b"]" * 200_000),
+    "header-array": container([]),
+    "header-string": container("x"),
+    "header-number": container(1),
+    "header-null": container(None),
+    "header-true": container(True),
+    "duplicate-tensor-names": container(
+        b'{"a/x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},'
+        b' "a/x": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}',
+        b"\x00\x00",
+    ),
+    "duplicate-key-in-entry": container(
+        b'{"a/x": {"dtype": "U8", "dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"\x00"
+    ),
+    "duplicate-metadata-key": container(b'{"__metadata__": {"a/j": "1", "a/j": "2"}}'),
+    "duplicate-metadata-object": container(b'{"__metadata__": {}, "__metadata__": {}}'),
+    # tensor entries
+    "entry-not-object": container({"a/x": [0, 1]}),
+    "entry-null": container({"a/x": None}),
+    "entry-string": container({"a/x": "U8"}),
+    "entry-empty-object": container({"a/x": {}}),
+    "unknown-dtype": container({"a/x": entry("F128", [1], 0, 16)}, b"\x00" * 16),
+    "lowercase-dtype": container({"a/x": entry("f32", [1], 0, 4)}, b"\x00" * 4),
+    "torch-style-dtype": container({"a/x": entry("float32", [1], 0, 4)}, b"\x00" * 4),
+    "dtype-missing": container({"a/x": {"shape": [1], "data_offsets": [0, 1]}}, b"\x00"),
+    "dtype-null": container({"a/x": entry(None, [1], 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "dtype-number": container({"a/x": entry(1, [1], 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "dtype-list": container({"a/x": entry(["U8"], [1], 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "dtype-object": container({"a/x": entry({"U8": 1}, [1], 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "shape-negative": container({"a/x": entry("U8", [-1], 0, 0)}),
+    "shape-negative-pair": container({"a/x": entry("U8", [-2, -2], 0, 4)}, b"\x00" * 4),
+    "shape-float": container({"a/x": entry("U8", [1.0], 0, 1)}, b"\x00"),
+    "shape-string": container({"a/x": entry("U8", ["1"], 0, 1)}, b"\x00"),
+    "shape-bool": container({"a/x": entry("U8", [True], 0, 1)}, b"\x00"),
+    "shape-null-dim": container({"a/x": entry("U8", [None], 0, 1)}, b"\x00"),
+    "shape-nested": container({"a/x": entry("U8", [[1]], 0, 1)}, b"\x00"),
+    "shape-not-list": container({"a/x": entry("U8", 1, 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "shape-null": container({"a/x": entry("U8", None, 0, 1)}, b"\x00"),  # type: ignore[arg-type]
+    "shape-missing": container({"a/x": {"dtype": "U8", "data_offsets": [0, 1]}}, b"\x00"),
+    "shape-too-many-dims": container({"a/x": entry("U8", [1] * (wire.MAX_DIMS + 1), 0, 1)}, b"\x00"),
+    "shape-huge-dim": container({"a/x": entry("U8", [2**70], 0, 1)}, b"\x00"),
+    "offsets-past-end": container({"a/x": entry("U8", [4], 0, 4)}, b"\x00" * 3),
+    "offsets-far-past-end": container({"a/x": entry("U8", [1], 10**30, 10**30 + 1)}, b"\x00"),
+    "offsets-start-after-end": container({"a/x": entry("U8", [0], 3, 2)}, b"\x00" * 3),
+    "offsets-reversed": container({"a/x": entry("U8", [2], 2, 0)}, b"\x00" * 2),
+    "offsets-negative": container({"a/x": entry("U8", [1], -1, 0)}, b"\x00"),
+    "offsets-float": container({"a/x": entry("U8", [1], 0.0, 1.0)}, b"\x00"),
+    "offsets-bool": container({"a/x": entry("U8", [1], False, True)}, b"\x00"),
+    "offsets-string": container({"a/x": entry("U8", [1], "0", "1")}, b"\x00"),
+    "offsets-three": container({"a/x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 1]}}, b"\x00"),
+    "offsets-one": container({"a/x": {"dtype": "U8", "shape": [0], "data_offsets": [0]}}),
+    "offsets-object": container({"a/x": {"dtype": "U8", "shape": [1], "data_offsets": {"0": 1}}}, b"\x00"),
+    "offsets-missing": container({"a/x": {"dtype": "U8", "shape": [1]}}, b"\x00"),
+    "overlapping": container({"a/x": entry("U8", [4], 0, 4), "a/y": entry("U8", [4], 2, 6)}, b"\x00" * 6),
+    "same-span-twice": container({"a/x": entry("U8", [4], 0, 4), "a/y": entry("U8", [4], 0, 4)}, b"\x00" * 4),
+    "contained-span": container({"a/x": entry("U8", [8], 0, 8), "a/y": entry("U8", [2], 3, 5)}, b"\x00" * 8),
+    "empty-inside-another": container(
+        {"a/x": entry("U8", [8], 0, 8), "a/y": entry("U8", [0], 4, 4)}, b"\x00" * 8
+    ),
+    "gap-between-tensors": container(
+        {"a/x": entry("U8", [4], 0, 4), "a/y": entry("U8", [4], 6, 10)}, b"\x00" * 10
+    ),
+    "gap-at-start": container({"a/x": entry("U8", [4], 2, 6)}, b"\x00" * 6),
+    "trailing-bytes": container(ONE, b"\x00" * 6),
+    "trailing-byte": container(ONE, b"\x00" * 5),
+    "data-without-tensors": container({}, b"\x00\x01"),
+    "data-with-only-json": container({"__metadata__": {"a/j": "1"}}, b"\x00"),
+    "size-mismatch-small": container({"a/x": entry("F32", [2], 0, 4)}, b"\x00" * 4),
+    "size-mismatch-large": container({"a/x": entry("F32", [1], 0, 8)}, b"\x00" * 8),
+    "size-mismatch-empty-shape": container({"a/x": entry("F32", [0], 0, 4)}, b"\x00" * 4),
+    "size-mismatch-scalar": container({"a/x": entry("C128", [], 0, 8)}, b"\x00" * 8),
+    "truncated-data": container({"a/x": entry("F64", [2], 0, 16)}, b"\x00" * 15),
+    # metadata
+    "metadata-list": container({"__metadata__": []}),
+    "metadata-list-of-pairs": container({"__metadata__": [["a/j", "1"]]}),
+    "metadata-string": container({"__metadata__": "x"}),
+    "metadata-empty-string": container({"__metadata__": ""}),
+    "metadata-zero": container({"__metadata__": 0}),
+    "metadata-false": container({"__metadata__": False}),
+    "metadata-int-value": container({"__metadata__": {"format": 1}}),
+    "metadata-null-value": container({"__metadata__": {"format": None}}),
+    "metadata-object-value": container({"__metadata__": {"a/j": {"x": 1}}}),
+    "metadata-list-value": container({"__metadata__": {"a/j": ["1"]}}),
+    "json-shard-invalid": container({"__metadata__": {"a/j": "{"}}),
+    "json-shard-empty": container({"__metadata__": {"a/j": ""}}),
+    "json-shard-trailing": container({"__metadata__": {"a/j": "1 2"}}),
+    "json-shard-python-literal": container({"__metadata__": {"a/j": "None"}}),
+    "json-shard-too-deep": container({"__metadata__": {"a/j": "[" * 100_000 + "]" * 100_000}}),
+    "json-shard-non-utf8-escape": container({"__metadata__": {"a/j": '"\\x41"'}}),
+    "tensor-and-json-same-name": container({"__metadata__": {"a/x": "1"}, **ONE}, b"\x00" * 4),
+}
+
+BAD_NAMES = {
+    "path-traversal": "../x/y",
+    "absolute-path": "/etc/passwd",
+    "empty": "",
+    "slash-only": "/",
+    "no-slash": "taskfield",
+    "empty-task": "/field",
+    "empty-field": "task/",
+    "three-parts": "a/b/c",
+    "task-201-chars": "t" * 201 + "/f",
+    "field-201-chars": "t/" + "f" * 201,
+    "space": "a b/c",
+    "backslash": "a\\b/c",
+    "unicode": "tâche/f",
+    "newline": "a/b\n",
+    "nul": "a\x00/b",
+    "double-slash": "a//b",
+}
+for _label, _name in BAD_NAMES.items():
+    MALFORMED[f"tensor-name-{_label}"] = container({_name: entry("U8", [1], 0, 1)}, b"\x00")
+    if "/" in _name:  # names without "/" are free-form metadata, not shards
+        MALFORMED[f"json-name-{_label}"] = container({"__metadata__": {_name: "1"}})
+
+
+@pytest.mark.parametrize("label", sorted(MALFORMED))
+def test_malformed_container_raises_wire_format_error(label: str) -> None:
+    buf = MALFORMED[label]
+    for source in (buf, bytearray(buf), memoryview(buf)):
+        assert_wire_error(lambda source=source: wire.parse_container(source))
+        assert_wire_error(lambda source=source: wire.decode_bundle(source))
+
+
+def test_error_messages_say_what_is_wrong() -> None:
+    def message(label: str) -> str:
+        return str(assert_wire_error(lambda: wire.decode_bundle(MALFORMED[label]))).lower()
+
+    assert "truncated" in message("seven-bytes")
+    assert "exceeds" in message("header-length-over-max")
+    assert "past the end" in message("header-length-past-end")
+    assert "json" in message("invalid-json")
+    assert "duplicate" in message("duplicate-tensor-names")
+    assert "dtype" in message("unknown-dtype")
+    assert "shape" in message("shape-negative")
+    assert "overlap" in message("overlapping")
+    assert "gap" in message("gap-between-tensors")
+    assert "both" in message("tensor-and-json-same-name")
+    assert "__metadata__" in message("metadata-int-value")
+    assert "x/y" in message("tensor-name-path-traversal")
+
+
+# --------------------------------------------------------------------------- hypothesis: round trips
+
+ids = st.text(alphabet=ID_ALPHABET, min_size=1, max_size=200)
+short_ids = st.text(alphabet=ID_ALPHABET, min_size=1, max_size=12)
+keys = st.tuples(st.one_of(short_ids, ids), st.one_of(short_ids, ids))
+shapes = st.lists(st.integers(0, 4), max_size=4).map(tuple)
+tensors = st.builds(random_tensor, st.sampled_from(AVAILABLE_DTYPES), shapes, st.integers(0, 2**31))
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.floats(),  # NaN, +-inf and -0.0 included; compared with json_identical
+    st.text(),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=8), children, max_size=4),
+    ),
+    max_leaves=12,
+)
+bundles = st.dictionaries(keys, st.one_of(tensors, json_values), max_size=8)
+
+
+@ROUND_TRIP
+@given(bundle=bundles)
+def test_property_random_bundles_round_trip(bundle: dict[Any, Any]) -> None:
+    buf = wire.encode_bundle_bytes(bundle)
+    assert_bundle_equal(wire.decode_bundle(buf), bundle)
+    out = wire.decode_bundle(bytearray(buf))
+    assert_bundle_equal(out, bundle)
+    parsed = wire.parse_container(buf)
+    assert len(parsed) == len(bundle)
+    assert set(parsed.tensors) == {k for k, v in bundle.items() if isinstance(v, torch.Tensor)}
+    # Re-encoding what we decoded gives back the very same bytes.
+    assert wire.encode_bundle_bytes(out) == buf
+
+
+@ROUND_TRIP
+@given(bundle=bundles)
+def test_property_raw_layer_reencodes_identically(bundle: dict[Any, Any]) -> None:
+    buf = wire.encode_bundle_bytes(bundle)
+    parsed = wire.parse_container(buf)
+    again = wire.join_parts(wire.build_container(parsed.tensors, parsed.json_texts))
+    assert again == buf
+
+
+bad_chars = st.characters(exclude_characters=ID_ALPHABET)
+
+
+@FUZZ
+@given(
+    good=short_ids,
+    bad=st.one_of(
+        st.builds(
+            lambda a, c, b: a + c + b, st.text(ID_ALPHABET, max_size=5), bad_chars, st.text(max_size=5)
+        ),
+        st.text(alphabet=ID_ALPHABET, min_size=201, max_size=260),
+        st.just(""),
+    ),
+    field_side=st.booleans(),
+)
+def test_property_ids_outside_the_alphabet_raise_at_encode(good: str, bad: str, field_side: bool) -> None:
+    key = (good, bad) if field_side else (bad, good)
+    assert_wire_error(lambda: wire.encode_bundle_bytes({key: 1}))
+
+
+# --------------------------------------------------------------------------- hypothesis: fuzzing
+
+
+def check_decode_is_total(buf: bytes) -> None:
+    """`parse_container` and `decode_bundle` agree: both succeed, or both raise WireFormatError."""
+    try:
+        parsed = wire.parse_container(buf)
+    except WireFormatError:
+        parsed = None
+    except Exception as exc:  # pragma: no cover - the failure being looked for
+        raise AssertionError(f"parse_container raised {type(exc).__name__}: {exc}") from exc
+    try:
+        decoded = wire.decode_bundle(buf)
+    except WireFormatError:
+        decoded = None
+    except Exception as exc:  # pragma: no cover - the failure being looked for
+        raise AssertionError(f"decode_bundle raised {type(exc).__name__}: {exc}") from exc
+    assert (parsed is None) == (decoded is None)
+    if parsed is None or decoded is None:
+        return
+    assert set(decoded) == set(parsed.tensors) | set(parsed.json_texts)
+    for key, raw in parsed.tensors.items():
+        tensor = decoded[key]
+        assert isinstance(tensor, torch.Tensor)
+        assert tuple(tensor.shape) == raw.shape
+        assert tensor.dtype == wire.torch_dtype(raw.dtype)
+        assert tensor.nbytes == raw.nbytes
+        if tensor.numel():
+            assert tensor.data_ptr() % tensor.element_size() == 0
+            assert bits(tensor) == bytes(raw.data)
+    for key, text in parsed.json_texts.items():
+        assert json_identical(decoded[key], json.loads(text))
+
+
+def _valid_containers() -> list[bytes]:
+    out = [
+        wire.encode_bundle_bytes({}),
+        wire.encode_bundle_bytes({("a", "x"): torch.arange(4, dtype=torch.uint8)}),
+        wire.encode_bundle_bytes({("a", "j"): {"k": [1, 2.5, None, "é"]}}),
+        wire.encode_bundle_bytes(
+            {
+                ("t1", "ids"): torch.arange(5, dtype=torch.int64),
+                ("t1", "lp"): torch.randn(5, dtype=torch.bfloat16),
+                ("t1", "mask"): torch.tensor([True, False]),
+                ("t2", "ids"): torch.zeros(0, 3, dtype=torch.int32),
+                ("t2", "c"): torch.ones(2, dtype=torch.complex128),
+                ("t2", "uid"): "u-1",
+                ("t3", "r"): float("nan"),
+            }
+        ),
+        safetensors.torch.save(
+            {"s/x": torch.arange(6.0).reshape(2, 3), "s/y": torch.ones(3, dtype=torch.int16)}
+        ),
+    ]
+    return out
+
+
+VALID_CONTAINERS = _valid_containers()
+
+
+def test_fuzz_seed_containers_are_valid() -> None:
+    for buf in VALID_CONTAINERS:
+        wire.parse_container(buf)
+        wire.decode_bundle(buf)
+
+
+@FUZZ
+@given(buf=st.binary(max_size=400))
+def test_fuzz_random_bytes(buf: bytes) -> None:
+    check_decode_is_total(buf)
+
+
+@FUZZ
+@given(header=st.binary(max_size=300), data=st.binary(max_size=64), slack=st.integers(-3, 3))
+def test_fuzz_random_header_bytes_with_a_plausible_length(header: bytes, data: bytes, slack: int) -> None:
+    length = max(0, len(header) + slack)
+    check_decode_is_total(length.to_bytes(8, "little") + header + data)
+
+
+any_json = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(),
+        st.text(max_size=10),
+        st.sampled_from(sorted(wire.ITEMSIZE)),
+        st.sampled_from(["a/x", "t1/ids", "__metadata__", "format", "dtype", "shape", "data_offsets"]),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=10,
+)
+
+
+@FUZZ
+@given(header=st.dictionaries(st.text(max_size=12), any_json, max_size=5), data=st.binary(max_size=40))
+def test_fuzz_random_json_headers(header: dict[str, Any], data: bytes) -> None:
+    check_decode_is_total(container(header, data))
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found += _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _paths(v, (*prefix, i))
+    return found
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_structural_header_mutations(data: st.DataObject) -> None:
+    buf = data.draw(st.sampled_from(VALID_CONTAINERS))
+    header, body = split_container(buf)
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = _paths(header)
+        action = data.draw(st.sampled_from(["replace", "delete", "add"] if paths else ["add"]))
+        if action == "add":
+            parents = [p for p in [(), *paths] if isinstance(_get(header, p), dict)]
+            parent = _get(header, data.draw(st.sampled_from(parents)))
+            parent[data.draw(st.one_of(st.text(max_size=8), st.sampled_from(["a/x", "dtype", "shape"])))] = (
+                data.draw(any_json)
+            )
+            continue
+        path = data.draw(st.sampled_from(paths))
+        parent = _get(header, path[:-1])
+        if action == "delete":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = data.draw(any_json)
+    body = data.draw(st.sampled_from([body, body[:-1], body + b"\x00", b""]))
+    check_decode_is_total(container(header, body, pad=data.draw(st.booleans())))
+
+
+def _get(node: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        node = node[step]
+    return node
+
+
+mutation = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
+    st.tuples(st.just("set"), st.integers(0, 10**6), st.integers(0, 255)),
+    st.tuples(st.just("truncate"), st.integers(0, 10**6)),
+    st.tuples(st.just("insert"), st.integers(0, 10**6), st.binary(min_size=1, max_size=16)),
+    st.tuples(st.just("delete"), st.integers(0, 10**6), st.integers(1, 16)),
+    st.tuples(st.just("splice"), st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 32)),
+)
+
+
+def _mutate(buf: bytes, op: tuple[Any, ...]) -> bytes:
+    out = bytearray(buf)
+    if not out:
+        return bytes(out) + (op[-1] if op[0] == "insert" else b"")
+    kind, pos = op[0], op[1] % (len(out) + 1)
+    if kind == "flip" and pos < len(out):
+        out[pos] ^= 1 << op[2]
+    elif kind == "set" and pos < len(out):
+        out[pos] = op[2]
+    elif kind == "truncate":
+        del out[pos:]
+    elif kind == "insert":
+        out[pos:pos] = op[2]
+    elif kind == "delete":
+        del out[pos : pos + op[2]]
+    elif kind == "splice":  # copy a chunk of the container over another place in it
+        src = op[2] % len(out)
+        out[pos : pos + op[3]] = out[src : src + op[3]]
+    return bytes(out)
+
+
+@FUZZ
+@given(buf=st.sampled_from(VALID_CONTAINERS), ops=st.lists(mutation, min_size=1, max_size=4))
+def test_fuzz_byte_mutations_of_valid_containers(buf: bytes, ops: list[tuple[Any, ...]]) -> None:
+    for op in ops:
+        buf = _mutate(buf, op)
+    check_decode_is_total(buf)
+
+
+@FUZZ
+@given(
+    buf=st.sampled_from(VALID_CONTAINERS),
+    pos=st.integers(0, 7),
+    value=st.integers(0, 255),
+)
+def test_fuzz_header_length_field(buf: bytes, pos: int, value: int) -> None:
+    mutated = bytearray(buf)
+    mutated[pos] = value
+    check_decode_is_total(bytes(mutated))
