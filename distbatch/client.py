@@ -15,6 +15,7 @@ import os
 import random
 import re
 import threading
+import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
@@ -410,24 +411,25 @@ class ShardClient:
         return requests
 
     async def _put_encoded(self, node: str, requests: list[tuple[list[ShardKey], bytes]]) -> PutResult:
+        if len(requests) == 1:
+            reply = await self._request(node, "PUT", "/v1/shards", body=requests[0][1])
+            return PutResult(reply["stored"], reply["bytes"])
+        # Several requests: stage them, then commit once, so the call stores all
+        # or nothing and never touches existing shards before it succeeds.
+        stage = uuid.uuid4().hex
         results = await asyncio.gather(
-            *(self._request(node, "PUT", "/v1/shards", body=body) for _, body in requests),
+            *(self._request(node, "PUT", f"/v1/shards?stage={stage}", body=body) for _, body in requests),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            # Requests are atomic one by one; undo the ones that landed so the
-            # call as a whole stores all or nothing.
-            landed = [
-                k for (keys, _), r in zip(requests, results) if not isinstance(r, BaseException) for k in keys
-            ]
-            if landed:
-                try:
-                    await self._delete(node, keys=landed)
-                except NodeError:
-                    pass  # the original failure is what the caller needs to see
+            try:
+                await self._request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
+            except NodeError:
+                pass  # the stage expires on the worker; the original failure is what matters
             raise failures[0]
-        return PutResult(sum(r["stored"] for r in results), sum(r["bytes"] for r in results))
+        reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
+        return PutResult(reply["stored"], reply["bytes"])
 
     def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""

@@ -16,7 +16,7 @@ from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.meta import MetaFormatError
 from rpc_server.errors import EngineCallFailed, UnknownMethodError
 from rpc_server.metrics import Metrics
-from rpc_server.store import MissingShardsError, ShardStore, StoreCapacityError
+from rpc_server.store import MissingShardsError, ShardStore, StoreCapacityError, UnknownStageError
 
 if TYPE_CHECKING:
     from rpc_server.engine import EngineHost
@@ -155,6 +155,10 @@ def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(StoreCapacityError)
     def _capacity_error(exc: StoreCapacityError) -> Response:
         return error_response(507, "insufficient_storage", str(exc))
+
+    @app.errorhandler(UnknownStageError)
+    def _stage_error(exc: UnknownStageError) -> Response:
+        return error_response(404, "unknown_stage", str(exc))
 
     @app.errorhandler(MissingShardsError)
     def _missing_error(exc: MissingShardsError) -> Response:

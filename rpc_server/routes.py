@@ -96,8 +96,29 @@ def put_shards() -> Response:
     }
     for key, text in container.json_texts.items():
         shards[key] = StoredShard(None, (), text.encode())
+    stage_id = request.args.get("stage")
+    if stage_id is not None:
+        staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), shards)
+        return jsonify({"staged": staged, "bytes": nbytes})
     stored, nbytes = state().store.put(shards)
     return jsonify({"stored": stored, "bytes": nbytes})
+
+
+def _stage_id_from_body() -> str:
+    return validate_id(_read_json_body().get("stage"), "stage")
+
+
+@data_routes.post("/v1/shards/commit")
+def commit_stage() -> Response:
+    """Make a staged multi-request put visible, all at once (idempotent)."""
+    stored, nbytes = state().store.commit(_stage_id_from_body())
+    return jsonify({"stored": stored, "bytes": nbytes})
+
+
+@data_routes.post("/v1/shards/abort")
+def abort_stage() -> Response:
+    """Drop a staged put (idempotent)."""
+    return jsonify({"aborted": state().store.abort(_stage_id_from_body())})
 
 
 @data_routes.post("/v1/shards/fetch")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ class StoreCapacityError(Exception):
     """The put would exceed the store's capacity; nothing was stored."""
 
 
+class UnknownStageError(Exception):
+    """A commit or abort named a stage that does not exist (never staged, or expired)."""
+
+
 class MissingShardsError(Exception):
     """Some requested keys are not stored."""
 
@@ -44,27 +49,35 @@ class StoreStats:
     tasks: int
     bytes: int
     capacity: int | None
+    staged_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | None]:
         return {
+            "staged_bytes": self.staged_bytes,
             "shards": self.shards,
             "tasks": self.tasks,
             "bytes": self.bytes,
             "capacity": self.capacity,
-            "free": None if self.capacity is None else self.capacity - self.bytes,
+            "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
         }
 
 
 class ShardStore:
     """Shards keyed by task id then field; every public method is atomic."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(self, max_bytes: int | None = None, stage_ttl: float = 600.0) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
+        self.stage_ttl = stage_ttl
         self._tasks: dict[str, dict[str, StoredShard]] = {}
         self._shard_count = 0
         self._bytes = 0
+        # Puts split over several requests are staged, then committed at once.
+        # Staged bytes count against capacity so that a commit cannot overflow.
+        self._stages: dict[str, tuple[float, dict[ShardKey, StoredShard]]] = {}
+        self._staged_bytes = 0
+        self._committed: dict[str, tuple[float, tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
     def put(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
@@ -84,15 +97,83 @@ class ShardStore:
                 else:
                     replaced += old.nbytes
             after = self._bytes + incoming - replaced
-            if self.max_bytes is not None and after > self.max_bytes:
-                raise StoreCapacityError(
-                    f"storing {incoming} bytes would use {after} of {self.max_bytes} bytes"
-                )
-            for (task_id, field), shard in shards.items():
-                self._tasks.setdefault(task_id, {})[field] = shard
-            self._bytes = after
-            self._shard_count += new_keys
+            self._check_capacity(after + self._staged_bytes, incoming)
+            self._apply(shards, after, new_keys)
         return len(shards), incoming
+
+    def _check_capacity(self, would_use: int, incoming: int) -> None:
+        if self.max_bytes is not None and would_use > self.max_bytes:
+            raise StoreCapacityError(
+                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes"
+            )
+
+    def _apply(self, shards: Mapping[ShardKey, StoredShard], after: int, new_keys: int) -> None:
+        for (task_id, field), shard in shards.items():
+            self._tasks.setdefault(task_id, {})[field] = shard
+        self._bytes = after
+        self._shard_count += new_keys
+
+    def _expire_stages(self, now: float) -> None:
+        for stage_id, (touched, shards) in list(self._stages.items()):
+            if now - touched > self.stage_ttl:
+                del self._stages[stage_id]
+                self._staged_bytes -= sum(s.nbytes for s in shards.values())
+        for stage_id, (done, _) in list(self._committed.items()):
+            if now - done > self.stage_ttl:
+                del self._committed[stage_id]
+
+    def stage(self, stage_id: str, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
+        """Hold shards under `stage_id` until `commit`; invisible to fetches until then.
+
+        Re-staging a key replaces it (retries are safe). Staged bytes are
+        reserved against capacity. Stages untouched for `stage_ttl` seconds
+        are dropped.
+        """
+        incoming = sum(s.nbytes for s in shards.values())
+        with self._lock:
+            now = time.monotonic()
+            self._expire_stages(now)
+            if stage_id in self._committed:
+                raise UnknownStageError(f"stage {stage_id!r} is already committed")
+            _, staged = self._stages.get(stage_id, (now, {}))
+            released = sum(staged[k].nbytes for k in shards if k in staged)
+            self._check_capacity(self._bytes + self._staged_bytes + incoming - released, incoming)
+            staged.update(shards)
+            self._stages[stage_id] = (now, staged)
+            self._staged_bytes += incoming - released
+        return len(shards), incoming
+
+    def commit(self, stage_id: str) -> tuple[int, int]:
+        """Store everything staged under `stage_id` at once; idempotent for a while after."""
+        with self._lock:
+            now = time.monotonic()
+            self._expire_stages(now)
+            if stage_id in self._committed:
+                return self._committed[stage_id][1]
+            if stage_id not in self._stages:
+                raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
+            _, staged = self._stages.pop(stage_id)
+            incoming = sum(s.nbytes for s in staged.values())
+            self._staged_bytes -= incoming
+            replaced = new_keys = 0
+            for task_id, field in staged:
+                old = self._tasks.get(task_id, {}).get(field)
+                if old is None:
+                    new_keys += 1
+                else:
+                    replaced += old.nbytes
+            # Capacity was reserved when staging, and replacing only frees bytes.
+            self._apply(staged, self._bytes + incoming - replaced, new_keys)
+            result = (len(staged), incoming)
+            self._committed[stage_id] = (now, result)
+        return result
+
+    def abort(self, stage_id: str) -> int:
+        """Drop a stage; returns how many shards it held (0 if none). Idempotent."""
+        with self._lock:
+            _, staged = self._stages.pop(stage_id, (0.0, {}))
+            self._staged_bytes -= sum(s.nbytes for s in staged.values())
+        return len(staged)
 
     def get(self, keys: Iterable[ShardKey]) -> list[StoredShard]:
         """The shards for `keys`, in order; `MissingShardsError` lists any absent."""
@@ -142,7 +223,9 @@ class ShardStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return StoreStats(self._shard_count, len(self._tasks), self._bytes, self.max_bytes)
+            return StoreStats(
+                self._shard_count, len(self._tasks), self._bytes, self.max_bytes, self._staged_bytes
+            )
 
     def __len__(self) -> int:
         return self._shard_count

@@ -917,10 +917,6 @@ def test_close_releases_calls_in_flight(start_worker: Callable[..., WorkerProces
     client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: rolling back a split put deletes shards it had overwritten (the old value is lost)",
-)
 def test_failed_split_put_keeps_overwritten_shards(start_worker: Callable[..., WorkerProcess]) -> None:
     worker = start_worker("--max-bytes", "4096", env=NO_TOKEN_ENV)
     old = torch.zeros(250, dtype=torch.int32)
