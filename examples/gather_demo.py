@@ -76,7 +76,8 @@ def main() -> None:
         )
         left = [client.stats(w.node)["shards"] for w in workers]
         print(
-            f"cleared {deleted.deleted} shards, {deleted.bytes_freed / 1e6:.1f} MB; shards left per worker: {left}"
+            f"cleared {deleted.deleted} shards, {deleted.bytes_freed / 1e6:.1f} MB; "
+            f"shards left per worker: {left}"
         )
         client.close()
     finally:
