@@ -47,10 +47,6 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
     """SIGTERM ourselves once `parent_pid` stops being our parent (it died; we were re-parented)."""
 
@@ -73,12 +69,20 @@ def main(argv: list[str] | None = None) -> None:
         engine=args.engine,
     )
     server = WorkerServer(create_app(config), args.host, args.port)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def stop_on_sigterm(signum: int, frame: object) -> None:
+        # Ask the serve loop to return (from another thread: shutdown() waits for
+        # the loop) instead of raising in whatever frame the signal interrupted.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Thread(target=server.stop_serving, name="sigterm", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     if args.exit_with_parent is not None:
         _watch_parent(args.exit_with_parent)
-    print(server.node, flush=True)
+    # The file first: whoever read the stdout line may look for the file at once.
     if args.address_file is not None:
         _write_atomically(args.address_file, server.node + "\n")
+    print(server.node, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

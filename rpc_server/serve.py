@@ -37,10 +37,15 @@ class WorkerServer:
         self._server.daemon_threads = True
         self.node = format_node(advertised_host(host), self._server.server_port)
         app.extensions["distbatch"].config.node = self.node
+        self._app = app
         self._thread: threading.Thread | None = None
 
     def serve_forever(self) -> None:
         self._server.serve_forever()
+
+    def stop_serving(self) -> None:
+        """Make `serve_forever` return; call from a thread other than the one serving."""
+        self._server.shutdown()
 
     def start_background(self) -> WorkerServer:
         """Serve on a daemon thread (for hosting a worker inside another process)."""
@@ -54,3 +59,6 @@ class WorkerServer:
             self._thread.join()
             self._thread = None
         self._server.server_close()
+        engine = self._app.extensions["distbatch"].engine
+        if engine is not None:
+            engine.shutdown()

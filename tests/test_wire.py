@@ -352,6 +352,7 @@ def test_numpy_arrays_without_a_tensor_dtype_raise(array: np.ndarray) -> None:
         pytest.param(lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), id="nested"),
     ],
 )
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own "experimental / deprecated" notices
 def test_unsendable_tensors_raise(make: Callable[[], torch.Tensor]) -> None:
     tensor = make()
     assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "x"): tensor}))
