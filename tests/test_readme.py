@@ -1,4 +1,8 @@
-"""The README's Python sessions run as written (they start and stop their own workers)."""
+"""The README's Python sessions run as written (they start and stop their own workers).
+
+Blocks fenced as ```python are runnable sessions and run here; ```py marks an
+illustrative excerpt that needs the reader's own engine or data.
+"""
 
 from __future__ import annotations
 
