@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import os
 
 TOKEN_ENV = "DISTBATCH_TOKEN"
@@ -10,3 +11,9 @@ TOKEN_ENV = "DISTBATCH_TOKEN"
 def token_from_env() -> str | None:
     """The token in `DISTBATCH_TOKEN`, or None when unset or empty."""
     return os.environ.get(TOKEN_ENV) or None
+
+
+def bearer_ok(authorization: str | None, token: str) -> bool:
+    """Whether an `Authorization` header carries `token` (compared in constant time)."""
+    scheme, _, provided = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token.encode())

@@ -630,6 +630,52 @@ class ShardClient:
         plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
         return await self._on_loop(self._delete_many(plan))
 
+    async def _delete_each(
+        self, keys_by_node: dict[str, list[ShardKey]]
+    ) -> dict[str, DeleteResult | NodeError]:
+        nodes = list(keys_by_node)
+        results = await asyncio.gather(
+            *(self._delete_keys_compact(node, keys_by_node[node]) for node in nodes), return_exceptions=True
+        )
+        out: dict[str, DeleteResult | NodeError] = {}
+        for node, result in zip(nodes, results):
+            if isinstance(result, NodeError) or isinstance(result, DeleteResult):
+                out[node] = result
+            else:
+                raise result  # not a node's answer: a bug or a cancellation
+        return out
+
+    def delete_each(self, keys_by_node: Mapping[str, Iterable[Any]]) -> dict[str, DeleteResult | NodeError]:
+        """Like `delete_many`, but reports each node's outcome instead of raising the first error.
+
+        For cleanup that must say which nodes could not be cleared (a worker
+        that is down) while still clearing the others.
+        """
+        plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
+        return self._run(self._delete_each(plan))
+
+    # ------------------------------------------------------------------ plain JSON requests
+
+    def request_json(
+        self,
+        node: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None | object = ...,
+        idempotent: bool = True,
+    ) -> Any:
+        """A JSON request to any distbatch HTTP service (worker or controller), with this
+        client's session, token, retries and error mapping."""
+        if not path.startswith("/"):
+            raise ValueError("path must start with '/'")
+        return self._run(
+            self._request(
+                validate_node(node), method, path, json_body=body, timeout=timeout, idempotent=idempotent
+            )
+        )
+
     # ------------------------------------------------------------------ info
 
     def stats(self, node: str) -> dict[str, Any]:
@@ -684,7 +730,7 @@ def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
         )
     if status >= 500:
         return ServerError(node, status, code, message)
-    return RequestError(node, status, code, message)
+    return RequestError(node, status, code, message, payload if isinstance(payload, dict) else {})
 
 
 def _merge_errors(errors: list[BaseException]) -> BaseException:

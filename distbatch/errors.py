@@ -79,7 +79,9 @@ class EngineError(NodeError):
 class RequestError(NodeError, ValueError):
     """The node rejected the request as invalid (another 4xx); `status` and `code` say why."""
 
-    def __init__(self, node: str, status: int, code: str, message: str) -> None:
+    def __init__(self, node: str, status: int, code: str, message: str, payload: dict | None = None) -> None:
         super().__init__(node, f"HTTP {status} {code}: {message}")
         self.status = status
         self.code = code
+        self.message = message
+        self.payload = payload or {}

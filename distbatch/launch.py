@@ -113,7 +113,10 @@ def spawn_workers(
     for process in processes:
         node = _read_address(process, deadline)
         if node is None:
-            code = process.poll()
+            try:  # it closed its stdout without an address: most likely exiting, so get its code
+                code = process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
             status = "did not print an address" if code is None else f"exited with code {code}"
             failure = failure or f"worker {status} within {startup_timeout}s"
             node = "?"

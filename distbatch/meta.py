@@ -282,6 +282,9 @@ def _load_meta(data: Any) -> BatchMeta:
     if not isinstance(raw_fields, dict):
         raise MetaFormatError("'fields' must be an object")
     fields: dict[str, FieldMeta] = {}
+    # JSON objects are unordered (Flask's jsonify sorts keys, for one), so a `{"like": other}`
+    # field may come before `other`: resolve those once every other field is loaded.
+    like_fields: dict[str, tuple[str | None, list[int], Any]] = {}
     for name, raw in raw_fields.items():
         validate_id(name, "field")
         dtype = raw["dtype"]
@@ -295,13 +298,16 @@ def _load_meta(data: Any) -> BatchMeta:
                 raise MetaFormatError(f"field {name!r}: bad uniform shape {dims!r}")
             shapes = [tuple(dims)] * len(task_ids)
         elif isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
-            other = fields.get(raw_shapes["like"])  # type: ignore[arg-type]
-            if other is None:
-                raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {raw_shapes['like']!r}")
-            shapes = list(other.shapes)
+            like_fields[name] = (dtype, node_list, raw_shapes["like"])
+            continue
         elif isinstance(raw_shapes, list):
             shapes = _unflatten_shapes(raw_shapes, len(task_ids))
         else:
             raise MetaFormatError(f"field {name!r}: shapes must be a list or a uniform/like object")
         fields[name] = FieldMeta(dtype, node_list, shapes)
-    return BatchMeta(task_ids, nodes, fields)
+    for name, (dtype, node_list, like) in like_fields.items():
+        other = fields.get(like) if isinstance(like, str) else None
+        if other is None:
+            raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {like!r}")
+        fields[name] = FieldMeta(dtype, node_list, list(other.shapes))
+    return BatchMeta(task_ids, nodes, {name: fields[name] for name in raw_fields})

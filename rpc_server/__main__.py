@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from distbatch.atomic import write_text_atomically
 from rpc_server.app import (
     DEFAULT_MAX_JSON_BYTES,
     DEFAULT_MAX_KEYS_PER_REQUEST,
@@ -18,6 +19,7 @@ from rpc_server.app import (
     ServerConfig,
     create_app,
 )
+from rpc_server.errors import EngineLoadError
 from rpc_server.serve import WorkerServer
 
 
@@ -41,12 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
     """SIGTERM ourselves once `parent_pid` stops being our parent (it died; we were re-parented)."""
 
@@ -68,7 +64,12 @@ def main(argv: list[str] | None = None) -> None:
         max_keys_per_request=args.max_keys_per_request,
         engine=args.engine,
     )
-    server = WorkerServer(create_app(config), args.host, args.port)
+    try:
+        app = create_app(config)
+    except EngineLoadError as exc:
+        print(f"rpc_server: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    server = WorkerServer(app, args.host, args.port)
 
     def stop_on_sigterm(signum: int, frame: object) -> None:
         # Ask the serve loop to return (from another thread: shutdown() waits for
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         _watch_parent(args.exit_with_parent)
     # The file first: whoever read the stdout line may look for the file at once.
     if args.address_file is not None:
-        _write_atomically(args.address_file, server.node + "\n")
+        write_text_atomically(args.address_file, server.node + "\n")
     print(server.node, flush=True)
     try:
         server.serve_forever()

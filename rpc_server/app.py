@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING
 from flask import Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from distbatch.auth import token_from_env
+from distbatch.auth import bearer_ok, token_from_env
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.meta import MetaFormatError
 from rpc_server.errors import EngineCallFailed, UnknownMethodError
@@ -79,6 +78,7 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     app = Flask("rpc_server")
     # One byte of slack: `routes._read_body` enforces the exact bound and must be able
     # to see that a chunked body (no Content-Length) runs past it.
+    app.json.sort_keys = False  # keep field order as the engine returned it  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
     server_state = ServerState(
         config=config,
@@ -91,6 +91,9 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
         context = WorkerContext(server_state.store, config)
         server_state.engine = EngineHost(load_engine(config.engine, context), context)
     app.extensions["distbatch"] = server_state
+    app.extensions["on_bound"] = lambda node: setattr(config, "node", node)
+    if server_state.engine is not None:
+        app.extensions["on_close"] = server_state.engine.shutdown
     app.register_blueprint(data_routes)
     app.before_request(_start_and_authenticate)
     app.after_request(_record_metrics)
@@ -103,9 +106,7 @@ def _start_and_authenticate() -> Response | None:
     token = state().config.token
     if token is None or request.endpoint == "data.health":
         return None
-    header = request.headers.get("Authorization", "")
-    scheme, _, provided = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(provided.strip().encode(), token.encode()):
+    if not bearer_ok(request.headers.get("Authorization"), token):
         return error_response(401, "unauthorized", "missing or wrong bearer token")
     return None
 

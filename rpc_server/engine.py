@@ -96,21 +96,21 @@ class EngineHost:
     def _invoke(self, fn: Any, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
             result = fn(*args, **kwargs)
-        except Exception as exc:  # the engine's failure is reported, never fatal to the worker
+        except BaseException as exc:  # SystemExit too: an engine's failure never takes the worker down
             raise EngineCallFailed(exc) from exc
-        inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, DistributedBatchMemory)]
-        input_batch = inputs[0] if inputs else None
-        if input_batch is not None and _is_columns(result, len(input_batch)):
-            result = DistributedBatchMemory.from_dict(result, task_ids=input_batch.task_ids)
-        if isinstance(result, DistributedBatchMemory) and result.status is BatchStatus.LOCAL:
-            result = self.store_local(result)
         try:
+            inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, DistributedBatchMemory)]
+            input_batch = inputs[0] if inputs else None
+            if input_batch is not None and _is_columns(result, len(input_batch)):
+                result = DistributedBatchMemory.from_dict(result, task_ids=input_batch.task_ids)
+            if isinstance(result, DistributedBatchMemory) and result.status is BatchStatus.LOCAL:
+                result = self.store_local(result)
             return encode_value(result)
-        except Exception as exc:
+        except Exception as exc:  # the result is the engine's doing, so report it as the engine's error
             raise EngineCallFailed(
                 TypeError(
-                    f"engine returned {type(result).__name__}, which is neither JSON, a batch, nor a dict "
-                    f"of per-task columns: {exc}"
+                    f"engine returned {type(result).__name__} that could not be stored or sent "
+                    f"(expected JSON, a batch, or a dict of per-task columns): {exc}"
                 )
             ) from exc
 

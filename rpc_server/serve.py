@@ -28,7 +28,11 @@ def advertised_host(bind_host: str) -> str:
 
 
 class WorkerServer:
-    """A threaded WSGI server around a worker app, bound at construction (port 0 allowed)."""
+    """A threaded WSGI server around an app, bound at construction (port 0 allowed).
+
+    The app may register `extensions["on_bound"](node)` to learn its address
+    and `extensions["on_close"]()` to release resources at shutdown.
+    """
 
     def __init__(self, app: Flask, host: str = "127.0.0.1", port: int = 0) -> None:
         # Werkzeug logs every request at INFO; keep the hot path quiet.
@@ -36,8 +40,10 @@ class WorkerServer:
         self._server: BaseWSGIServer = make_server(host, port, app, threaded=True)
         self._server.daemon_threads = True
         self.node = format_node(advertised_host(host), self._server.server_port)
-        app.extensions["distbatch"].config.node = self.node
-        self._app = app
+        on_bound = app.extensions.get("on_bound")
+        if on_bound is not None:
+            on_bound(self.node)
+        self._on_close = app.extensions.get("on_close")
         self._thread: threading.Thread | None = None
 
     def serve_forever(self) -> None:
@@ -59,6 +65,5 @@ class WorkerServer:
             self._thread.join()
             self._thread = None
         self._server.server_close()
-        engine = self._app.extensions["distbatch"].engine
-        if engine is not None:
-            engine.shutdown()
+        if self._on_close is not None:
+            self._on_close()
