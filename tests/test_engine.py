@@ -318,7 +318,7 @@ def test_bad_arguments_and_results_are_engine_errors(pair: WorkerGroup, a: str) 
     with pytest.raises(EngineError) as info:
         pair.call_on(a, "bad_result")
     assert info.value.exception_type == "TypeError"
-    assert "neither JSON" in str(info.value)
+    assert "could not be stored or sent" in str(info.value)
     assert pair.call_on(a, "echo", "still")["value"] == "still"
 
 
