@@ -38,6 +38,13 @@ _LAZY = {
     "FieldMeta": "distbatch.meta",
     "MetaFormatError": "distbatch.meta",
     "WorkerGroup": "distbatch.group",
+    "Controller": "distbatch.controller",
+    "ClearError": "distbatch.controller",
+    "SchemaConflictError": "distbatch.controller",
+    "RemoteController": "distbatch.controller_http",
+    "serve_controller": "distbatch.controller_http",
+    "StreamingDataset": "distbatch.dataloader",
+    "StreamingDataLoader": "distbatch.dataloader",
 }
 
 
@@ -61,6 +68,13 @@ __all__ = [
     "AuthError",
     "EngineError",
     "WorkerGroup",
+    "Controller",
+    "ClearError",
+    "SchemaConflictError",
+    "RemoteController",
+    "serve_controller",
+    "StreamingDataLoader",
+    "StreamingDataset",
     "BatchStatusError",
     "CapacityError",
     "DeleteResult",

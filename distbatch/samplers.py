@@ -1,0 +1,573 @@
+"""Samplers: which ready samples a consumer, and which data-parallel rank, gets next.
+
+Samplers run inside the controller and see only per-partition sample indexes
+(never data). The interface matches TransferQueue's, so a custom sampler
+written for TransferQueue ports by changing its import:
+
+- ``sample(ready_indexes, batch_size, *args, **kwargs) -> (sampled, consumed)``:
+  ``sampled`` goes to the caller; ``consumed`` is marked consumed for the
+  calling ``task_name`` and never offered to it again. Both are returned even
+  when they are the same list.
+- ``__call__`` delegates to ``sample``; ``clear_cache(partition_id)`` forgets
+  every cached result of a partition (the controller calls it when a
+  partition's tasks are cleared or its consumption is reset).
+
+The controller calls ``sampler(ready, batch_size, partition_id=...,
+task_name=..., partition=..., **sampling_config)``, where ``sampling_config``
+is whatever the consumer passed (``dp_rank``, ``batch_index``...) and
+``partition`` offers ``sample_lengths(indexes, field)``.
+
+**Rank-aware caching.** TP/PP peers of one data-parallel rank each ask for
+the same ``(dp_rank, batch_index)`` and must get the same samples, in any
+order and while prefetching ahead. The first call for a key samples from
+``ready_indexes`` and caches the result in ``_states[partition_id][task_name]
+[dp_rank][batch_index] = (sampled, consumed)`` (TransferQueue's layout); later
+calls return the cache even though those samples have left ``ready_indexes``.
+The cache is bounded: at most ``max_cached_batches`` (default 4096) batch
+indexes per ``(partition_id, task_name, dp_rank)``, oldest inserted evicted
+first. A peer that falls more than that many batches behind its fastest
+sibling therefore gets a fresh batch instead of its siblings' one.
+
+**Groups.** Group samplers treat the aligned block ``[k*n, (k+1)*n)`` as the
+k-th group of ``n = n_samples_per_prompt`` samples. The controller gives each
+put a contiguous block of indexes aligned to the put's size, so putting whole
+groups (a multiple of n samples per put, the n responses of one prompt
+adjacent) keeps every group on one aligned block. A put that is not a whole
+number of groups breaks that alignment.
+
+**Checkpoints.** ``state_dict()`` is JSON-safe (string keys, lists, ints)::
+
+    {"version": 1, "config": {...ints...},
+     "cache": [[partition_id, task_name, dp_rank, batch_index, sampled, consumed], ...]}
+
+listed in insertion order, so a loaded sampler evicts exactly as the saved
+one would have. ``load_state_dict`` validates everything before it changes
+anything, and rejects a ``config`` (group size, dp size) other than its own.
+
+Samplers are not thread-safe by themselves: the controller calls them under
+its lock.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from distbatch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
+
+__all__ = [
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "LengthSource",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "DEFAULT_MAX_CACHED_BATCHES",
+    "STATE_VERSION",
+    "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
+]
+
+STATE_VERSION = 1
+DEFAULT_MAX_CACHED_BATCHES = 4096
+
+# (sampled, consumed) for one (partition_id, task_name, dp_rank, batch_index).
+_Entry = tuple[list[int], list[int]]
+_States = dict[str, dict[str, dict[int, dict[int, _Entry]]]]
+
+
+class LengthSource(Protocol):
+    """What the controller passes as ``partition=``: per-sample lengths from metadata."""
+
+    def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]: ...
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(value: Any, name: str, minimum: int) -> int:
+    """`value` as an int >= minimum, else ValueError (bools and floats are refused)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _check_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {value!r}")
+    return value
+
+
+def _index_list(values: Any, name: str) -> list[int]:
+    """A fresh list of non-negative ints (sample indexes), else ValueError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be a list of sample indexes, got {type(values).__name__}")
+    return [_check_int(v, name, 0) for v in values]
+
+
+def _rank_key(dp_rank: Any, batch_index: Any) -> tuple[int, int] | None:
+    """(dp_rank, batch_index) validated; None when both are absent."""
+    if dp_rank is None and batch_index is None:
+        return None
+    if dp_rank is None or batch_index is None:
+        raise ValueError(
+            f"dp_rank and batch_index go together, got dp_rank={dp_rank!r}, batch_index={batch_index!r}"
+        )
+    return _check_int(dp_rank, "dp_rank", 0), _check_int(batch_index, "batch_index", 0)
+
+
+def _required_rank_key(dp_rank: Any, batch_index: Any, who: str) -> tuple[int, int]:
+    key = _rank_key(dp_rank, batch_index)
+    if key is None:
+        raise ValueError(f"{who} needs dp_rank and batch_index in the sampling config")
+    return key
+
+
+def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[int] | None:
+    """Ids of the first `count` complete groups (all n members ready), or None if fewer exist.
+
+    Group k is the aligned block [k*n, (k+1)*n); groups are taken in order of id.
+    """
+    ready = set(ready_indexes)
+    for i in ready:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"ready indexes must be non-negative ints, got {i!r}")
+    members = Counter(i // n for i in ready)
+    complete = sorted(g for g, c in members.items() if c == n)
+    if len(complete) < count:
+        return None
+    return complete[:count]
+
+
+# --------------------------------------------------------------------------- base
+
+
+class BaseSampler(ABC):
+    """Decides which ready samples a `get_meta` call returns and which it marks consumed.
+
+    Subclasses implement `sample`. Rank-aware subclasses keep their per-rank
+    cache in `_states` (see the module docstring), which `clear_cache`,
+    `has_cached_result`, `state_dict` and `load_state_dict` all understand; a
+    subclass that keeps other state overrides the last two.
+    """
+
+    max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
+
+    def __init__(self) -> None:
+        self._states: _States = {}
+
+    @abstractmethod
+    def sample(
+        self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """Return (sampled, consumed) chosen from `ready_indexes`; ([], []) when there is not enough."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
+        """Same as `sample` (the controller calls samplers this way)."""
+        return self.sample(*args, **kwargs)
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Forget every cached result of the partition (its indexes may be reused next)."""
+        self._states.pop(partition_id, None)
+
+    def forget_indexes(self, partition_id: str, indexes: Iterable[int]) -> None:
+        """Drop cached results that hand out any of `indexes` (those tasks were cleared).
+
+        Finer than `clear_cache`: portions that a rank has not fetched yet stay
+        cached as long as none of their samples was cleared, so a partial clear
+        never loses consumed-but-undelivered samples, while a cleared index that
+        gets reused can never come back from a stale cache entry.
+        """
+        gone = set(indexes)
+        for ranks in self._states.get(partition_id, {}).values():
+            for batches in ranks.values():
+                for batch_index in [b for b, entry in batches.items() if gone.intersection(entry[0])]:
+                    del batches[batch_index]
+
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
+    ) -> bool:
+        """True when a result for the config's ``dp_rank`` / ``batch_index`` is cached.
+
+        Lets a polling controller answer a TP peer from the cache without
+        checking whether enough samples are ready. Reads the config only.
+        """
+        config = sampling_config or {}
+        key = _rank_key(config.get("dp_rank"), config.get("batch_index"))
+        if key is None:
+            return False
+        ranks = self._states.get(partition_id, {}).get(task_name, {})
+        batches = ranks.get(key[0]) if isinstance(ranks, Mapping) else None
+        return isinstance(batches, Mapping) and key[1] in batches
+
+    # ---------------------------------------------------------------- the cache
+
+    def _cached(self, partition_id: str, task_name: str, dp_rank: int, batch_index: int) -> _Entry | None:
+        entry = self._states.get(partition_id, {}).get(task_name, {}).get(dp_rank, {}).get(batch_index)
+        if entry is None:
+            return None
+        return list(entry[0]), list(entry[1])  # copies: callers may mutate what they get
+
+    def _remember(
+        self,
+        partition_id: str,
+        task_name: str,
+        dp_rank: int,
+        batch_index: int,
+        sampled: Sequence[int],
+        consumed: Sequence[int],
+    ) -> None:
+        """Cache a result unless one is already there; evict the oldest beyond the bound."""
+        batches = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
+        if batch_index in batches:
+            return
+        batches[batch_index] = (list(sampled), list(consumed))
+        while len(batches) > self.max_cached_batches:
+            del batches[next(iter(batches))]
+
+    # ---------------------------------------------------------------- checkpoint
+
+    def _config(self) -> dict[str, int]:
+        """Settings a checkpoint must agree with (group size, dp size); none by default."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe snapshot of the cache (see the module docstring for the format)."""
+        cache: list[list[Any]] = []
+        try:
+            for partition_id, tasks in self._states.items():
+                for task_name, ranks in tasks.items():
+                    for dp_rank, batches in ranks.items():
+                        for batch_index, (sampled, consumed) in batches.items():
+                            cache.append(
+                                [
+                                    _check_str(partition_id, "partition_id"),
+                                    _check_str(task_name, "task_name"),
+                                    _check_int(dp_rank, "dp_rank", 0),
+                                    _check_int(batch_index, "batch_index", 0),
+                                    _index_list(sampled, "sampled"),
+                                    _index_list(consumed, "consumed"),
+                                ]
+                            )
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{type(self).__name__}._states is not in the standard layout ({exc}); "
+                "override state_dict() and load_state_dict()"
+            ) from None
+        return {"version": STATE_VERSION, "config": self._config(), "cache": cache}
+
+    def _parse_state(self, state: Mapping[str, Any]) -> _States:
+        """Validate a `state_dict` and build the `_states` it describes, changing nothing."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"sampler state must be a mapping, got {type(state).__name__}")
+        version = state.get("version", STATE_VERSION)
+        if version != STATE_VERSION:
+            raise ValueError(f"sampler state version {version!r} is not {STATE_VERSION}")
+        config = state.get("config")
+        if config is not None and (not isinstance(config, Mapping) or dict(config) != self._config()):
+            raise ValueError(
+                f"sampler state was saved with config {config!r}; this sampler has {self._config()}"
+            )
+        raw = state.get("cache", [])
+        if not isinstance(raw, list):
+            raise ValueError("sampler state 'cache' must be a list")
+        states: _States = {}
+        for row in raw:
+            if not isinstance(row, (list, tuple)) or len(row) != 6:
+                raise ValueError(f"sampler cache rows have 6 items, got {row!r}")
+            partition_id = _check_str(row[0], "partition_id")
+            task_name = _check_str(row[1], "task_name")
+            dp_rank = _check_int(row[2], "dp_rank", 0)
+            batch_index = _check_int(row[3], "batch_index", 0)
+            batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
+            if batch_index in batches:
+                raise ValueError(f"sampler state lists {row[:4]} twice")
+            batches[batch_index] = (_index_list(row[4], "sampled"), _index_list(row[5], "consumed"))
+        for tasks in states.values():
+            for ranks in tasks.values():
+                for batches in ranks.values():
+                    while len(batches) > self.max_cached_batches:
+                        del batches[next(iter(batches))]
+        return states
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the cache with a `state_dict` (an empty mapping empties it); ValueError if invalid."""
+        self._states = self._parse_state(state)
+
+
+def _check_bound(max_cached_batches: Any) -> int:
+    return _check_int(max_cached_batches, "max_cached_batches", 1)
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+class SequentialSampler(BaseSampler):
+    """The first `batch_size` ready indexes, in the order given; nothing cached."""
+
+    def sample(
+        self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """(first batch_size ready indexes, the same) or ([], []) when fewer are ready."""
+        batch_size = _check_int(batch_size, "batch_size", 1)
+        if len(ready_indexes) < batch_size:
+            return [], []
+        sampled = _index_list(ready_indexes[:batch_size], "ready_indexes")
+        return sampled, list(sampled)
+
+
+class GRPOGroupNSampler(BaseSampler):
+    """Whole GRPO groups only: the n responses of a prompt are sampled together or not at all.
+
+    Group k is the aligned block ``[k*n, (k+1)*n)`` (see the module docstring);
+    it is complete when all n indexes are ready. A call takes the first
+    ``batch_size // n`` complete groups by index, or nothing. With ``dp_rank``
+    and ``batch_index`` in the sampling config the result is cached per rank
+    (like `RankAwareSampler`); without them nothing is cached.
+    """
+
+    def __init__(
+        self, n_samples_per_prompt: int, *, max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
+    ) -> None:
+        super().__init__()
+        self.n_samples_per_prompt = _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1)
+        self.max_cached_batches = _check_bound(max_cached_batches)
+
+    def _config(self) -> dict[str, int]:
+        return {"n_samples_per_prompt": self.n_samples_per_prompt}
+
+    def _check_n(self, n_samples_per_prompt: Any) -> int:
+        """A per-call n (TransferQueue's older API passed it in the config) must match ours."""
+        n = self.n_samples_per_prompt
+        if (
+            n_samples_per_prompt is not None
+            and _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1) != n
+        ):
+            raise ValueError(
+                f"n_samples_per_prompt={n_samples_per_prompt!r} but this sampler was built with {n}"
+            )
+        return n
+
+    def _select(self, ready_indexes: Sequence[int], n_groups: int) -> list[int] | None:
+        """Sample indexes of the first `n_groups` complete groups, or None."""
+        n = self.n_samples_per_prompt
+        groups = _complete_groups(ready_indexes, n, n_groups)
+        if groups is None:
+            return None
+        return [g * n + j for g in groups for j in range(n)]
+
+    def sample(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        *,
+        partition_id: str = "",
+        task_name: str = "",
+        dp_rank: int | None = None,
+        batch_index: int | None = None,
+        n_samples_per_prompt: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """`batch_size // n` complete groups (batch_size must be a multiple of n), or ([], [])."""
+        batch_size = _check_int(batch_size, "batch_size", 1)
+        n = self._check_n(n_samples_per_prompt)
+        if batch_size % n:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of n_samples_per_prompt {n}")
+        partition_id = _check_str(partition_id, "partition_id")
+        task_name = _check_str(task_name, "task_name")
+        key = _rank_key(dp_rank, batch_index)
+        if key is not None:
+            cached = self._cached(partition_id, task_name, *key)
+            if cached is not None:
+                return cached
+        sampled = self._select(ready_indexes, batch_size // n)
+        if sampled is None:
+            return [], []
+        if key is not None:
+            self._remember(partition_id, task_name, *key, sampled, sampled)
+        return sampled, list(sampled)
+
+
+class RankAwareSampler(BaseSampler):
+    """Same ``(partition_id, task_name, dp_rank, batch_index)`` -> same samples, for every TP/PP peer.
+
+    The first call for a key lets the wrapped sampler (default
+    `SequentialSampler`) choose from ``ready_indexes`` and caches its answer;
+    later calls return the cached answer even after those samples have left
+    ``ready_indexes``. Different dp ranks get disjoint samples because the
+    first call reports them consumed. The wrapped sampler is called without
+    ``dp_rank`` / ``batch_index``: it only selects, caching is done here.
+    Positional order matches TransferQueue's RankAwareSampler.
+    """
+
+    def __init__(
+        self, sampler: BaseSampler | None = None, *, max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
+    ) -> None:
+        super().__init__()
+        if sampler is None:
+            sampler = SequentialSampler()
+        if not isinstance(sampler, BaseSampler):
+            raise ValueError(f"sampler must be a BaseSampler, got {type(sampler).__name__}")
+        if isinstance(sampler, (RankAwareSampler, SeqlenBalancedSampler)):
+            raise ValueError(f"{type(sampler).__name__} is rank-aware already; use it directly")
+        self.sampler = sampler
+        self.max_cached_batches = _check_bound(max_cached_batches)
+
+    def sample(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        dp_rank: int | None = None,
+        batch_index: int | None = None,
+        task_name: str = "",
+        partition_id: str = "",
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """The cached result for this rank and batch index, else a fresh one (then cached)."""
+        batch_size = _check_int(batch_size, "batch_size", 1)
+        key = _required_rank_key(dp_rank, batch_index, type(self).__name__)
+        partition_id = _check_str(partition_id, "partition_id")
+        task_name = _check_str(task_name, "task_name")
+        cached = self._cached(partition_id, task_name, *key)
+        if cached is not None:
+            return cached
+        sampled, consumed = self.sampler.sample(
+            ready_indexes, batch_size, partition_id=partition_id, task_name=task_name, **kwargs
+        )
+        if not sampled:
+            return [], []
+        sampled = _index_list(sampled, "sampled")
+        consumed = _index_list(consumed, "consumed")
+        self._remember(partition_id, task_name, *key, sampled, consumed)
+        return sampled, consumed
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Forget this partition here and in the wrapped sampler."""
+        super().clear_cache(partition_id)
+        self.sampler.clear_cache(partition_id)
+
+    def forget_indexes(self, partition_id: str, indexes: Iterable[int]) -> None:
+        """Drop cached results holding any of `indexes`, here and in the wrapped sampler."""
+        gone = list(indexes)
+        super().forget_indexes(partition_id, gone)
+        self.sampler.forget_indexes(partition_id, gone)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cache plus the wrapped sampler's state under ``"inner"``."""
+        state = super().state_dict()
+        state["inner"] = self.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load the cache and the wrapped sampler's state; nothing changes if either is invalid."""
+        states = self._parse_state(state)
+        self.sampler.load_state_dict(state.get("inner", {}))
+        self._states = states
+
+
+class SeqlenBalancedSampler(GRPOGroupNSampler):
+    """Whole groups for all dp ranks at once, split so every rank gets about the same token count.
+
+    On the first call for ``(partition_id, task_name, batch_index)``, from
+    whichever rank comes first, it takes ``batch_size * dp_size`` samples as
+    complete groups and splits the groups over the ranks with Karmarkar–Karp
+    (`balanced_group_partitions`) on per-group total length: rank portions
+    hold equal group counts when the group count divides by ``dp_size``,
+    counts one group apart otherwise. Every rank's portion is cached, and the
+    first caller reports **all** selected samples consumed at once, so no
+    sample can land in two batches. Later calls (other ranks, TP peers)
+    return their cached portion with ``consumed`` equal to it.
+
+    Lengths come from ``partition.sample_lengths(indexes, length_field)`` (the
+    controller passes ``partition=``), or from a ``lengths`` mapping of index
+    to length in the sampling config for standalone use. ``batch_size`` is the
+    per-rank size; ``batch_size * dp_size`` must be a whole number of groups
+    and ``batch_size >= n_samples_per_prompt`` so that no rank gets nothing.
+    All ranks' entries of a batch index are inserted (and so evicted) together.
+    """
+
+    def __init__(
+        self,
+        n_samples_per_prompt: int = 1,
+        dp_size: int = 1,
+        length_field: str = "input_ids",
+        *,
+        max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES,
+    ) -> None:
+        super().__init__(n_samples_per_prompt, max_cached_batches=max_cached_batches)
+        self.dp_size = _check_int(dp_size, "dp_size", 1)
+        self.length_field = _check_str(length_field, "length_field")
+
+    def _config(self) -> dict[str, int]:
+        return {"n_samples_per_prompt": self.n_samples_per_prompt, "dp_size": self.dp_size}
+
+    def _lengths(self, indexes: list[int], partition: Any, lengths: Any) -> list[int]:
+        """Per-sample lengths of `indexes`: the `lengths` mapping if given, else the partition's."""
+        if lengths is not None:
+            if not isinstance(lengths, Mapping):
+                raise ValueError(f"lengths must be a mapping of sample index to length, got {type(lengths)}")
+            missing = [i for i in indexes if i not in lengths]
+            if missing:
+                raise ValueError(f"lengths has no entry for sample indexes {missing[:5]}")
+            values = [lengths[i] for i in indexes]
+        elif partition is not None and callable(getattr(partition, "sample_lengths", None)):
+            values = list(partition.sample_lengths(indexes, self.length_field))
+            if len(values) != len(indexes):
+                raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
+        else:
+            raise ValueError(
+                "SeqlenBalancedSampler needs lengths: a partition= with sample_lengths() "
+                "(the controller passes one) or a lengths= mapping"
+            )
+        return [_check_int(v, "sample length", 0) for v in values]
+
+    def sample(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        *,
+        partition_id: str = "",
+        task_name: str = "",
+        dp_rank: int | None = None,
+        batch_index: int | None = None,
+        n_samples_per_prompt: int | None = None,
+        partition: LengthSource | None = None,
+        lengths: Mapping[int, int] | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """This rank's balanced portion of batch `batch_index`; consumed = the whole batch on first call."""
+        batch_size = _check_int(batch_size, "batch_size", 1)
+        n = self._check_n(n_samples_per_prompt)
+        total = batch_size * self.dp_size
+        if batch_size < n or total % n:
+            raise ValueError(
+                f"batch_size {batch_size} x dp_size {self.dp_size} must be whole groups of "
+                f"n_samples_per_prompt {n}, at least one per rank"
+            )
+        partition_id = _check_str(partition_id, "partition_id")
+        task_name = _check_str(task_name, "task_name")
+        rank, index = _required_rank_key(dp_rank, batch_index, type(self).__name__)
+        if rank >= self.dp_size:
+            raise ValueError(f"dp_rank {rank} is not in [0, {self.dp_size})")
+        cached = self._cached(partition_id, task_name, rank, index)
+        if cached is not None:
+            return cached
+        selected = self._select(ready_indexes, total // n)
+        if selected is None:
+            return [], []
+        per_sample = self._lengths(selected, partition, lengths)
+        group_lengths = [sum(per_sample[g * n : (g + 1) * n]) for g in range(total // n)]
+        parts = balanced_group_partitions(group_lengths, self.dp_size)
+        portions = [[selected[g * n + j] for g in part for j in range(n)] for part in parts]
+        for r, portion in enumerate(portions):
+            self._remember(partition_id, task_name, r, index, portion, portion)
+        return list(portions[rank]), list(selected)
