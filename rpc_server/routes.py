@@ -91,11 +91,12 @@ def put_shards() -> Response:
     if len(container) > state().config.max_keys_per_request:
         raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
     # Copy each shard out of the request body so that deleting one frees its memory.
-    shards: dict[ShardKey, StoredShard] = {
-        key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
-    }
-    for key, text in container.json_texts.items():
-        shards[key] = StoredShard(None, (), text.encode())
+    with wire.paused_gc():
+        shards: dict[ShardKey, StoredShard] = {
+            key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
+        }
+        for key, text in container.json_texts.items():
+            shards[key] = StoredShard(None, (), text.encode())
     stage_id = request.args.get("stage")
     if stage_id is not None:
         staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), shards)
@@ -127,12 +128,13 @@ def fetch_shards() -> Response:
     found = state().store.get(keys)
     tensors: dict[ShardKey, wire.RawTensor] = {}
     json_texts: dict[ShardKey, str] = {}
-    for key, shard in zip(keys, found):
-        if shard.dtype is None:
-            json_texts[key] = shard.data.decode()
-        else:
-            tensors[key] = wire.RawTensor(shard.dtype, shard.shape, shard.data)
-    body = wire.join_parts(wire.build_container(tensors, json_texts))
+    with wire.paused_gc():
+        for key, shard in zip(keys, found):
+            if shard.dtype is None:
+                json_texts[key] = shard.data.decode()
+            else:
+                tensors[key] = wire.RawTensor(shard.dtype, shard.shape, shard.data)
+        body = wire.join_parts(wire.build_container(tensors, json_texts))
     return Response(body, mimetype=wire.CONTENT_TYPE)
 
 
