@@ -10,6 +10,7 @@ what samplers see.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -25,8 +26,11 @@ from distbatch.errors import BatchStatusError, DistBatchError, NodeError
 from distbatch.ids import ShardKey, validate_id
 from distbatch.meta import BatchMeta, FieldMeta
 from distbatch.samplers import BaseSampler, SequentialSampler
+from distbatch.wire import ITEMSIZE
 
 CHECKPOINT_VERSION = 1
+# Keyword arguments the controller itself gives the sampler.
+RESERVED_SAMPLING_KEYS = frozenset({"partition", "partition_id", "task_name"})
 
 
 class SchemaConflictError(DistBatchError, ValueError):
@@ -193,6 +197,7 @@ class Controller:
         meta = batch.meta
         if meta is None:  # REMOTE always has meta; keeps type checkers honest
             return 0
+        _check_meta(meta)
         with self._changed:
             partition = self._partitions.get(partition_id) or _Partition(partition_id)
             for name, fm in meta.fields.items():
@@ -240,11 +245,23 @@ class Controller:
         """
         validate_id(partition_id, "partition_id")
         validate_id(task_name, "task_name")
+        if isinstance(fields, (str, bytes)):
+            raise ValueError(f"fields must be a list of field names, not one string: {fields!r}")
         fields = [validate_id(f, "field") for f in fields]
         if not fields:
             raise ValueError("ask for at least one field")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        reserved = sorted(RESERVED_SAMPLING_KEYS.intersection(sampling_config))
+        if reserved:
+            raise ValueError(f"sampling config may not set {reserved}: the controller passes them itself")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or math.isnan(timeout)
+            or timeout < 0
+        ):
+            raise ValueError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
         deadline = None if not timeout else time.monotonic() + timeout
         with self._changed:
             while True:
@@ -270,7 +287,7 @@ class Controller:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     return DistributedBatchMemory()
-                self._changed.wait(remaining)
+                self._changed.wait(min(remaining, threading.TIMEOUT_MAX))
 
     # ------------------------------------------------------------------ status
 
@@ -406,24 +423,37 @@ class Controller:
             raise ValueError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
         partitions: dict[str, _Partition] = {}
         try:
+            if not isinstance(state["partitions"], Mapping):
+                raise ValueError("'partitions' must be an object")
             for pid, raw in state["partitions"].items():
-                p = _Partition(validate_id(pid, "partition_id"), next_index=int(raw["next_index"]))
+                p = _Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
                 for i, t in raw["tasks"]:
-                    p.task_of[int(i)] = validate_id(t, "task_id")
-                    p.index_of[t] = int(i)
+                    i = _count(i)
+                    if i in p.task_of or validate_id(t, "task_id") in p.index_of:
+                        raise ValueError(f"task index {i} or task id {t!r} is listed twice")
+                    p.task_of[i] = t
+                    p.index_of[t] = i
+                if p.task_of and p.next_index <= max(p.task_of):
+                    raise ValueError(f"next_index {p.next_index} is not past every task index")
                 for node in raw["nodes"]:
                     p.intern_node(validate_node(node))
                 for name, col in raw["columns"].items():
-                    column = p.columns.setdefault(validate_id(name, "field"), _Column(col["dtype"]))
+                    dtype = col["dtype"]
+                    if dtype is not None and dtype not in ITEMSIZE:
+                        raise ValueError(f"field {name!r} has unknown dtype {dtype!r}")
+                    column = p.columns.setdefault(validate_id(name, "field"), _Column(dtype))
                     for i, n, shape in col["rows"]:
-                        if int(i) not in p.task_of or not 0 <= int(n) < len(p.nodes):
+                        if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
                             raise ValueError(f"field {name!r} names unknown task index {i} or node {n}")
-                        column.node[int(i)] = int(n)
-                        column.shape[int(i)] = tuple(int(d) for d in shape)
+                        column.node[i] = n
+                        column.shape[i] = tuple(_count(d) for d in shape)
                 for name, indexes in raw["consumed"].items():
-                    p.consumed[validate_id(name, "task_name")] = {int(i) for i in indexes}
+                    consumed = {_count(i) for i in indexes}
+                    if not consumed <= p.task_of.keys():
+                        raise ValueError(f"consumer {name!r} consumed unknown task indexes")
+                    p.consumed[validate_id(name, "task_name")] = consumed
                 partitions[pid] = p
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"invalid controller checkpoint: {exc}") from None
         with self._changed:
             self.sampler.load_state_dict(state.get("sampler", {}))
@@ -451,3 +481,28 @@ def _forget_in_sampler(sampler: BaseSampler, partition_id: str, indexes: list[in
         forget(partition_id, indexes)
     else:
         sampler.clear_cache(partition_id)
+
+
+def _count(value: Any) -> int:
+    """A non-negative int from a checkpoint (an index, a node number, a dimension), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative int, got {value!r}")
+    return value
+
+
+def _check_meta(meta: BatchMeta) -> None:
+    """Refuse metadata that `BatchMeta.from_dict` would refuse (a hand-built one may be anything)."""
+    for task_id in meta.task_ids:
+        validate_id(task_id, "task_id")
+    if len(set(meta.task_ids)) != len(meta.task_ids):
+        raise ValueError("the batch lists a task id twice")
+    for node in meta.nodes:
+        validate_node(node)
+    for name, fm in meta.fields.items():
+        validate_id(name, "field")
+        if fm.dtype is not None and fm.dtype not in ITEMSIZE:
+            raise ValueError(f"field {name!r} has unknown dtype {fm.dtype!r}")
+        if len(fm.nodes) != len(meta.task_ids) or len(fm.shapes) != len(meta.task_ids):
+            raise ValueError(f"field {name!r} does not have one node and one shape per task")
+        if not all(isinstance(n, int) and 0 <= n < len(meta.nodes) for n in fm.nodes):
+            raise ValueError(f"field {name!r} names a node the batch does not list")

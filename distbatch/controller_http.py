@@ -274,8 +274,14 @@ class RemoteController:
         )
         return decode_value(reply["batch"], self._client)
 
+    def _get(self, path: str) -> Any:
+        try:
+            return self.client.request_json(self.address, "GET", path, timeout=self.timeout)
+        except RequestError as exc:
+            raise _local_error(exc) from None
+
     def partitions(self) -> list[str]:
-        return self.client.request_json(self.address, "GET", "/v1/controller/partitions")["partitions"]
+        return self._get("/v1/controller/partitions")["partitions"]
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
         body = {"partition_id": partition_id, "fields": None if fields is None else list(fields)}
@@ -301,7 +307,7 @@ class RemoteController:
         return self._post("/v1/controller/clear_partition", {"partition_id": partition_id})["deleted"]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.client.request_json(self.address, "GET", "/v1/controller/state")
+        return self._get("/v1/controller/state")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._post("/v1/controller/state", dict(state), idempotent=True)
