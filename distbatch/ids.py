@@ -31,6 +31,15 @@ def validate_id(value: Any, what: str = "id") -> str:
 
 def validate_key(key: Any) -> ShardKey:
     """Coerce a `(task_id, field)` pair to a validated `ShardKey`."""
+    if (type(key) is tuple or type(key) is ShardKey) and len(key) == 2:
+        task_id, field = key
+        if (
+            type(task_id) is str
+            and type(field) is str
+            and ID_PATTERN.fullmatch(task_id)
+            and ID_PATTERN.fullmatch(field)
+        ):
+            return key if type(key) is ShardKey else ShardKey(task_id, field)
     if isinstance(key, ShardKey):
         task_id, field = key
     elif isinstance(key, (tuple, list)) and len(key) == 2:
@@ -40,8 +49,14 @@ def validate_key(key: Any) -> ShardKey:
     return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
 
 
+_WIRE_NAME = re.compile(r"([A-Za-z0-9._:@=+-]{1,200})/([A-Za-z0-9._:@=+-]{1,200})")
+
+
 def parse_wire_name(name: str) -> ShardKey:
     """Split a `task/field` tensor name from a container back into a key."""
+    match = _WIRE_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is not None:  # one regex for the common, valid case
+        return ShardKey(match[1], match[2])
     task_id, sep, field = name.partition(KEY_SEPARATOR)
     if not sep:
         raise InvalidIdError(f"invalid shard name {name!r}: expected 'task_id/field'")

@@ -20,8 +20,8 @@ import gc
 import json
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.ids import ShardKey, parse_wire_name, validate_key
@@ -89,9 +89,12 @@ _TORCH_DTYPE_NAMES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class RawTensor:
-    """A tensor as the wire sees it: dtype name, shape and C-contiguous bytes."""
+class RawTensor(NamedTuple):
+    """A tensor as the wire sees it: dtype name, shape and C-contiguous bytes.
+
+    A NamedTuple, not a frozen dataclass: one is made per shard on every hot
+    path, and a frozen dataclass's __init__ costs several times more.
+    """
 
     dtype: str
     shape: tuple[int, ...]
@@ -111,6 +114,10 @@ class Container:
 
     tensors: dict[ShardKey, RawTensor]
     json_texts: dict[ShardKey, str]
+    # (start, end, key) of every tensor in data order, and the data region they index:
+    # lets a decoder turn a run of same-dtype tensors into tensors with one call.
+    layout: list[tuple[int, int, ShardKey]] = field(default_factory=list)
+    data: memoryview | None = None
 
     def __len__(self) -> int:
         return len(self.tensors) + len(self.json_texts)
@@ -154,7 +161,8 @@ def build_container(
     header[METADATA_KEY] = metadata
     parts: list[Buffer] = [b""]
     offset = 0
-    ordered = sorted(tensors.items(), key=lambda item: -ITEMSIZE[item[1].dtype])
+    # Same-dtype tensors stay adjacent too, so a decoder can take each run in one call.
+    ordered = sorted(tensors.items(), key=lambda item: (-ITEMSIZE[item[1].dtype], item[1].dtype))
     for key, raw in ordered:
         nbytes = raw.nbytes
         header[key.wire_name()] = {
@@ -192,6 +200,32 @@ def _is_int(value: Any) -> bool:
 
 
 def _parse_tensor_entry(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    # Fast path for a well-formed entry; anything else takes the careful path below,
+    # which says exactly what is wrong. (`type(x) is int` also rules out bool.)
+    if type(info) is dict:
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if (
+            type(dtype) is str
+            and dtype in ITEMSIZE
+            and type(shape) is list
+            and len(shape) <= MAX_DIMS
+            and type(offsets) is list
+            and len(offsets) == 2
+        ):
+            start, end = offsets
+            if type(start) is int and type(end) is int and 0 <= start <= end:
+                count = 1
+                for dim in shape:
+                    if type(dim) is not int or dim < 0:
+                        break
+                    count *= dim
+                else:
+                    if end - start == count * ITEMSIZE[dtype]:
+                        return dtype, tuple(shape), start, end
+    return _parse_tensor_entry_checked(name, info)
+
+
+def _parse_tensor_entry_checked(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(info, dict):
         raise WireFormatError(f"header entry {name!r} is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -256,11 +290,11 @@ def _parse_container(buf: Buffer) -> Container:
 
     try:
         tensors: dict[ShardKey, RawTensor] = {}
-        spans: list[tuple[int, int, str]] = []
+        spans: list[tuple[int, int, ShardKey]] = []
         for name, info in header.items():
             key = parse_wire_name(name)
             dtype, shape, start, end = _parse_tensor_entry(name, info)
-            spans.append((start, end, name))
+            spans.append((start, end, key))
             tensors[key] = RawTensor(dtype, shape, data[start:end])
         json_texts: dict[ShardKey, str] = {}
         for name, text in metadata.items():
@@ -274,15 +308,16 @@ def _parse_container(buf: Buffer) -> Container:
     except InvalidIdError as exc:
         raise WireFormatError(str(exc)) from None
 
+    spans.sort()
     position = 0
-    for start, end, name in sorted(spans):
+    for start, end, key in spans:
         if start != position:
             problem = "overlaps the previous tensor" if start < position else "leaves a gap"
-            raise WireFormatError(f"{name!r}: data_offsets start at {start}, {problem}")
+            raise WireFormatError(f"{key.wire_name()!r}: data_offsets start at {start}, {problem}")
         position = end
     if position != data.nbytes:
         raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
-    return Container(tensors, json_texts)
+    return Container(tensors, json_texts, spans, data)
 
 
 def _load_json_text(name: str, text: str) -> Any:
@@ -405,18 +440,26 @@ def split_values(
     shards: Mapping[Any, Any],
 ) -> tuple[dict[ShardKey, RawTensor], dict[ShardKey, str]]:
     """Validate keys and convert values; the raw layer's input."""
-    tensors: dict[ShardKey, RawTensor] = {}
+    import torch
+
+    by_dtype: dict[str, list[tuple[ShardKey, Any]]] = {}
     json_texts: dict[ShardKey, str] = {}
     for key, value in shards.items():
         try:
             shard_key = validate_key(key)
         except InvalidIdError as exc:
             raise WireFormatError(str(exc)) from None
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
+            by_dtype.setdefault(dtype_name(value.dtype), []).append((shard_key, value))
+            continue
         encoded = value_to_wire(value)
         if isinstance(encoded, RawTensor):
-            tensors[shard_key] = encoded
+            by_dtype.setdefault(encoded.dtype, []).append((shard_key, raw_to_tensor(encoded)))
         else:
             json_texts[shard_key] = encoded
+    tensors: dict[ShardKey, RawTensor] = {}
+    for name, items in by_dtype.items():
+        tensors.update(_pack_same_dtype(name, items))
     return tensors, json_texts
 
 
@@ -425,6 +468,39 @@ def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:
     with paused_gc():
         tensors, json_texts = split_values(shards)
         return build_container(tensors, json_texts)
+
+
+def _pack_same_dtype(name: str, items: list[tuple[ShardKey, Any]]) -> dict[ShardKey, RawTensor]:
+    """Tensors of one dtype as `RawTensor`s over one packed buffer (one `cat`, one copy).
+
+    Per-tensor byte export cost more than the data for small shards; packing
+    also moves GPU tensors to the host in one transfer per dtype and device.
+    """
+    import torch
+
+    with torch.no_grad():
+        flats = []
+        for _, tensor in items:
+            if tensor.is_conj() or tensor.is_neg():
+                tensor = tensor.resolve_conj().resolve_neg()
+            flats.append(tensor.reshape(-1))
+        by_device: dict[Any, list[int]] = {}
+        for index, flat in enumerate(flats):
+            by_device.setdefault(flat.device, []).append(index)
+        out: dict[ShardKey, RawTensor] = {}
+        for indexes in by_device.values():
+            group = [flats[k] for k in indexes]
+            packed = torch.cat(group) if len(group) > 1 else group[0].contiguous()
+            packed = packed.cpu()
+            buffer = memoryview(packed.view(torch.uint8).numpy()) if packed.numel() else memoryview(b"")
+            itemsize = ITEMSIZE[name]
+            offset = 0
+            for k, flat in zip(indexes, group):
+                nbytes = flat.numel() * itemsize
+                key, tensor = items[k]
+                out[key] = RawTensor(name, tuple(tensor.shape), buffer[offset : offset + nbytes])
+                offset += nbytes
+    return out
 
 
 def encode_bundle_bytes(shards: Mapping[Any, Any]) -> bytes:
@@ -443,9 +519,39 @@ def decode_bundle(buf: Buffer) -> dict[ShardKey, Any]:
         buf = bytearray(buf)
     with paused_gc():
         container = _parse_container(buf)
-        out: dict[ShardKey, Any] = {}
-        for key, raw in container.tensors.items():
-            out[key] = raw_to_tensor(raw)
+        out: dict[ShardKey, Any] = _decode_tensor_runs(container)
         for key, text in container.json_texts.items():
             out[key] = json.loads(text)
     return out
+
+
+def _decode_tensor_runs(container: Container) -> dict[ShardKey, Any]:
+    """Tensors of a parsed container, one `frombuffer` per run of same-dtype tensors.
+
+    Per-shard Python work dominated decoding of bundles of many small shards;
+    a run becomes one flat tensor, then `split` (one C call) makes the views.
+    """
+    import torch
+
+    out: dict[ShardKey, Any] = {}
+    layout, tensors = container.layout, container.tensors
+    i = 0
+    while i < len(layout):
+        dtype = tensors[layout[i][2]].dtype
+        j = i
+        while j + 1 < len(layout) and tensors[layout[j + 1][2]].dtype == dtype:
+            j += 1
+        run = layout[i : j + 1]
+        i = j + 1
+        start, end = run[0][0], run[-1][1]
+        itemsize = ITEMSIZE[dtype]
+        if end == start or container.data is None:
+            for _, _, key in run:
+                out[key] = raw_to_tensor(tensors[key])
+            continue
+        flat = raw_to_tensor(RawTensor(dtype, ((end - start) // itemsize,), container.data[start:end]))
+        counts = [(e - s) // itemsize for s, e, _ in run]
+        for (_, _, key), piece in zip(run, torch.split(flat, counts)):
+            shape = tensors[key].shape
+            out[key] = piece if len(shape) == 1 else piece.view(shape)
+    return {key: out[key] for key in tensors}  # the header's order, not the data's

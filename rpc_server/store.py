@@ -6,16 +6,16 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from distbatch.ids import ShardKey
 
 
-@dataclass(frozen=True, slots=True)
-class StoredShard:
+class StoredShard(NamedTuple):
     """One shard in wire form, so serving it needs no (de)serialisation.
 
     `dtype` is the safetensors dtype name for a tensor, or None for a JSON value,
-    whose UTF-8 JSON text is then `data`.
+    whose UTF-8 JSON text is then `data`. (A NamedTuple: one is built per shard.)
     """
 
     dtype: str | None

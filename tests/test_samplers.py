@@ -882,7 +882,7 @@ def test_seqlen_sampler_through_controller() -> None:
     controller = Controller(SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2))
     ids = [f"s{i}" for i in range(8)]
     shapes = [(LEN_A[i],) for i in range(8)]
-    meta = BatchMeta(ids, ["127.0.0.1:1"], {"input_ids": FieldMeta("int64", [0] * 8, shapes)})
+    meta = BatchMeta(ids, ["127.0.0.1:1"], {"input_ids": FieldMeta("I64", [0] * 8, shapes)})
     controller.put("p", DistributedBatchMemory.from_meta(meta))
 
     def get(dp_rank: int, batch_index: int) -> list[str]:
