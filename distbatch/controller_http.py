@@ -149,8 +149,10 @@ def create_controller_app(controller: Controller, *, token: str | None = None) -
 
     @app.errorhandler(ClearError)
     def _clear_error(exc: ClearError) -> Response:
+        # A 4xx, so the client neither retries it nor drops the payload: RemoteController
+        # turns it back into a ClearError (a 5xx would arrive as a bare ServerError).
         return _error(
-            503,
+            424,
             "clear_incomplete",
             str(exc),
             deleted=exc.deleted,
@@ -260,6 +262,8 @@ class RemoteController:
         timeout: float | None = None,
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
+        if isinstance(fields, (str, bytes)):
+            raise ValueError(f"fields must be a list of field names, not one string: {fields!r}")
         body = {
             "partition_id": partition_id,
             "task_name": task_name,
@@ -268,10 +272,10 @@ class RemoteController:
             "timeout": timeout,
             "sampling_config": sampling_config,
         }
+        # The server waits at most MAX_WAIT_SECONDS (and refuses a bad timeout itself).
+        wait = min(timeout, MAX_WAIT_SECONDS) if isinstance(timeout, (int, float)) and timeout > 0 else 0
         # Not retried once sent: a get_meta may consume samples.
-        reply = self._post(
-            "/v1/controller/get_meta", body, timeout=self.timeout + (timeout or 0), idempotent=False
-        )
+        reply = self._post("/v1/controller/get_meta", body, timeout=self.timeout + wait, idempotent=False)
         return decode_value(reply["batch"], self._client)
 
     def _get(self, path: str) -> Any:
