@@ -90,7 +90,8 @@ def bench_distbatch(
         stored = sum(client.stats(n)["bytes"] for n in nodes)
         out["stored_bytes"] = stored
         meta = batch.meta
-        assert meta is not None
+        if meta is None:
+            raise RuntimeError("the benchmark batch is not REMOTE after the put")
 
         def fresh() -> DistributedBatchMemory:
             return DistributedBatchMemory.from_meta(meta, client)  # no cached columns
@@ -137,7 +138,8 @@ def bench_baselines(
     server = subprocess.Popen([*command, "--raw-bytes", str(nbytes)], stdout=subprocess.PIPE, text=True)
     out: dict[str, Any] = {}
     try:
-        assert server.stdout is not None
+        if server.stdout is None:
+            raise RuntimeError("baseline server has no stdout pipe")
         raw_node, http_node = server.stdout.readline().split()
         buffer = bytearray(nbytes)
         out["raw_tcp"] = _stats(
