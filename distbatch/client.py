@@ -449,9 +449,12 @@ class ShardClient:
     ) -> tuple[list[tuple[str, ShardKey]], list[tuple[str, list[ShardKey]]]]:
         order: list[tuple[str, ShardKey]] = []
         per_node: dict[str, dict[ShardKey, int]] = defaultdict(dict)
+        nodes: dict[str, str] = {}  # validate each distinct node once, not once per shard
         for ref in refs:
             ref = ShardRef(*ref)
-            node = validate_node(ref.node)
+            node = nodes.get(ref.node) if isinstance(ref.node, str) else None
+            if node is None:
+                node = nodes[ref.node] = validate_node(ref.node)
             key = validate_key((ref.task_id, ref.field))
             order.append((node, key))
             per_node[node][key] = ref.nbytes or 0

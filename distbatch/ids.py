@@ -31,7 +31,7 @@ def validate_id(value: Any, what: str = "id") -> str:
 
 def validate_key(key: Any) -> ShardKey:
     """Coerce a `(task_id, field)` pair to a validated `ShardKey`."""
-    if (type(key) is tuple or type(key) is ShardKey) and len(key) == 2:
+    if (type(key) is tuple or type(key) is ShardKey or type(key) is list) and len(key) == 2:
         task_id, field = key
         if (
             type(task_id) is str

@@ -68,11 +68,17 @@ class BatchMeta:
     def refs(self, fields: Iterable[str], indices: Sequence[int] | None = None) -> list[ShardRef]:
         """ShardRefs for `fields` of the tasks at `indices` (all tasks by default), task-major."""
         rows = range(len(self.task_ids)) if indices is None else indices
-        fms = [(name, self.fields[name]) for name in fields]
+        fms = [(name, self.fields[name], ITEMSIZE[self.fields[name].dtype or "U8"]) for name in fields]
+        nodes, task_ids = self.nodes, self.task_ids
         return [
-            ShardRef(self.nodes[fm.nodes[i]], self.task_ids[i], name, fm.nbytes(i))
+            ShardRef(
+                nodes[fm.nodes[i]],
+                task_ids[i],
+                name,
+                math.prod(fm.shapes[i]) * itemsize if fm.dtype is not None else None,
+            )
             for i in rows
-            for name, fm in fms
+            for name, fm, itemsize in fms
         ]
 
     def keys_by_node(self) -> dict[str, list[ShardKey]]:

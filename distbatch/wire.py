@@ -118,6 +118,8 @@ class Container:
     # lets a decoder turn a run of same-dtype tensors into tensors with one call.
     layout: list[tuple[int, int, ShardKey]] = field(default_factory=list)
     data: memoryview | None = None
+    # JSON shards as values, parsed once while validating.
+    json_values: dict[ShardKey, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tensors) + len(self.json_texts)
@@ -154,27 +156,29 @@ def build_container(
     which keeps zero-copy decoding aligned without breaking the spec's rule
     that the byte buffer has no holes.
     """
-    header: dict[str, Any] = {}
     metadata = {"format": "pt"}
     for key, text in json_texts.items():
         metadata[key.wire_name()] = text
-    header[METADATA_KEY] = metadata
+    entries = [f'"{METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
     parts: list[Buffer] = [b""]
     offset = 0
     # Same-dtype tensors stay adjacent too, so a decoder can take each run in one call.
     ordered = sorted(tensors.items(), key=lambda item: (-ITEMSIZE[item[1].dtype], item[1].dtype))
-    for key, raw in ordered:
+    for (task_id, field_name), raw in ordered:
         nbytes = raw.nbytes
-        header[key.wire_name()] = {
-            "dtype": raw.dtype,
-            "shape": list(raw.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+        # Written directly rather than through json.dumps of a dict per tensor (the
+        # worker's hottest line when serving many shards). Ids and dtype names come
+        # from alphabets that need no JSON escaping; the text equals json.dumps's.
+        shape = ",".join(map(str, raw.shape))
+        entries.append(
+            f'"{task_id}/{field_name}":{{"dtype":"{raw.dtype}","shape":[{shape}],'
+            f'"data_offsets":[{offset},{offset + nbytes}]}}'
+        )
         if nbytes:
             parts.append(raw.data)
         offset += nbytes
     try:
-        header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        header_bytes = ("{" + ",".join(entries) + "}").encode()
     except UnicodeEncodeError as exc:
         raise WireFormatError(f"JSON value is not valid UTF-8: {exc}") from None
     header_bytes += b" " * (-(8 + len(header_bytes)) % _DATA_ALIGNMENT)
@@ -297,13 +301,14 @@ def _parse_container(buf: Buffer) -> Container:
             spans.append((start, end, key))
             tensors[key] = RawTensor(dtype, shape, data[start:end])
         json_texts: dict[ShardKey, str] = {}
+        json_values: dict[ShardKey, Any] = {}
         for name, text in metadata.items():
             if "/" not in name:
                 continue  # free-form metadata such as "format"
             key = parse_wire_name(name)
             if key in tensors:
                 raise WireFormatError(f"{name!r} is both a tensor and a JSON value")
-            _load_json_text(name, text)
+            json_values[key] = _load_json_text(name, text)
             json_texts[key] = text
     except InvalidIdError as exc:
         raise WireFormatError(str(exc)) from None
@@ -317,7 +322,7 @@ def _parse_container(buf: Buffer) -> Container:
         position = end
     if position != data.nbytes:
         raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
-    return Container(tensors, json_texts, spans, data)
+    return Container(tensors, json_texts, spans, data, json_values)
 
 
 def _load_json_text(name: str, text: str) -> Any:
@@ -520,8 +525,7 @@ def decode_bundle(buf: Buffer) -> dict[ShardKey, Any]:
     with paused_gc():
         container = _parse_container(buf)
         out: dict[ShardKey, Any] = _decode_tensor_runs(container)
-        for key, text in container.json_texts.items():
-            out[key] = json.loads(text)
+        out.update(container.json_values)
     return out
 
 
