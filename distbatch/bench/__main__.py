@@ -248,7 +248,8 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         if xs:
             ax.bar(xs, ys, width, yerr=[lo, hi], label=label, capsize=2)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
-    ax.set_ylabel("GB/s (median, min-max)")
+    ax.set_yscale("log")  # ratios between transports span two orders of magnitude
+    ax.set_ylabel("GB/s, log scale (median, min-max)")
     ax.set_title(f"Moving one RL batch on loopback — {results['machine']['cpus']} cores")
     ax.legend(fontsize=8)
     fig.tight_layout()
