@@ -435,9 +435,11 @@ class DistributedBatchMemory:
         """
         if self._meta is None:
             return 0
-        result = self.client.delete_many(self._meta.keys_by_node())
-        with self._lock:
-            self._cache.clear()
+        try:
+            result = self.client.delete_many(self._meta.keys_by_node())
+        finally:
+            with self._lock:  # even a partial clear may have deleted cached shards
+                self._cache.clear()
         return result.deleted
 
     # ------------------------------------------------------------------ splitting

@@ -353,19 +353,25 @@ class ShardClient:
         )
 
     async def _call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
-        results = await asyncio.gather(
-            *(self._call(node, method, body, timeout) for node, method, body in calls),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)
+        tasks = [
+            asyncio.ensure_future(self._call(node, method, body, timeout)) for node, method, body in calls
+        ]
+        # A worker that dies is reported at once, not after the others' (maybe long) calls end;
+        # the other requests are abandoned (their engines finish on their own).
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t in done and t.exception() is not None]
+        if failed:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise failed[0].exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
 
     def call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None = None) -> list[Any]:
         """Run encoded engine calls `(node, method, body)` concurrently; replies in order.
 
-        Waits for every call to finish, then raises the first failure if any.
+        The first failure is raised as soon as it happens (a dead worker does not
+        wait for the other workers' calls); the other calls are abandoned.
         """
         checked = [(validate_node(n), m, b) for n, m, b in calls]
         return self._run(self._call_many(checked, timeout))

@@ -308,6 +308,8 @@ def _parse_container(buf: Buffer) -> Container:
             key = parse_wire_name(name)
             if key in tensors:
                 raise WireFormatError(f"{name!r} is both a tensor and a JSON value")
+            if not text.isascii():
+                _check_utf8(name, text)
             json_values[key] = _load_json_text(name, text)
             json_texts[key] = text
     except InvalidIdError as exc:
@@ -323,6 +325,14 @@ def _parse_container(buf: Buffer) -> Container:
     if position != data.nbytes:
         raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
     return Container(tensors, json_texts, spans, data, json_values)
+
+
+def _check_utf8(name: str, text: str) -> None:
+    # A \ud800 escape in the header decodes to a lone surrogate, which no UTF-8 encoder accepts.
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise WireFormatError(f"{name!r}: JSON value is not valid UTF-8: {exc}") from None
 
 
 def _load_json_text(name: str, text: str) -> Any:

@@ -31,6 +31,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
     parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
+    parser.add_argument(
+        "--max-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="delete shards nobody put or fetched for S seconds (default: never)",
+    )
     parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
     parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
     parser.add_argument(
@@ -56,6 +63,9 @@ def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
+        print("rpc_server: --max-idle-seconds must be > 0", file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     config = ServerConfig(
         max_bytes=args.max_bytes,
@@ -63,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         max_json_bytes=args.max_json_bytes,
         max_keys_per_request=args.max_keys_per_request,
         engine=args.engine,
+        max_idle_seconds=args.max_idle_seconds,
     )
     try:
         app = create_app(config)
@@ -90,6 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         server.shutdown()
+    # The server is closed and the store goes with the process; don't let interpreter
+    # exit wait for an engine method still running on its thread (it could take minutes).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

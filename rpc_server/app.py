@@ -15,7 +15,13 @@ from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.meta import MetaFormatError
 from rpc_server.errors import EngineCallFailed, UnknownMethodError
 from rpc_server.metrics import Metrics
-from rpc_server.store import MissingShardsError, ShardStore, StoreCapacityError, UnknownStageError
+from rpc_server.store import (
+    IdleSweeper,
+    MissingShardsError,
+    ShardStore,
+    StoreCapacityError,
+    UnknownStageError,
+)
 
 if TYPE_CHECKING:
     from rpc_server.engine import EngineHost
@@ -38,6 +44,8 @@ class ServerConfig:
     token: str | None = field(default_factory=token_from_env)
     node: str = "unbound"
     engine: str | None = None
+    # Delete tasks nobody put or fetched for this many seconds (None: never).
+    max_idle_seconds: float | None = None
 
 
 @dataclass
@@ -48,6 +56,14 @@ class ServerState:
     store: ShardStore
     metrics: Metrics
     engine: EngineHost | None = None
+    sweeper: IdleSweeper | None = None
+
+    def close(self) -> None:
+        """Stop what the app started (called once the server stopped serving)."""
+        if self.sweeper is not None:
+            self.sweeper.stop()
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 class ApiError(Exception):
@@ -76,13 +92,17 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
 
     config = config or ServerConfig()
     app = Flask("rpc_server")
+    # "/v1//stats" is an unknown route (a JSON 404), not an HTML 308 redirect to "/v1/stats".
+    app.url_map.merge_slashes = False
     # One byte of slack: `routes._read_body` enforces the exact bound and must be able
     # to see that a chunked body (no Content-Length) runs past it.
     app.json.sort_keys = False  # keep field order as the engine returned it  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
     server_state = ServerState(
         config=config,
-        store=store if store is not None else ShardStore(config.max_bytes),
+        store=store
+        if store is not None
+        else ShardStore(config.max_bytes, max_idle_seconds=config.max_idle_seconds),
         metrics=Metrics(),
     )
     if config.engine:
@@ -90,10 +110,12 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
 
         context = WorkerContext(server_state.store, config)
         server_state.engine = EngineHost(load_engine(config.engine, context), context)
+    if server_state.store.max_idle_seconds is not None:
+        server_state.sweeper = IdleSweeper(server_state.store).start()
     app.extensions["distbatch"] = server_state
     app.extensions["on_bound"] = lambda node: setattr(config, "node", node)
-    if server_state.engine is not None:
-        app.extensions["on_close"] = server_state.engine.shutdown
+    if server_state.engine is not None or server_state.sweeper is not None:
+        app.extensions["on_close"] = server_state.close
     app.register_blueprint(data_routes)
     app.before_request(_start_and_authenticate)
     app.after_request(_record_metrics)

@@ -68,13 +68,19 @@ class Metrics:
                 ),
             }
 
-    def render(self, gauges: dict[str, tuple[str, float | int | None]]) -> str:
-        """Prometheus exposition text; `gauges` maps name -> (help, value)."""
+    def render(
+        self,
+        gauges: dict[str, tuple[str, float | int | None]],
+        counters: dict[str, tuple[str, float | int]] | None = None,
+    ) -> str:
+        """Prometheus exposition text; `gauges` / `counters` map name -> (help, value)."""
         lines: list[str] = []
         for name, (help_text, value) in gauges.items():
             if value is None:
                 continue
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for name, (help_text, value) in (counters or {}).items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
         with self._lock:
             lines += [
                 "# HELP distbatch_requests_total Requests served, by endpoint, method and status.",

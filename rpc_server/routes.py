@@ -182,7 +182,11 @@ def metrics() -> Response:
             "distbatch_tasks": ("Tasks with at least one stored shard.", stats.tasks),
             "distbatch_stored_bytes": ("Bytes of shard data stored.", stats.bytes),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
-        }
+        },
+        {
+            "distbatch_evicted_shards_total": ("Shards deleted for being idle.", stats.evicted_shards),
+            "distbatch_evicted_bytes_total": ("Bytes of shards deleted for being idle.", stats.evicted_bytes),
+        },
     )
     return Response(text, mimetype="text/plain; version=0.0.4")
 

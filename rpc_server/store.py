@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from distbatch.ids import ShardKey
+
+logger = logging.getLogger("rpc_server")
 
 
 class StoredShard(NamedTuple):
@@ -50,10 +54,14 @@ class StoreStats:
     bytes: int
     capacity: int | None
     staged_bytes: int = 0
+    evicted_shards: int = 0
+    evicted_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | None]:
         return {
             "staged_bytes": self.staged_bytes,
+            "evicted_shards": self.evicted_shards,
+            "evicted_bytes": self.evicted_bytes,
             "shards": self.shards,
             "tasks": self.tasks,
             "bytes": self.bytes,
@@ -63,13 +71,32 @@ class StoreStats:
 
 
 class ShardStore:
-    """Shards keyed by task id then field; every public method is atomic."""
+    """Shards keyed by task id then field; every public method is atomic.
 
-    def __init__(self, max_bytes: int | None = None, stage_ttl: float = 600.0) -> None:
+    With `max_idle_seconds`, the store remembers when each task was last put or
+    fetched (per task, oldest first) so that `evict_idle` can drop tasks nobody
+    touched for that long; without it, nothing is tracked and nothing is evicted.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        stage_ttl: float = 600.0,
+        max_idle_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
+        if max_idle_seconds is not None and not max_idle_seconds > 0:
+            raise ValueError("max_idle_seconds must be > 0")
         self.max_bytes = max_bytes
         self.stage_ttl = stage_ttl
+        self.max_idle_seconds = max_idle_seconds
+        self._clock = clock  # for last-access times (tests pass a fake one)
+        # task id -> time.monotonic() of its last put or fetch, least recent first.
+        self._last_access: OrderedDict[str, float] | None = OrderedDict() if max_idle_seconds else None
+        self._evicted_shards = 0
+        self._evicted_bytes = 0
         self._tasks: dict[str, dict[str, StoredShard]] = {}
         self._shard_count = 0
         self._bytes = 0
@@ -112,6 +139,46 @@ class ShardStore:
             self._tasks.setdefault(task_id, {})[field] = shard
         self._bytes = after
         self._shard_count += new_keys
+        if self._last_access is not None:
+            self._touch({task_id for task_id, _ in shards})
+
+    def _touch(self, task_ids: Iterable[str]) -> None:
+        """Mark tasks as used now (caller holds the lock; only when tracking is on)."""
+        last_access = self._last_access
+        assert last_access is not None
+        now = self._clock()
+        for task_id in task_ids:
+            last_access[task_id] = now
+            last_access.move_to_end(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        if self._last_access is not None:
+            self._last_access.pop(task_id, None)
+
+    def evict_idle(self) -> tuple[int, int]:
+        """Delete every task not put or fetched for `max_idle_seconds`; returns (shards, bytes).
+
+        Staged puts are not touched (they expire by `stage_ttl`).
+        """
+        if self._last_access is None or self.max_idle_seconds is None:
+            return 0, 0
+        count = freed = 0
+        with self._lock:
+            cutoff = self._clock() - self.max_idle_seconds
+            last_access = self._last_access
+            while last_access:
+                task_id, touched = next(iter(last_access.items()))
+                if touched > cutoff:
+                    break  # oldest first: everything after this is fresher
+                del last_access[task_id]
+                fields = self._tasks.pop(task_id, None)
+                if fields:
+                    count += len(fields)
+                    freed += sum(s.nbytes for s in fields.values())
+            self._account_deleted(count, freed)
+            self._evicted_shards += count
+            self._evicted_bytes += freed
+        return count, freed
 
     def _expire_stages(self, now: float) -> None:
         for stage_id, (touched, shards) in list(self._stages.items()):
@@ -179,6 +246,7 @@ class ShardStore:
         """The shards for `keys`, in order; `MissingShardsError` lists any absent."""
         found: list[StoredShard] = []
         missing: list[ShardKey] = []
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
             for key in keys:
                 shard = self._tasks.get(key[0], {}).get(key[1])
@@ -186,6 +254,8 @@ class ShardStore:
                     missing.append(key)
                 else:
                     found.append(shard)
+            if self._last_access is not None and not missing:
+                self._touch({key[0] for key in keys})
         if missing:
             raise MissingShardsError(missing)
         return found
@@ -202,6 +272,7 @@ class ShardStore:
                 count += 1
                 if not fields:
                     del self._tasks[task_id]
+                    self._forget(task_id)
             self._account_deleted(count, freed)
         return count, freed
 
@@ -214,6 +285,7 @@ class ShardStore:
                 if fields:
                     count += len(fields)
                     freed += sum(s.nbytes for s in fields.values())
+                    self._forget(task_id)
             self._account_deleted(count, freed)
         return count, freed
 
@@ -224,8 +296,54 @@ class ShardStore:
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
-                self._shard_count, len(self._tasks), self._bytes, self.max_bytes, self._staged_bytes
+                self._shard_count,
+                len(self._tasks),
+                self._bytes,
+                self.max_bytes,
+                self._staged_bytes,
+                self._evicted_shards,
+                self._evicted_bytes,
             )
 
     def __len__(self) -> int:
         return self._shard_count
+
+
+class IdleSweeper:
+    """A daemon thread that calls `store.evict_idle()` every `interval` seconds until `stop()`.
+
+    For controllers that crash (or forget) and never clear: their shards would
+    otherwise hold the worker's memory forever. Each sweep that evicts logs a WARNING.
+    """
+
+    def __init__(self, store: ShardStore, interval: float | None = None) -> None:
+        if store.max_idle_seconds is None:
+            raise ValueError("the store has no max_idle_seconds: nothing to sweep")
+        self.store = store
+        self.interval = interval if interval is not None else min(max(store.max_idle_seconds / 4, 0.05), 10.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="idle-sweeper", daemon=True)
+
+    def start(self) -> IdleSweeper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sweep()
+
+    def sweep(self) -> tuple[int, int]:
+        count, freed = self.store.evict_idle()
+        if count:
+            logger.warning(
+                "evicted %d shard(s), %d bytes idle for over %gs (for crashed controllers that never clear)",
+                count,
+                freed,
+                self.store.max_idle_seconds,
+            )
+        return count, freed
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
