@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
 
 from distbatch.atomic import write_json_atomically
 from distbatch.auth import bearer_ok, token_from_env
@@ -24,6 +23,7 @@ from distbatch.client import ShardClient, default_client, validate_node
 from distbatch.controller import ClearError, Controller, SchemaConflictError
 from distbatch.errors import BatchStatusError, RequestError, WorkerUnavailableError
 from distbatch.rpc import decode_value, encode_value
+from rpc_server.app import register_json_errors
 
 logger = logging.getLogger("distbatch.controller")
 
@@ -131,6 +131,14 @@ def load_state() -> Response:
     return jsonify({"ok": True})
 
 
+_CONTROLLER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
+    SchemaConflictError: (409, "schema_conflict"),
+    BatchStatusError: (400, "batch_status"),
+    ValueError: (400, "bad_request"),
+    TypeError: (400, "bad_request"),
+}
+
+
 def create_controller_app(controller: Controller, *, token: str | None = None) -> Flask:
     """A Flask app serving `controller`; `token` (default `$DISTBATCH_TOKEN`) guards all but /health."""
     app = Flask("distbatch.controller")
@@ -160,35 +168,11 @@ def create_controller_app(controller: Controller, *, token: str | None = None) -
             failed={n: e.detail for n, e in exc.failed.items()},
         )
 
-    @app.errorhandler(SchemaConflictError)
-    def _schema(exc: SchemaConflictError) -> Response:
-        return _error(409, "schema_conflict", str(exc))
-
-    @app.errorhandler(BatchStatusError)
-    def _status(exc: BatchStatusError) -> Response:
-        return _error(400, "batch_status", str(exc))
-
     @app.errorhandler(KeyError)
     def _missing(exc: KeyError) -> Response:
         return _error(400, "bad_request", f"missing or unknown key: {exc}")
 
-    @app.errorhandler(ValueError)
-    def _bad(exc: ValueError) -> Response:
-        return _error(400, "bad_request", str(exc))
-
-    @app.errorhandler(TypeError)
-    def _type(exc: TypeError) -> Response:
-        return _error(400, "bad_request", str(exc))
-
-    @app.errorhandler(HTTPException)
-    def _http(exc: HTTPException) -> Response:
-        code = (exc.name or "error").lower().replace(" ", "_")
-        return _error(exc.code or 500, code, exc.description or code)
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    register_json_errors(app, _CONTROLLER_ERRORS, _error, logger)
 
     return app
 

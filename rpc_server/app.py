@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -148,22 +149,46 @@ def _record_metrics(response: Response) -> Response:
     return response
 
 
+def register_json_errors(
+    app: Flask,
+    table: Mapping[type[BaseException], tuple[int, str]],
+    respond: Callable[..., Response],
+    log: logging.Logger,
+) -> None:
+    """Answer each exception type in `table` with `respond(status, code, message)`.
+
+    Also turns werkzeug's HTTP errors (404, 405, 413, ...) into the same JSON
+    shape, and anything unexpected into a logged 500, so no request ever gets
+    an HTML page or a dropped connection. Shared by the worker and the controller.
+    """
+    for exc_type, (status, code) in table.items():
+        app.register_error_handler(exc_type, lambda exc, s=status, c=code: respond(s, c, str(exc)))
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Response:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return respond(exc.code or 500, code, exc.description or code)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return respond(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+_WORKER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
+    WireFormatError: (400, "bad_container"),
+    MetaFormatError: (400, "bad_metadata"),
+    InvalidIdError: (400, "invalid_id"),
+    UnknownMethodError: (404, "unknown_method"),
+    UnknownStageError: (404, "unknown_stage"),
+    StoreCapacityError: (507, "insufficient_storage"),
+}
+
+
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:
         return error_response(exc.status, exc.code, str(exc), **exc.extra)
-
-    @app.errorhandler(WireFormatError)
-    def _wire_error(exc: WireFormatError) -> Response:
-        return error_response(400, "bad_container", str(exc))
-
-    @app.errorhandler(MetaFormatError)
-    def _meta_error(exc: MetaFormatError) -> Response:
-        return error_response(400, "bad_metadata", str(exc))
-
-    @app.errorhandler(UnknownMethodError)
-    def _unknown_method(exc: UnknownMethodError) -> Response:
-        return error_response(404, "unknown_method", str(exc))
 
     @app.errorhandler(EngineCallFailed)
     def _engine_failed(exc: EngineCallFailed) -> Response:
@@ -171,28 +196,8 @@ def _register_error_handlers(app: Flask) -> None:
             500, "engine_error", str(exc), exception=exc.exception_type, traceback=exc.traceback
         )
 
-    @app.errorhandler(InvalidIdError)
-    def _id_error(exc: InvalidIdError) -> Response:
-        return error_response(400, "invalid_id", str(exc))
-
-    @app.errorhandler(StoreCapacityError)
-    def _capacity_error(exc: StoreCapacityError) -> Response:
-        return error_response(507, "insufficient_storage", str(exc))
-
-    @app.errorhandler(UnknownStageError)
-    def _stage_error(exc: UnknownStageError) -> Response:
-        return error_response(404, "unknown_stage", str(exc))
-
     @app.errorhandler(MissingShardsError)
     def _missing_error(exc: MissingShardsError) -> Response:
         return error_response(404, "shards_not_found", str(exc), missing=[list(k) for k in exc.keys])
 
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException) -> Response:
-        code = (exc.name or "error").lower().replace(" ", "_")
-        return error_response(exc.code or 500, code, exc.description or code)
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    register_json_errors(app, _WORKER_ERRORS, error_response, logger)
