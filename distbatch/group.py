@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from distbatch.client import ShardClient, default_client, validate_node
 from distbatch.errors import WorkerUnavailableError
@@ -16,11 +16,19 @@ from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.rpc import decode_value, encode_call
 
 
-def _stop_all(processes: list[WorkerProcess]) -> None:
+class Stoppable(Protocol):
+    """Whatever else a group started (e.g. Ray actors); `stop()` must be safe to call twice."""
+
+    def stop(self) -> None: ...
+
+
+def _stop_all(processes: list[WorkerProcess], stoppers: list[Stoppable]) -> None:
     for process in processes:
         process.terminate()  # all at once: each takes a moment to exit
     for process in processes:
         process.stop()
+    for stopper in stoppers:
+        stopper.stop()
 
 
 class WorkerGroup:
@@ -31,6 +39,7 @@ class WorkerGroup:
         nodes: Sequence[str],
         *,
         processes: Sequence[WorkerProcess] = (),
+        stoppers: Sequence[Stoppable] = (),
         client: ShardClient | None = None,
         call_timeout: float | None = None,
     ) -> None:
@@ -38,10 +47,11 @@ class WorkerGroup:
         if not self.nodes:
             raise ValueError("a worker group needs at least one node")
         self.processes = list(processes)
+        self.stoppers = list(stoppers)
         self.call_timeout = call_timeout
         self._client = client
-        # Stops the processes on shutdown(), on garbage collection and at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop_all, self.processes)
+        # Stops the processes (and stoppers) on shutdown(), on garbage collection and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_all, self.processes, self.stoppers)
 
     @classmethod
     def local(
@@ -61,6 +71,47 @@ class WorkerGroup:
         group = cls(
             [p.node for p in processes], processes=processes, client=client, call_timeout=call_timeout
         )
+        try:
+            group.wait_ready()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @classmethod
+    def ray(
+        cls,
+        n: int,
+        engine: str | None = None,
+        *,
+        env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        placement: str = "spread",
+        resources: Mapping[str, float] | None = None,
+        client: ShardClient | None = None,
+        call_timeout: float | None = None,
+        startup_timeout: float = 120.0,
+    ) -> WorkerGroup:
+        """Start `n` workers as Ray actors (one per placement-group bundle), hosting `engine`.
+
+        `placement` is "spread" (over nodes where possible), "strict_spread" or "pack";
+        `resources` are per worker, e.g. `{"GPU": 1}` or `{"CPU": 2}`. Calls and data go over
+        HTTP exactly as for `local`; `shutdown()` kills the actors and frees the placement group.
+        Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
+        """
+        try:
+            from distbatch.ray_group import start_ray_workers
+        except ImportError as exc:
+            if exc.name is None or exc.name.split(".")[0] != "ray":
+                raise
+            raise ImportError("WorkerGroup.ray needs Ray: pip install distbatch[ray]") from exc
+        workers = start_ray_workers(
+            n, engine, env=env, placement=placement, resources=resources, startup_timeout=startup_timeout
+        )
+        try:
+            group = cls(workers.nodes, stoppers=[workers], client=client, call_timeout=call_timeout)
+        except BaseException:
+            workers.stop()
+            raise
         try:
             group.wait_ready()
         except BaseException:
@@ -106,6 +157,7 @@ class WorkerGroup:
             replies = self.client.call_many(calls, timeout=timeout or self.call_timeout)
         except WorkerUnavailableError as exc:
             self._check_alive([node for node, _, _ in calls])
+            self._check_stoppers([node for node, _, _ in calls])
             raise exc
         return [decode_value(reply["result"], self._client) for reply in replies]
 
@@ -114,6 +166,14 @@ class WorkerGroup:
             if process.node in nodes and not process.alive():
                 code = process.process.returncode
                 raise WorkerUnavailableError(process.node, f"worker process exited with code {code}")
+
+    def _check_stoppers(self, nodes: list[str]) -> None:
+        """After a failed call: name a worker whose launcher (e.g. Ray) knows it is dead."""
+        for stopper in self.stoppers:
+            dead = getattr(stopper, "dead", None)
+            for node in nodes if dead is not None else ():
+                if node in getattr(stopper, "nodes", ()) and dead(node):
+                    raise WorkerUnavailableError(node, "its Ray actor is dead")
 
     def call(
         self, method: str, chunks: Sequence[Any], *, timeout: float | None = None, **kwargs: Any

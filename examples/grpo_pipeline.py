@@ -8,6 +8,7 @@ chunks straight from the rollout workers. Each step ends with `clear()`.
 
     python examples/grpo_pipeline.py --compare      # distributed, then centralised
     python examples/grpo_pipeline.py --centralised  # the design we replace
+    python examples/grpo_pipeline.py --launcher ray # workers as Ray actors (pip install distbatch[ray])
 
 `--centralised` runs the same job the old way: the controller pulls every
 batch and pushes the chunks to the train workers itself.
@@ -221,9 +222,19 @@ def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: boo
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     report = PipelineReport("centralised" if centralised else "distributed")
     say = (lambda *a: None) if quiet else print
+    if getattr(args, "launcher", "local") == "ray":
+        import ray
+
+        from distbatch.ray_group import init_local_ray
+
+        if not ray.is_initialized():
+            init_local_ray()  # no dashboard, no usage stats; pass address= to join a cluster
+        start = WorkerGroup.ray
+    else:
+        start = WorkerGroup.local
     with (
-        WorkerGroup.local(args.rollout_workers, f"{ENGINE_MODULE}:RolloutEngine", env=env) as rollout,
-        WorkerGroup.local(args.train_workers, f"{ENGINE_MODULE}:TrainEngine", env=env) as train,
+        start(args.rollout_workers, f"{ENGINE_MODULE}:RolloutEngine", env=env) as rollout,
+        start(args.train_workers, f"{ENGINE_MODULE}:TrainEngine", env=env) as train,
     ):
         say(f"[{report.mode}] rollout workers {rollout.nodes}, train workers {train.nodes}")
         for step in range(args.steps):
@@ -258,6 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--launcher", choices=["local", "ray"], default="local", help="worker processes or Ray actors"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--centralised", action="store_true", help="controller pulls and pushes all data")
     mode.add_argument("--compare", action="store_true", help="run distributed, then centralised")

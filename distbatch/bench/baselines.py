@@ -159,7 +159,9 @@ def ray_roundtrip(workload: str, seed: int, repeats: int) -> list[float]:
     """Seconds for `ray.get` in this process of the batch another process `ray.put`."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    from distbatch.ray_group import init_local_ray
+
+    init_local_ray(num_cpus=2, ignore_reinit_error=True)  # loopback only, no dashboard
     try:
 
         @ray.remote
