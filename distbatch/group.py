@@ -71,12 +71,7 @@ class WorkerGroup:
         group = cls(
             [p.node for p in processes], processes=processes, client=client, call_timeout=call_timeout
         )
-        try:
-            group.wait_ready()
-        except BaseException:
-            group.shutdown()
-            raise
-        return group
+        return group._ready_or_shut_down()
 
     @classmethod
     def ray(
@@ -112,12 +107,7 @@ class WorkerGroup:
         except BaseException:
             workers.stop()
             raise
-        try:
-            group.wait_ready()
-        except BaseException:
-            group.shutdown()
-            raise
-        return group
+        return group._ready_or_shut_down()
 
     @classmethod
     def connect(
@@ -137,6 +127,15 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.nodes})"
+
+    def _ready_or_shut_down(self) -> WorkerGroup:
+        """Return self once every worker answers; stop what this group started if one does not."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
 
     def wait_ready(self) -> None:
         """Check every worker answers `/health` (raises `WorkerUnavailableError` naming it)."""

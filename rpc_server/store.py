@@ -145,7 +145,8 @@ class ShardStore:
     def _touch(self, task_ids: Iterable[str]) -> None:
         """Mark tasks as used now (caller holds the lock; only when tracking is on)."""
         last_access = self._last_access
-        assert last_access is not None
+        if last_access is None:  # idle tracking is off
+            return
         now = self._clock()
         for task_id in task_ids:
             last_access[task_id] = now
