@@ -76,6 +76,11 @@ def _read_address(process: subprocess.Popen[bytes], deadline: float) -> str | No
     return line.decode(errors="replace").strip() or None
 
 
+def read_first_line(process: subprocess.Popen[bytes], timeout: float) -> str | None:
+    """The first complete stdout line of `process` (stripped), or None if it exits or times out."""
+    return _read_address(process, time.monotonic() + timeout)
+
+
 def spawn_workers(
     count: int,
     *,

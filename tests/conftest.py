@@ -38,6 +38,21 @@ def start_worker() -> Iterator[Callable[..., WorkerProcess]]:
         worker.stop()
 
 
+@pytest.fixture(scope="module")
+def module_worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
+    """Like `start_worker`, for a module's tests; workers run without a token unless `env` sets one."""
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        worker = spawn_worker(args=args, env=env if env is not None else {"DISTBATCH_TOKEN": ""})
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
 @pytest.fixture
 def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
     return start_worker()

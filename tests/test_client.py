@@ -35,7 +35,7 @@ from distbatch import (
     WireFormatError,
     WorkerUnavailableError,
 )
-from distbatch.launch import WorkerProcess, spawn_worker
+from distbatch.launch import WorkerProcess
 
 HTTP = requests.Session()
 HTTP.trust_env = False
@@ -152,20 +152,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def nodes(shared_workers: list[WorkerProcess]) -> list[str]:
     return [w.node for w in shared_workers]
-
-
-@pytest.fixture(scope="module")
-def module_worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-
-    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
-        worker = spawn_worker(args=args, env=env if env is not None else NO_TOKEN_ENV)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
 
 
 @pytest.fixture(scope="module")

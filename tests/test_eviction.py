@@ -7,7 +7,6 @@ clocks; the server tests run real workers with S=1 and read their stderr.
 from __future__ import annotations
 
 import os
-import selectors
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import requests
 import torch
 
 from distbatch.ids import ShardKey
-from distbatch.launch import WorkerProcess
+from distbatch.launch import WorkerProcess, read_first_line
 from distbatch.wire import encode_bundle_bytes
 from rpc_server.app import ServerConfig, create_app
 from rpc_server.serve import WorkerServer
@@ -153,21 +152,6 @@ class LoggedWorker(WorkerProcess):
         return f"http://{self.node}{path}"
 
 
-def _first_line(process: subprocess.Popen[bytes], timeout: float = 60.0) -> str:
-    assert process.stdout is not None
-    line = b""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            if selector.select(timeout=0.2):
-                chunk = os.read(process.stdout.fileno(), 256)
-                if not chunk:
-                    break
-                line += chunk
-    return line.decode().strip()
-
-
 @pytest.fixture
 def logged_worker(tmp_path: Path) -> Iterator[Callable[..., LoggedWorker]]:
     started: list[LoggedWorker] = []
@@ -192,7 +176,7 @@ def logged_worker(tmp_path: Path) -> Iterator[Callable[..., LoggedWorker]]:
                 cwd=ROOT,
                 env={**os.environ, "DISTBATCH_TOKEN": ""},
             )
-        node = _first_line(process)
+        node = read_first_line(process, 60.0) or ""
         worker = LoggedWorker(process, node, stderr_path)
         started.append(worker)
         assert node, f"worker did not start: {worker.stderr()}"

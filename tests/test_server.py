@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import re
-import selectors
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import requests
 import safetensors.torch
 import torch
 
-from distbatch.launch import WorkerProcess, spawn_worker
+from distbatch.launch import WorkerProcess, read_first_line
 from distbatch.wire import decode_bundle, encode_bundle_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,36 +136,7 @@ def same_tensor(a: torch.Tensor, b: Any) -> bool:
     )
 
 
-def read_first_line(process: subprocess.Popen[bytes], timeout: float = 30.0) -> bytes:
-    assert process.stdout is not None
-    line = b""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            if selector.select(timeout=0.2):
-                chunk = os.read(process.stdout.fileno(), 1)
-                if not chunk:
-                    break
-                line += chunk
-    return line
-
-
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def module_worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-
-    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
-        worker = spawn_worker(args=args, env=env if env is not None else NO_TOKEN_ENV)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +192,8 @@ def test_cli_prints_address_writes_file_and_exits_on_sigterm(
 ) -> None:
     address_file = tmp_path / "node.addr"
     process = cli(*host_args, "--port", "0", "--address-file", str(address_file))
-    line = read_first_line(process)
-    assert line.endswith(b"\n"), line
-    node = line.decode().strip()
+    node = read_first_line(process, 30.0)
+    assert node is not None, "the worker printed no complete address line"
     match = ADDRESS.fullmatch(node)
     assert match is not None, node  # binds loopback unless told otherwise
     assert 0 < int(match.group(1)) < 65536
@@ -252,7 +221,7 @@ def test_cli_prints_address_writes_file_and_exits_on_sigterm(
 
 def test_cli_two_workers_get_distinct_ports(cli: Callable[..., subprocess.Popen[bytes]]) -> None:
     first, second = cli("--port", "0"), cli("--port", "0")
-    nodes = {read_first_line(first).decode().strip(), read_first_line(second).decode().strip()}
+    nodes = {read_first_line(first, 30.0), read_first_line(second, 30.0)}
     assert len(nodes) == 2
     assert all(ADDRESS.fullmatch(n) for n in nodes)
 
