@@ -82,6 +82,7 @@ class WorkerGroup:
         env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
         placement: str = "spread",
         resources: Mapping[str, float] | None = None,
+        node_ids: Sequence[str] | None = None,
         client: ShardClient | None = None,
         call_timeout: float | None = None,
         startup_timeout: float = 120.0,
@@ -89,8 +90,10 @@ class WorkerGroup:
         """Start `n` workers as Ray actors (one per placement-group bundle), hosting `engine`.
 
         `placement` is "spread" (over nodes where possible), "strict_spread" or "pack";
-        `resources` are per worker, e.g. `{"GPU": 1}` or `{"CPU": 2}`. Calls and data go over
-        HTTP exactly as for `local`; `shutdown()` kills the actors and frees the placement group.
+        `node_ids` (one Ray node ID per worker) pins workers to nodes instead, e.g. next to the
+        trainer ranks that read them. `resources` are per worker, e.g. `{"GPU": 1}` or
+        `{"CPU": 2}`. Calls and data go over HTTP exactly as for `local`; `shutdown()` kills
+        the actors and frees the placement group.
         Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
         """
         try:
@@ -100,7 +103,13 @@ class WorkerGroup:
                 raise
             raise ImportError("WorkerGroup.ray needs Ray: pip install distbatch[ray]") from exc
         workers = start_ray_workers(
-            n, engine, env=env, placement=placement, resources=resources, startup_timeout=startup_timeout
+            n,
+            engine,
+            env=env,
+            placement=placement,
+            resources=resources,
+            node_ids=node_ids,
+            startup_timeout=startup_timeout,
         )
         try:
             group = cls(workers.nodes, stoppers=[workers], client=client, call_timeout=call_timeout)

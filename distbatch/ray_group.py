@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from distbatch.errors import WorkerUnavailableError
 
@@ -24,23 +24,37 @@ STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PAC
 DEFAULT_CPUS_PER_WORKER = 0.25  # a worker mostly waits on sockets; keeps 2+ workers on a 2-CPU node
 
 
-def init_local_ray(**kwargs: Any) -> Any:
-    """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
+def prepare_ray_environment(new_cluster: bool = True) -> None:
+    """Set Ray's closed-machine defaults in this process's environment, before any Ray process starts.
 
-    Ray 2.60 turns token auth on for a new local cluster and saves a token to
-    ~/.ray/auth_token; here the mode is set explicitly and a fresh token is kept
-    in this process's environment (which Ray's own processes inherit) instead.
-    Variables already set win. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
+    Usage stats off; for a `new_cluster`, token auth set explicitly too: Ray 2.60 turns it on
+    for a new local cluster and saves a token to ~/.ray/auth_token; here a fresh token is kept
+    in this process's environment (which Ray's own processes inherit) instead. Variables already
+    set win; joining an existing cluster leaves auth to that cluster's settings. Call it before
+    `ray.init` or `ray.cluster_utils.Cluster` on a machine with no way out; `init_local_ray`
+    calls it for you.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not new_cluster:
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if os.environ["RAY_AUTH_MODE"] == "token" and not (
         os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
     ):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     _reload_ray_auth_config()
+
+
+def init_local_ray(**kwargs: Any) -> Any:
+    """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
+
+    With no `address` (or "local") it starts a new single-machine cluster on loopback; with
+    one, it joins that cluster. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
+    """
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, **kwargs}
-    if options.get("address") in (None, "local"):
+    new_cluster = options.get("address") in (None, "local")
+    prepare_ray_environment(new_cluster)
+    if new_cluster:
         # A new single-machine cluster (never a stale one some crashed run left registered),
         # with Ray's processes and our workers on loopback.
         options["address"] = "local"
@@ -82,6 +96,10 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id), to check or report placement."""
+        return ray.get_runtime_context().get_node_id()
+
     def stop(self) -> None:
         self.server.shutdown()
 
@@ -89,7 +107,7 @@ class _WorkerActor:
 class RayWorkers:
     """The actors and placement group behind a Ray `WorkerGroup`; `stop()` releases both."""
 
-    def __init__(self, actors: list[Any], group: Any, nodes: list[str]) -> None:
+    def __init__(self, actors: list[Any], group: Any | None, nodes: list[str]) -> None:
         self.actors = actors
         self.placement_group = group
         self.nodes = nodes
@@ -128,10 +146,11 @@ class RayWorkers:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        try:
-            remove_placement_group(self.placement_group)
-        except Exception:
-            pass
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
         self.actors = []
 
 
@@ -142,9 +161,14 @@ def start_ray_workers(
     env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
     placement: str = "spread",
     resources: Mapping[str, float] | None = None,
+    node_ids: Sequence[str] | None = None,
     startup_timeout: float = 120.0,
 ) -> RayWorkers:
-    """Place `n` worker actors with a placement group and start their servers; returns once all serve."""
+    """Place `n` worker actors and start their servers; returns once all serve.
+
+    Placed by a placement group with `placement`'s strategy, or, with `node_ids` (one Ray
+    node ID per worker), pinned to those nodes by hard node affinity.
+    """
     if n < 1:
         raise ValueError(f"worker count must be >= 1, got {n}")
     if placement not in STRATEGIES:
@@ -152,33 +176,44 @@ def start_ray_workers(
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * n
     if len(envs) != n:
         raise ValueError(f"{len(envs)} env mappings for {n} workers")
+    if node_ids is not None and len(node_ids) != n:
+        raise ValueError(f"{len(node_ids)} node ids for {n} workers")
     bundle = {"CPU": DEFAULT_CPUS_PER_WORKER}
     for key, value in (resources or {}).items():
         bundle[{"num_cpus": "CPU", "num_gpus": "GPU"}.get(key, key)] = float(value)
     bundle = {k: v for k, v in bundle.items() if v > 0}
     if not ray.is_initialized():
         init_local_ray()
-
-    group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
+    if node_ids is not None:
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        unknown = sorted(set(node_ids) - alive)
+        if unknown:
+            raise ValueError(f"no live Ray node with id {unknown[0]!r} (live: {sorted(alive)})")
+        strategies = [NodeAffinitySchedulingStrategy(node_id, soft=False) for node_id in node_ids]
+        group = None
+    else:
+        group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
+        strategies = [
+            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)
+        ]
     actors: list[Any] = []
     workers = RayWorkers(actors, group, [])
     try:
-        ready, _ = ray.wait([group.ready()], timeout=startup_timeout)
-        if not ready:
-            raise WorkerUnavailableError(
-                f"ray placement group {group.id.hex()}",
-                f"{n} bundles of {bundle} ({STRATEGIES[placement]}) not placed within {startup_timeout}s "
-                f"(cluster resources: {ray.available_resources()})",
-            )
+        if group is not None:
+            ready, _ = ray.wait([group.ready()], timeout=startup_timeout)
+            if not ready:
+                raise WorkerUnavailableError(
+                    f"ray placement group {group.id.hex()}",
+                    f"{n} bundles of {bundle} ({STRATEGIES[placement]}) not placed within "
+                    f"{startup_timeout}s (cluster resources: {ray.available_resources()})",
+                )
         others = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         actor_class = ray.remote(_WorkerActor)
-        for i, extra in enumerate(envs):
+        for extra, strategy in zip(envs, strategies):
             options: dict[str, Any] = {
                 "num_cpus": bundle.get("CPU", 0),
                 "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=i
-                ),
+                "scheduling_strategy": strategy,
             }
             if others:
                 options["resources"] = others
@@ -186,7 +221,11 @@ def start_ray_workers(
         refs = [actor.node.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)
         if len(ready) < len(refs):
-            raise WorkerUnavailableError("ray actors", f"workers did not start within {startup_timeout}s")
+            raise WorkerUnavailableError(
+                "ray actors",
+                f"{len(refs) - len(ready)} of {n} workers did not start within {startup_timeout}s "
+                f"(cluster resources: {ray.available_resources()})",
+            )
         try:
             workers.nodes = list(ray.get(refs))
         except ray.exceptions.RayActorError as exc:

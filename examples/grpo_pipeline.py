@@ -9,6 +9,7 @@ chunks straight from the rollout workers. Each step ends with `clear()`.
     python examples/grpo_pipeline.py --compare      # distributed, then centralised
     python examples/grpo_pipeline.py --centralised  # the design we replace
     python examples/grpo_pipeline.py --launcher ray # workers as Ray actors (pip install distbatch[ray])
+    python examples/grpo_pipeline.py --launcher ray --ray-address auto  # ... on your running cluster
 
 `--centralised` runs the same job the old way: the controller pulls every
 batch and pushes the chunks to the train workers itself.
@@ -139,6 +140,8 @@ class PipelineReport:
     mode: str
     steps: list[StepReport] = field(default_factory=list)
     shards_left: int = -1
+    rollout_nodes: list[str] = field(default_factory=list)
+    train_nodes: list[str] = field(default_factory=list)
 
     def totals(self) -> tuple[int, int, float]:
         return (
@@ -227,8 +230,8 @@ def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: boo
 
         from distbatch.ray_group import init_local_ray
 
-        if not ray.is_initialized():
-            init_local_ray()  # no dashboard, no usage stats; pass address= to join a cluster
+        if not ray.is_initialized():  # a new loopback cluster, or join --ray-address
+            init_local_ray(address=getattr(args, "ray_address", None))
         start = WorkerGroup.ray
     else:
         start = WorkerGroup.local
@@ -236,6 +239,7 @@ def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: boo
         start(args.rollout_workers, f"{ENGINE_MODULE}:RolloutEngine", env=env) as rollout,
         start(args.train_workers, f"{ENGINE_MODULE}:TrainEngine", env=env) as train,
     ):
+        report.rollout_nodes, report.train_nodes = list(rollout.nodes), list(train.nodes)
         say(f"[{report.mode}] rollout workers {rollout.nodes}, train workers {train.nodes}")
         for step in range(args.steps):
             r = run_step(step, args, rollout, train, centralised)
@@ -271,6 +275,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--launcher", choices=["local", "ray"], default="local", help="worker processes or Ray actors"
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --launcher ray: join this Ray cluster ('auto' or host:port) instead of starting one",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--centralised", action="store_true", help="controller pulls and pushes all data")

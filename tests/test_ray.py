@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ray_support import host, import_ray, ray_workers, wait_for_free_cpus
 
-ray = pytest.importorskip("ray")
+ray = import_ray()
 
 import torch  # noqa: E402
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, WorkerUnavailableError  # noqa: E402
-from distbatch.ray_group import RayWorkers, init_local_ray  # noqa: E402
+from distbatch.ray_group import init_local_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -40,11 +41,6 @@ def ray_cluster() -> Iterator[None]:
 def group() -> Iterator[WorkerGroup]:
     with WorkerGroup.ray(2, ECHO, env=ENV) as g:
         yield g
-
-
-def ray_workers(group: WorkerGroup) -> RayWorkers:
-    (workers,) = [s for s in group.stoppers if isinstance(s, RayWorkers)]
-    return workers
 
 
 def test_lazy_import_keeps_ray_out_of_the_core() -> None:
@@ -97,16 +93,13 @@ def test_placement_strategies_start_on_one_node(placement: str) -> None:
     with WorkerGroup.ray(2, ECHO, env=ENV, placement=placement, resources={"CPU": 0.25}) as g:
         assert len(g.call_all("whoami")) == 2
         node_ip = ray.util.get_node_ip_address()
-        assert all(node.rsplit(":", 1)[0] == node_ip for node in g.nodes)  # both on the only node
+        assert all(host(node) == node_ip for node in g.nodes)  # both on the only node
 
 
 def test_unplaceable_group_fails_cleanly() -> None:
     with pytest.raises(WorkerUnavailableError, match="not placed"):
         WorkerGroup.ray(2, ECHO, env=ENV, placement="strict_spread", startup_timeout=3)
-    deadline = time.monotonic() + 10  # the removed placement group's CPUs come back (reported lazily)
-    while ray.available_resources().get("CPU") != 2.0 - 0.5 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 2.0 - 0.5  # only the module group holds CPUs
+    assert wait_for_free_cpus(2.0 - 0.5) == 2.0 - 0.5  # only the module group holds CPUs
 
 
 def test_engine_that_fails_to_load_is_worker_unavailable() -> None:
