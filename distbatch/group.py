@@ -83,6 +83,7 @@ class WorkerGroup:
         placement: str = "spread",
         resources: Mapping[str, float] | None = None,
         node_ids: Sequence[str] | None = None,
+        args: Sequence[str] = (),
         client: ShardClient | None = None,
         call_timeout: float | None = None,
         startup_timeout: float = 120.0,
@@ -92,8 +93,9 @@ class WorkerGroup:
         `placement` is "spread" (over nodes where possible), "strict_spread" or "pack";
         `node_ids` (one Ray node ID per worker) pins workers to nodes instead, e.g. next to the
         trainer ranks that read them. `resources` are per worker, e.g. `{"GPU": 1}` or
-        `{"CPU": 2}`. Calls and data go over HTTP exactly as for `local`; `shutdown()` kills
-        the actors and frees the placement group.
+        `{"CPU": 2}`. `args` are store flags as for `local` (`--max-bytes`, `--max-idle-seconds`).
+        Calls and data go over HTTP exactly as for `local`; `shutdown()` kills the actors and
+        frees the placement group.
         Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
         """
         try:
@@ -109,6 +111,7 @@ class WorkerGroup:
             placement=placement,
             resources=resources,
             node_ids=node_ids,
+            args=args,
             startup_timeout=startup_timeout,
         )
         try:

@@ -79,15 +79,16 @@ def _reload_ray_auth_config() -> None:
 class _WorkerActor:
     """One worker: an `rpc_server` app served on a thread of this actor's process."""
 
-    def __init__(self, engine: str | None, env: Mapping[str, str]) -> None:
-        from rpc_server.app import ServerConfig, create_app
+    def __init__(self, engine: str | None, env: Mapping[str, str], flags: Sequence[str] = ()) -> None:
+        from rpc_server.__main__ import server_config_from_flags
+        from rpc_server.app import create_app
         from rpc_server.serve import WorkerServer
 
         os.environ.update(env)  # before the app: ServerConfig reads DISTBATCH_TOKEN, engines read the rest
         for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:
                 sys.path.insert(0, entry)  # the process is running: PYTHONPATH alone would not reach imports
-        app = create_app(ServerConfig(engine=engine))
+        app = create_app(server_config_from_flags([*flags, *(["--engine", engine] if engine else [])]))
         self.server = WorkerServer(app, ray.util.get_node_ip_address(), 0).start_background()
 
     def node(self) -> str:
@@ -154,6 +155,21 @@ class RayWorkers:
         self.actors = []
 
 
+PLACEMENT_FLAGS = ("--host", "--port", "--address-file", "--exit-with-parent")
+
+
+def check_ray_worker_flags(flags: Sequence[str]) -> None:
+    """ValueError for worker flags that are bad, or that Ray placement decides instead."""
+    from rpc_server.__main__ import server_config_from_flags
+
+    fixed = [f for f in flags if f.split("=", 1)[0] in PLACEMENT_FLAGS]
+    if fixed:
+        raise ValueError(
+            f"{fixed[0]} does not apply to Ray workers: each binds its node's address on a free port"
+        )
+    server_config_from_flags(flags)
+
+
 def start_ray_workers(
     n: int,
     engine: str | None = None,
@@ -162,13 +178,16 @@ def start_ray_workers(
     placement: str = "spread",
     resources: Mapping[str, float] | None = None,
     node_ids: Sequence[str] | None = None,
+    args: Sequence[str] = (),
     startup_timeout: float = 120.0,
 ) -> RayWorkers:
     """Place `n` worker actors and start their servers; returns once all serve.
 
     Placed by a placement group with `placement`'s strategy, or, with `node_ids` (one Ray
-    node ID per worker), pinned to those nodes by hard node affinity.
+    node ID per worker), pinned to those nodes by hard node affinity. `args` are the store
+    flags of `python -m rpc_server` (`--max-bytes`, `--max-idle-seconds`, ...), checked here.
     """
+    check_ray_worker_flags(args)
     if n < 1:
         raise ValueError(f"worker count must be >= 1, got {n}")
     if placement not in STRATEGIES:
@@ -217,7 +236,7 @@ def start_ray_workers(
             }
             if others:
                 options["resources"] = others
-            actors.append(actor_class.options(**options).remote(engine, dict(extra)))
+            actors.append(actor_class.options(**options).remote(engine, dict(extra), list(args)))
         refs = [actor.node.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)
         if len(ready) < len(refs):

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from distbatch.atomic import write_text_atomically
@@ -23,8 +24,11 @@ from rpc_server.errors import EngineLoadError
 from rpc_server.serve import WorkerServer
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rpc_server", description=__doc__)
+def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The worker's command line; launchers that host the app in-process (Ray) reuse it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rpc_server", description=__doc__, exit_on_error=exit_on_error
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--max-bytes", type=int, default=None, help="store capacity in bytes")
@@ -47,7 +51,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
     )
     parser.add_argument("--log-level", default="WARNING")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The `ServerConfig` the parsed flags ask for; ValueError for a value no server runs with."""
+    if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
+        raise ValueError("--max-idle-seconds must be > 0")
+    return ServerConfig(
+        max_bytes=args.max_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_json_bytes=args.max_json_bytes,
+        max_keys_per_request=args.max_keys_per_request,
+        engine=args.engine,
+        max_idle_seconds=args.max_idle_seconds,
+    )
+
+
+def server_config_from_flags(flags: Sequence[str]) -> ServerConfig:
+    """A `ServerConfig` from store flags (`--max-bytes N`, ...); ValueError, never an exit, on bad ones."""
+    try:
+        args, unknown = build_parser(exit_on_error=False).parse_known_args(list(flags))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"bad worker flag: {exc}") from None
+    if unknown:
+        raise ValueError(f"unknown worker flags: {unknown}")
+    return server_config(args)
 
 
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
@@ -63,18 +96,12 @@ def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
-        print("rpc_server: --max-idle-seconds must be > 0", file=sys.stderr)
-        raise SystemExit(2)
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"rpc_server: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    config = ServerConfig(
-        max_bytes=args.max_bytes,
-        max_request_bytes=args.max_request_bytes,
-        max_json_bytes=args.max_json_bytes,
-        max_keys_per_request=args.max_keys_per_request,
-        engine=args.engine,
-        max_idle_seconds=args.max_idle_seconds,
-    )
     try:
         app = create_app(config)
     except EngineLoadError as exc:

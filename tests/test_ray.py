@@ -19,7 +19,13 @@ ray = import_ray()
 
 import torch  # noqa: E402
 
-from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, WorkerUnavailableError  # noqa: E402
+from distbatch import (  # noqa: E402
+    CapacityError,
+    DistributedBatchMemory,
+    ShardClient,
+    WorkerGroup,
+    WorkerUnavailableError,
+)
 from distbatch.ray_group import init_local_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +105,37 @@ def test_placement_strategies_start_on_one_node(placement: str) -> None:
 def test_unplaceable_group_fails_cleanly() -> None:
     with pytest.raises(WorkerUnavailableError, match="not placed"):
         WorkerGroup.ray(2, ECHO, env=ENV, placement="strict_spread", startup_timeout=3)
+    assert wait_for_free_cpus(2.0 - 0.5) == 2.0 - 0.5  # only the module group holds CPUs
+
+
+def test_store_flags_reach_the_ray_workers() -> None:
+    flags = ["--max-bytes", "4096", "--max-idle-seconds", "600"]
+    with WorkerGroup.ray(1, ECHO, env=ENV, args=flags) as g, ShardClient(timeout=10.0) as client:
+        (node,) = g.nodes
+        assert client.stats(node)["capacity"] == 4096
+        small = DistributedBatchMemory.from_dict(
+            {"x": torch.zeros(16)}, task_ids=[f"fits-{i}" for i in range(16)]
+        )
+        small.to_remote(node, client)
+        big = DistributedBatchMemory.from_dict({"x": torch.zeros(1, 2048)}, task_ids=["too-big"])
+        with pytest.raises(CapacityError):
+            big.to_remote(node, client)
+        assert client.stats(node)["tasks"] == 16  # the refused put stored nothing
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--host", "0.0.0.0"], "does not apply to Ray workers"),
+        (["--port=8000"], "does not apply to Ray workers"),
+        (["--max-bytes", "lots"], "invalid int value"),
+        (["--max-idle-seconds", "0"], "must be > 0"),
+        (["--no-such-flag"], "unknown worker flags"),
+    ],
+)
+def test_bad_store_flags_are_refused_before_any_actor_starts(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerGroup.ray(1, ECHO, env=ENV, args=flags)
     assert wait_for_free_cpus(2.0 - 0.5) == 2.0 - 0.5  # only the module group holds CPUs
 
 
