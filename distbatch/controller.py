@@ -54,6 +54,10 @@ class ClearError(DistBatchError):
         self.undeleted = dict(undeleted)
 
 
+class ClearInProgressError(DistBatchError):
+    """A put named tasks whose clear is under way: their shards are being deleted right now."""
+
+
 @dataclass
 class _Column:
     """One field of a partition: dtype, and per task index its node and shape."""
@@ -73,6 +77,8 @@ class _Partition:
     columns: dict[str, _Column] = field(default_factory=dict)
     consumed: dict[str, set[int]] = field(default_factory=dict)
     next_index: int = 0
+    # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
+    clearing: dict[int, int] = field(default_factory=dict)
 
     def intern_node(self, node: str) -> int:
         if node not in self.node_index:
@@ -104,6 +110,7 @@ class _Partition:
         for column in columns[1:]:
             have.intersection_update(column.node)
         have.difference_update(self.consumed.get(task_name, ()))
+        have.difference_update(self.clearing)
         return sorted(have)
 
     def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]:
@@ -144,6 +151,24 @@ class _Partition:
                 if n is not None:
                     out.setdefault(self.nodes[n], []).append(ShardKey(self.task_of[i], name))
         return out
+
+    def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
+        """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
+        n = self.node_index.get(node)
+        for key in keys:
+            i = self.index_of.get(key.task_id)
+            column = self.columns.get(key.field)
+            if i is not None and column is not None and column.node.get(i) == n:
+                del column.node[i]
+                column.shape.pop(i, None)
+
+    def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
+        for i in indexes:
+            count = self.clearing.get(i, 0) + delta
+            if count > 0:
+                self.clearing[i] = count
+            else:
+                self.clearing.pop(i, None)
 
     def forget(self, indexes: Iterable[int]) -> None:
         for i in list(indexes):
@@ -207,6 +232,12 @@ class Controller:
                     raise SchemaConflictError(
                         f"field {name!r} is {have} in partition {partition_id!r}, the put gives {given}"
                     )
+            clearing = [t for t in meta.task_ids if partition.index_of.get(t) in partition.clearing]
+            if clearing:
+                raise ClearInProgressError(
+                    f"{len(clearing)} task(s) of partition {partition_id!r} are being cleared "
+                    f"(e.g. {clearing[0]!r}): put them again once clear_tasks returns"
+                )
             self._partitions[partition_id] = partition
             new = [t for t in meta.task_ids if t not in partition.index_of]
             if new:
@@ -355,10 +386,20 @@ class Controller:
                 return 0
             indexes = [partition.index_of[t] for t in ids if t in partition.index_of]
             plan = partition.keys_by_node(indexes)
-        deleted, failed = self._delete_on_workers(plan)
+            # While the deletes run (outside the lock), nobody is handed these tasks and no
+            # producer adds a field to them: a new shard would outlive the forgotten task.
+            partition.mark_clearing(indexes, +1)
+        try:
+            deleted, failed = self._delete_on_workers(plan)
+        except BaseException:
+            with self._changed:
+                self._partitions.get(partition_id, _Partition(partition_id)).mark_clearing(indexes, -1)
+                self._changed.notify_all()
+            raise
         with self._changed:
             partition = self._partitions.get(partition_id)
             if partition is not None:
+                partition.mark_clearing(indexes, -1)
                 stuck = {
                     partition.index_of[k.task_id]
                     for n in failed
@@ -366,6 +407,11 @@ class Controller:
                     if k.task_id in partition.index_of
                 }
                 forgotten = [i for i in indexes if i not in stuck]
+                # A kept task keeps only the shards that are still there: the deleted ones must
+                # never be handed out again (they would fail every fetch).
+                for node, keys in plan.items():
+                    if node not in failed:
+                        partition.drop_rows(node, keys)
                 partition.forget(forgotten)
                 _forget_in_sampler(self.sampler, partition_id, forgotten)
                 self._changed.notify_all()

@@ -20,7 +20,7 @@ from distbatch.atomic import write_json_atomically
 from distbatch.auth import bearer_ok, token_from_env
 from distbatch.batch import DistributedBatchMemory
 from distbatch.client import ShardClient, default_client, validate_node
-from distbatch.controller import ClearError, Controller, SchemaConflictError
+from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
 from distbatch.errors import BatchStatusError, RequestError, WorkerUnavailableError
 from distbatch.rpc import decode_value, encode_value
 from rpc_server.app import register_json_errors
@@ -133,6 +133,7 @@ def load_state() -> Response:
 
 _CONTROLLER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
     SchemaConflictError: (409, "schema_conflict"),
+    ClearInProgressError: (409, "clear_in_progress"),
     BatchStatusError: (400, "batch_status"),
     ValueError: (400, "bad_request"),
     TypeError: (400, "bad_request"),
@@ -316,6 +317,8 @@ def _local_error(exc: RequestError) -> Exception:
     """The controller-side exception a 4xx answer stands for."""
     if exc.code == "schema_conflict":
         return SchemaConflictError(exc.detail)
+    if exc.code == "clear_in_progress":
+        return ClearInProgressError(exc.detail)
     if exc.code == "batch_status":
         return BatchStatusError(exc.detail)
     if exc.code == "clear_incomplete":

@@ -4,6 +4,8 @@ through the controller, concurrency, clears (a worker down included) and checkpo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -17,7 +19,7 @@ import torch
 
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.controller import ClearError, Controller, SchemaConflictError, _Partition
+from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError, _Partition
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
 
@@ -624,6 +626,12 @@ def test_clear_with_a_worker_down(doomed_workers: list[WorkerProcess], mclient: 
         assert ctl.production_status("p")["tasks"] == 4
         kept = {t for _, t in ctl.state_dict()["partitions"]["p"]["tasks"]}
         assert kept == set(on_dead + on_both)
+        # A kept task keeps only the shards still there: `x` of on_both went with the live
+        # worker's deletes, so it is never handed out again (every fetch of it would fail).
+        status = ctl.production_status("p", ["x", "y"])
+        assert status["produced"] == {"x": 2, "y": 4} and status["ready"] == 2  # on_dead only
+        assert ctl.get_meta("p", "probe", ["x"], 3).status is BatchStatus.EMPTY
+        assert set(ctl.get_meta("p", "probe", ["x"], 2).task_ids) == set(on_dead)
 
         with pytest.raises(ClearError):
             ctl.clear_tasks("p", on_dead)
@@ -640,6 +648,40 @@ def test_clear_with_a_worker_down(doomed_workers: list[WorkerProcess], mclient: 
             back.stop()
     finally:
         quick.close()
+
+
+def test_tasks_being_cleared_are_neither_handed_out_nor_extended(
+    doomed_workers: list[WorkerProcess], mclient: ShardClient, pool: ThreadPoolExecutor
+) -> None:
+    stalled, live = doomed_workers
+    ctl = Controller(client=mclient)
+    pre = prefix()
+    going = [f"{pre}-go{i}" for i in range(3)]
+    staying = [f"{pre}-stay{i}" for i in range(2)]
+    ctl.put("p", remote(stalled.node, going, x=torch.zeros(3, 1)))
+    ctl.put("p", remote(live.node, staying, x=torch.ones(2, 1)))
+    os.kill(stalled.pid, signal.SIGSTOP)  # the clear's deletes hang until SIGCONT
+    try:
+        clearing = pool.submit(ctl.clear_tasks, "p", going)
+        deadline = time.monotonic() + 10
+        while ctl.production_status("p", ["x"])["ready"] != len(staying) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not clearing.done()
+        # Not ready while their shards are being deleted: a consumer gets only the others ...
+        assert ctl.production_status("p", ["x"]) == {"tasks": 5, "produced": {"x": 5}, "ready": 2}
+        assert ctl.get_meta("p", "train", ["x"], 3).status is BatchStatus.EMPTY
+        assert ctl.get_meta("p", "train", ["x"], 2).task_ids == staying
+        # ... and a producer cannot add a field to them (its shard would outlive the task).
+        late = remote(live.node, going[:1], y=torch.ones(1, 1))
+        with pytest.raises(ClearInProgressError, match="being cleared"):
+            ctl.put("p", late)
+        assert "y" not in ctl.production_status("p")["produced"]
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    assert clearing.result(timeout=30) == 3
+    assert ctl.production_status("p") == {"tasks": 2, "produced": {"x": 2}, "ready": 2}
+    assert ctl.put("p", late) == 1  # once the clear is done, the same id is a new task
+    assert late.clear() == 1 and ctl.clear_tasks("p", going[:1]) == 0
 
 
 # --------------------------------------------------------------------------- checkpoints

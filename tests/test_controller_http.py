@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import traceback
 import uuid
@@ -22,7 +23,7 @@ import torch
 
 from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, WorkerUnavailableError
 from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.controller import ClearError, Controller, SchemaConflictError
+from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
 from distbatch.controller_http import ControllerServer, RemoteController, serve_controller
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
@@ -336,6 +337,32 @@ def test_clear_error_over_http_names_the_dead_worker(
             assert_serving(rc)
     finally:
         quick.close()
+
+
+def test_put_during_a_clear_is_a_clear_in_progress_error_over_http(
+    doomed_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
+) -> None:
+    stalled, live = doomed_workers
+    rc = RemoteController(serve(Controller()).address, timeout=30)
+    going = [f"{prefix()}-go{i}" for i in range(2)]
+    rc.put("p", remote(stalled.node, going, x=torch.zeros(2, 1)))
+    os.kill(stalled.pid, signal.SIGSTOP)  # the clear hangs on its deletes until SIGCONT
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            clearing = pool.submit(rc.clear_tasks, "p", going)
+            deadline = time.monotonic() + 10
+            while rc.production_status("p", ["x"])["ready"] != 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            late = remote(live.node, going[:1], y=torch.ones(1, 1))
+            with pytest.raises(ClearInProgressError, match="being cleared"):
+                rc.put("p", late)
+            os.kill(stalled.pid, signal.SIGCONT)
+            assert clearing.result(timeout=30) == 2
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    assert rc.production_status("p")["tasks"] == 0
+    assert late.clear() == 1
+    assert_serving(rc)
 
 
 # --------------------------------------------------------------------------- tokens and fork
