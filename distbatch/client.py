@@ -108,19 +108,19 @@ class _LoopThread:
                     future.cancel()
                     raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    async def _shutdown(self, session: aiohttp.ClientSession | None) -> None:
+    async def _shutdown(self, sessions: Sequence[aiohttp.ClientSession]) -> None:
         # Cancel calls still in flight so that whoever waits on them is released.
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if session is not None:
+        for session in sessions:
             await session.close()
 
-    def stop(self, session: aiohttp.ClientSession | None) -> None:
+    def stop(self, sessions: Sequence[aiohttp.ClientSession]) -> None:
         if not self.loop.is_closed() and self.thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(session), self.loop).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(self._shutdown(sessions), self.loop).result(timeout=5)
             except TimeoutError:
                 pass  # stop the loop regardless; waiters notice the thread is gone
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -150,15 +150,21 @@ class Traffic:
 
 
 class _Runtime:
-    """The loop thread and the session living on it; replaced after a fork."""
+    """The loop thread and the sessions living on it; replaced after a fork.
+
+    `session` carries data transfers and short requests, bounded per node; `waiting_session`
+    carries requests the server may hold open (engine calls, long-polling `get_meta`), so
+    that a crowd of waiters never takes the connections a put or a fetch needs.
+    """
 
     def __init__(self) -> None:
         self.loop_thread = _LoopThread()
         self.session: aiohttp.ClientSession | None = None
+        self.waiting_session: aiohttp.ClientSession | None = None
 
     def close(self) -> None:
         if self.loop_thread.pid == os.getpid():
-            self.loop_thread.stop(self.session)
+            self.loop_thread.stop([s for s in (self.session, self.waiting_session) if s is not None])
 
 
 class ShardClient:
@@ -252,18 +258,21 @@ class ShardClient:
                 raise  # our caller is being cancelled
             raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _session(self, waits: bool = False) -> aiohttp.ClientSession:
         runtime = self._get_runtime()
+        if waits:
+            if runtime.waiting_session is None:
+                # Waiters are bounded in total, not per node: many ranks may long-poll one controller.
+                runtime.waiting_session = self._new_session(self.max_connections, 0)
+            return runtime.waiting_session
         if runtime.session is None:
-            connector = aiohttp.TCPConnector(
-                limit=self.max_connections,
-                limit_per_host=self.max_connections_per_node,
-                ttl_dns_cache=300,
-            )
-            runtime.session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, trust_env=False
-            )
+            runtime.session = self._new_session(self.max_connections, self.max_connections_per_node)
         return runtime.session
+
+    @staticmethod
+    def _new_session(limit: int, limit_per_host: int) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit_per_host, ttl_dns_cache=300)
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
 
     # ------------------------------------------------------------------ transport
 
@@ -286,12 +295,14 @@ class ShardClient:
         binary_response: bool = False,
         timeout: float | None | object = ...,
         idempotent: bool = True,
+        waits: bool = False,
     ) -> Any:
         """One logical request with retries inside one deadline; returns JSON or a bytearray.
 
         `timeout` overrides the client's (None: no deadline, for long engine
         calls; a dead worker still fails at once because its socket closes).
         A non-idempotent request is retried only when no connection was made.
+        `waits`: the server may hold it open; it goes over the waiting connections.
         """
         loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is ... else timeout
@@ -303,7 +314,7 @@ class ShardClient:
             content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
             headers = self._headers(content_type if body is not None else None)
         url = f"http://{node}{path}"
-        session = self._session()
+        session = self._session(waits)
         attempt = 0
         while True:
             remaining = None if deadline is None else deadline - loop.time()
@@ -350,6 +361,7 @@ class ShardClient:
             json_body=None,
             timeout=timeout,
             idempotent=False,
+            waits=True,
         )
 
     async def _call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
@@ -674,14 +686,25 @@ class ShardClient:
         *,
         timeout: float | None | object = ...,
         idempotent: bool = True,
+        waits: bool = False,
     ) -> Any:
         """A JSON request to any distbatch HTTP service (worker or controller), with this
-        client's session, token, retries and error mapping."""
+        client's session, token, retries and error mapping.
+
+        `waits=True` for a request the server may hold open (a long poll): it goes over
+        connections of its own, so waiters never hold up puts and fetches to the same node.
+        """
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
         return self._run(
             self._request(
-                validate_node(node), method, path, json_body=body, timeout=timeout, idempotent=idempotent
+                validate_node(node),
+                method,
+                path,
+                json_body=body,
+                timeout=timeout,
+                idempotent=idempotent,
+                waits=waits,
             )
         )
 

@@ -197,6 +197,7 @@ class Controller:
         self._partitions: dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._waiting = 0  # get_meta calls now waiting for producers
 
     @property
     def client(self) -> ShardClient:
@@ -318,9 +319,18 @@ class Controller:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     return DistributedBatchMemory()
-                self._changed.wait(min(remaining, threading.TIMEOUT_MAX))
+                self._waiting += 1
+                try:
+                    self._changed.wait(min(remaining, threading.TIMEOUT_MAX))
+                finally:
+                    self._waiting -= 1
 
     # ------------------------------------------------------------------ status
+
+    def waiting_consumers(self) -> int:
+        """How many `get_meta` calls are waiting for producers right now (a starvation gauge)."""
+        with self._lock:
+            return self._waiting
 
     def partitions(self) -> list[str]:
         with self._lock:

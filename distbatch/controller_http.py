@@ -224,10 +224,24 @@ class RemoteController:
     def client(self) -> ShardClient:
         return self._client or default_client()
 
-    def _post(self, path: str, body: Any, *, timeout: float | None = None, idempotent: bool = True) -> Any:
+    def _post(
+        self,
+        path: str,
+        body: Any,
+        *,
+        timeout: float | None = None,
+        idempotent: bool = True,
+        waits: bool = False,
+    ) -> Any:
         try:
             return self.client.request_json(
-                self.address, "POST", path, body, timeout=timeout or self.timeout, idempotent=idempotent
+                self.address,
+                "POST",
+                path,
+                body,
+                timeout=timeout or self.timeout,
+                idempotent=idempotent,
+                waits=waits,
             )
         except RequestError as exc:
             raise _local_error(exc) from None
@@ -260,7 +274,9 @@ class RemoteController:
         # The server waits at most MAX_WAIT_SECONDS (and refuses a bad timeout itself).
         wait = min(timeout, MAX_WAIT_SECONDS) if isinstance(timeout, (int, float)) and timeout > 0 else 0
         # Not retried once sent: a get_meta may consume samples.
-        reply = self._post("/v1/controller/get_meta", body, timeout=self.timeout + wait, idempotent=False)
+        reply = self._post(
+            "/v1/controller/get_meta", body, timeout=self.timeout + wait, idempotent=False, waits=wait > 0
+        )
         return decode_value(reply["batch"], self._client)
 
     def _get(self, path: str) -> Any:

@@ -167,6 +167,34 @@ def test_remote_get_meta_waits_for_producers(
         pool.shutdown()
 
 
+def test_waiting_consumers_never_starve_a_producer_sharing_their_client(
+    shared_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
+) -> None:
+    # More long-polling consumers than the client has connections per node: the producer's put
+    # (and a data fetch) still go through at once, so the consumers get the data, not a timeout.
+    node = shared_workers[0].node
+    server = serve(Controller(RankAwareSampler()))
+    with ShardClient(max_connections_per_node=2, timeout=30) as shared:
+        rc = RemoteController(server.address, client=shared, timeout=30)
+        pre = prefix()
+        ids = [f"{pre}-{i}" for i in range(4)]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            consumers = [
+                pool.submit(rc.get_meta, "p", "train", ["x"], 1, timeout=20, dp_rank=rank, batch_index=0)
+                for rank in range(4)
+            ]
+            deadline = time.monotonic() + 10
+            while server.controller.waiting_consumers() < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.controller.waiting_consumers() == 4  # all four hold a connection to the controller
+            batch = DistributedBatchMemory.from_dict({"x": torch.arange(4.0)[:, None]}, task_ids=ids)
+            stored = batch.to_remote(node, shared)
+            assert rc.put("p", stored) == 4
+            got = [c.result(timeout=30) for c in consumers]
+        assert sorted(t for b in got for t in b.task_ids) == ids  # each rank got one, none timed out
+        stored.clear()
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -330,3 +330,21 @@ def test_controller_exception_leaves_no_worker() -> None:
         controller.kill()
         controller.wait()
         kill_leftovers(pids)
+
+
+def test_a_long_engine_call_does_not_hold_up_data_to_the_same_worker() -> None:
+    # One data connection per node: an engine call that takes seconds must not occupy it, or
+    # every put and fetch to that worker would queue behind the training step.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ShardClient(max_connections_per_node=1, timeout=30) as client:
+        with WorkerGroup.local(1, ECHO, env=ENV, client=client) as group, ThreadPoolExecutor(1) as pool:
+            (node,) = group.nodes
+            running = pool.submit(group.call_on, 0, "slow", 3.0)
+            time.sleep(0.3)  # the call is on the wire
+            batch = DistributedBatchMemory.from_dict({"x": torch.arange(4.0)}, task_ids=list("abcd"))
+            stored = batch.to_remote(node, client)
+            assert torch.equal(stored.to_local()["x"], torch.arange(4.0))
+            assert stored.clear() == 4
+            assert not running.done()  # the data went through while the engine call still ran
+            assert running.result(timeout=30)["end"] > 0
