@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -18,7 +19,7 @@ import threading
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -108,19 +109,19 @@ class _LoopThread:
                     future.cancel()
                     raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    async def _shutdown(self, sessions: Sequence[aiohttp.ClientSession]) -> None:
+    async def _shutdown(self, session: aiohttp.ClientSession | None) -> None:
         # Cancel calls still in flight so that whoever waits on them is released.
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for session in sessions:
+        if session is not None:
             await session.close()
 
-    def stop(self, sessions: Sequence[aiohttp.ClientSession]) -> None:
+    def stop(self, session: aiohttp.ClientSession | None) -> None:
         if not self.loop.is_closed() and self.thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(sessions), self.loop).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(self._shutdown(session), self.loop).result(timeout=5)
             except TimeoutError:
                 pass  # stop the loop regardless; waiters notice the thread is gone
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -150,21 +151,46 @@ class Traffic:
 
 
 class _Runtime:
-    """The loop thread and the sessions living on it; replaced after a fork.
+    """The loop thread, the one session living on it and the connection slots; replaced after a fork.
 
-    `session` carries data transfers and short requests, bounded per node; `waiting_session`
-    carries requests the server may hold open (engine calls, long-polling `get_meta`), so
-    that a crowd of waiters never takes the connections a put or a fetch needs.
+    Data requests (puts, fetches, deletes, stats) take a slot of their node and one of the
+    total; requests the server may hold open (engine calls, long-polling `get_meta`) take
+    a slot of their own budget instead, so a crowd of waiters never takes the connections a
+    put or a fetch needs, and a long training step never holds up data to its worker.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_connections: int, max_connections_per_node: int) -> None:
         self.loop_thread = _LoopThread()
         self.session: aiohttp.ClientSession | None = None
-        self.waiting_session: aiohttp.ClientSession | None = None
+        self.max_connections_per_node = max_connections_per_node
+        self.data_slots = asyncio.Semaphore(max_connections)
+        self.waiting_slots = asyncio.Semaphore(max_connections)
+        self.node_slots: dict[str, asyncio.Semaphore] = {}
+
+    @contextlib.asynccontextmanager
+    async def slot(self, node: str, waits: bool, timeout: float | None) -> AsyncIterator[None]:
+        """Hold a connection slot for one request to `node`; TimeoutError if none frees in `timeout`."""
+        if waits:
+            semaphores = [self.waiting_slots]
+        else:
+            per_node = self.node_slots.get(node)
+            if per_node is None:
+                per_node = self.node_slots[node] = asyncio.Semaphore(self.max_connections_per_node)
+            semaphores = [per_node, self.data_slots]  # the node's first: never sit on a total slot
+        held: list[asyncio.Semaphore] = []
+        try:
+            async with asyncio.timeout(timeout):
+                for semaphore in semaphores:
+                    await semaphore.acquire()
+                    held.append(semaphore)
+            yield
+        finally:
+            for semaphore in reversed(held):
+                semaphore.release()
 
     def close(self) -> None:
         if self.loop_thread.pid == os.getpid():
-            self.loop_thread.stop([s for s in (self.session, self.waiting_session) if s is not None])
+            self.loop_thread.stop(self.session)
 
 
 class ShardClient:
@@ -220,7 +246,7 @@ class ShardClient:
             runtime = self._runtime
             if runtime is None or runtime.loop_thread.pid != os.getpid():
                 # After a fork the parent's loop thread does not exist here: start afresh.
-                runtime = self._runtime = _Runtime()
+                runtime = self._runtime = _Runtime(self.max_connections, self.max_connections_per_node)
                 self._finalizer = weakref.finalize(self, runtime.close)
             return runtime
 
@@ -258,21 +284,18 @@ class ShardClient:
                 raise  # our caller is being cancelled
             raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    def _session(self, waits: bool = False) -> aiohttp.ClientSession:
+    def _session(self) -> aiohttp.ClientSession:
         runtime = self._get_runtime()
-        if waits:
-            if runtime.waiting_session is None:
-                # Waiters are bounded in total, not per node: many ranks may long-poll one controller.
-                runtime.waiting_session = self._new_session(self.max_connections, 0)
-            return runtime.waiting_session
         if runtime.session is None:
-            runtime.session = self._new_session(self.max_connections, self.max_connections_per_node)
+            # The runtime's slots bound connections (per node and in total); the connector's own
+            # limit is only a backstop for both budgets together.
+            connector = aiohttp.TCPConnector(
+                limit=2 * self.max_connections, limit_per_host=0, ttl_dns_cache=300
+            )
+            runtime.session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, trust_env=False
+            )
         return runtime.session
-
-    @staticmethod
-    def _new_session(limit: int, limit_per_host: int) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit_per_host, ttl_dns_cache=300)
-        return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
 
     # ------------------------------------------------------------------ transport
 
@@ -302,7 +325,7 @@ class ShardClient:
         `timeout` overrides the client's (None: no deadline, for long engine
         calls; a dead worker still fails at once because its socket closes).
         A non-idempotent request is retried only when no connection was made.
-        `waits`: the server may hold it open; it goes over the waiting connections.
+        `waits`: the server may hold it open, so it takes a slot of the waiting budget, not the node's.
         """
         loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is ... else timeout
@@ -314,27 +337,36 @@ class ShardClient:
             content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
             headers = self._headers(content_type if body is not None else None)
         url = f"http://{node}{path}"
-        session = self._session(waits)
+        session = self._session()
+        runtime = self._get_runtime()
         attempt = 0
         while True:
             remaining = None if deadline is None else deadline - loop.time()
-            connect = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
-            client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
             self._traffic.requests += 1
             self._traffic.bytes_sent += len(body or b"")
             try:
-                async with session.request(
-                    method, url, data=body, headers=headers, timeout=client_timeout
-                ) as response:
-                    if response.status < 400:
-                        payload = (
-                            await _read_into_bytearray(response) if binary_response else await response.read()
-                        )
-                        self._traffic.bytes_received += len(payload)
-                        return payload if binary_response else json.loads(payload)
-                    raw = await response.read()
-                    self._traffic.bytes_received += len(raw)
-                    error = _error_from_response(node, response.status, raw)
+                async with runtime.slot(node, waits, remaining):
+                    remaining = None if deadline is None else deadline - loop.time()  # after the slot
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError
+                    connect = (
+                        self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
+                    )
+                    client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
+                    async with session.request(
+                        method, url, data=body, headers=headers, timeout=client_timeout
+                    ) as response:
+                        if response.status < 400:
+                            payload = (
+                                await _read_into_bytearray(response)
+                                if binary_response
+                                else await response.read()
+                            )
+                            self._traffic.bytes_received += len(payload)
+                            return payload if binary_response else json.loads(payload)
+                        raw = await response.read()
+                        self._traffic.bytes_received += len(raw)
+                        error = _error_from_response(node, response.status, raw)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")

@@ -912,3 +912,85 @@ def test_failed_split_put_keeps_overwritten_shards(start_worker: Callable[..., W
         with pytest.raises(CapacityError):
             client.put(worker.node, new)
         assert_same(old, client.fetch([(worker.node, "ow-a", "x")])[0])
+
+
+class ConcurrencyProbe:
+    """Counts requests a peer app is serving at once (and the most at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+        self.finished: list[tuple[str, float]] = []
+
+    def hold(self, kind: str, seconds: float) -> None:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        time.sleep(seconds)
+        with self.lock:
+            self.now -= 1
+            self.finished.append((kind, time.monotonic()))
+
+
+def test_connection_slots_per_node_and_for_waiting_requests(serve_app: Callable[[Flask], str]) -> None:
+    probe = ConcurrencyProbe()
+    app = Flask("peer")
+
+    @app.get("/v1/stats")
+    def peer_stats() -> Any:
+        probe.hold("data", float(flask_request.args.get("hold", "0.3")))
+        return jsonify({"shards": 0})
+
+    @app.post("/wait")
+    def peer_wait() -> Any:
+        probe.hold("wait", 2.0)
+        return jsonify({"waited": True})
+
+    node = serve_app(app)
+    with ShardClient(max_connections=3, max_connections_per_node=2, timeout=30) as client:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for answer in pool.map(lambda _: client.stats(node), range(8)):
+                assert answer == {"shards": 0}
+            assert probe.peak == 2  # data requests: at most 2 at once to one node
+
+            probe.peak = 0
+            waiters = [
+                pool.submit(client.request_json, node, "POST", "/wait", {}, waits=True) for _ in range(5)
+            ]
+            deadline = time.monotonic() + 10
+            while probe.now < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # Three waiters hold the node (more than its 2 data slots), yet data still goes through.
+            assert client.stats(node) == {"shards": 0}
+            assert [w.result(timeout=30) for w in waiters] == [{"waited": True}] * 5
+        assert probe.peak == 3 + 1  # the waiting budget (max_connections) plus the stats call
+        first_wait_done = min(t for kind, t in probe.finished if kind == "wait")
+        last_data_done = max(t for kind, t in probe.finished if kind == "data")
+        assert last_data_done < first_wait_done  # it did not queue behind the waiters
+
+
+def test_waiting_for_a_connection_slot_counts_against_the_timeout(serve_app: Callable[[Flask], str]) -> None:
+    probe = ConcurrencyProbe()
+    app = Flask("peer")
+
+    @app.get("/v1/stats")
+    def peer_stats() -> Any:
+        probe.hold("data", 3.0)
+        return jsonify({"shards": 0})
+
+    node = serve_app(app)
+    with (
+        ShardClient(max_connections_per_node=1, timeout=30) as patient,
+        ShardClient(max_connections_per_node=1, timeout=30, retries=0) as hurried,
+        ThreadPoolExecutor(max_workers=2) as pool,
+    ):
+        holding = pool.submit(patient.stats, node)
+        while probe.now < 1:
+            time.sleep(0.01)
+        queued = pool.submit(patient.request_json, node, "GET", "/v1/stats", timeout=0.5)
+        with pytest.raises(WorkerUnavailableError, match="timed out"):
+            queued.result(timeout=10)  # its only slot is taken for 3 s: it gives up at 0.5 s
+        assert not holding.done()
+        assert hurried.stats(node) == {"shards": 0}  # another client has slots of its own
+        assert holding.result(timeout=10) == {"shards": 0}
