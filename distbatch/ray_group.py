@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +46,23 @@ def prepare_ray_environment(new_cluster: bool = True) -> None:
     _reload_ray_auth_config()
 
 
+def loopback_node_ip() -> str:
+    """A loopback address Ray keeps as a node's IP.
+
+    Ray replaces 127.0.0.1 (and "localhost") by the machine's external address, so a local
+    cluster given 127.0.0.1 binds, and our workers listen on, the external interface. Linux
+    routes all of 127.0.0.0/8 to loopback: 127.0.0.2 stays put. Where it cannot be bound
+    (macOS configures only 127.0.0.1, and there Ray keeps clusters on localhost anyway),
+    127.0.0.1.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.2", 0))
+    except OSError:
+        return "127.0.0.1"
+    return "127.0.0.2"
+
+
 def init_local_ray(**kwargs: Any) -> Any:
     """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
 
@@ -58,7 +76,7 @@ def init_local_ray(**kwargs: Any) -> Any:
         # A new single-machine cluster (never a stale one some crashed run left registered),
         # with Ray's processes and our workers on loopback.
         options["address"] = "local"
-        options.setdefault("_node_ip_address", "127.0.0.1")
+        options.setdefault("_node_ip_address", loopback_node_ip())
     return ray.init(**options)
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
+from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -49,3 +51,29 @@ def wait_for_free_cpus(expected: float, timeout: float = 15.0) -> float:
         time.sleep(0.2)
         free = ray.available_resources().get("CPU", 0.0)
     return free
+
+
+def run_pipeline_on_ray_and_locally(job: list[str]) -> tuple[Any, Any]:
+    """The main job (examples/grpo_pipeline.py) with `--launcher ray`, then with local workers.
+
+    Checks what must hold for any cluster: stores empty, metadata-only controller, and step
+    for step the same tasks, tokens, per-rank balance, worker-to-worker bytes and loss.
+    Returns both reports for cluster-specific checks (placement).
+    """
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import grpo_pipeline
+    finally:
+        sys.path.remove(examples)
+    on_ray = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args([*job, "--launcher", "ray"]), quiet=True)
+    local = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args(job), quiet=True)
+    assert on_ray.shards_left == 0 and local.shards_left == 0
+    worker_bytes, controller_bytes, _ = on_ray.totals()
+    assert worker_bytes > 0 and controller_bytes < 0.02 * worker_bytes
+    for r, lo in zip(on_ray.steps, local.steps, strict=True):
+        assert (r.tasks, r.tokens, r.rank_tokens) == (lo.tasks, lo.tokens, lo.rank_tokens)
+        assert r.worker_bytes == lo.worker_bytes  # the same shards moved, worker to worker
+        assert r.controller_bytes == pytest.approx(lo.controller_bytes, rel=0.02)  # port digits differ
+        assert r.mean_loss == pytest.approx(lo.mean_loss, rel=1e-6)
+    return on_ray, local

