@@ -84,6 +84,7 @@ class WorkerGroup:
         resources: Mapping[str, float] | None = None,
         node_ids: Sequence[str] | None = None,
         args: Sequence[str] = (),
+        runtime_env: Mapping[str, Any] | None = None,
         client: ShardClient | None = None,
         call_timeout: float | None = None,
         startup_timeout: float = 120.0,
@@ -93,7 +94,8 @@ class WorkerGroup:
         `placement` is "spread" (over nodes where possible), "strict_spread" or "pack";
         `node_ids` (one Ray node ID per worker) pins workers to nodes instead, e.g. next to the
         trainer ranks that read them. `resources` are per worker, e.g. `{"GPU": 1}` or
-        `{"CPU": 2}`. `args` are store flags as for `local` (`--max-bytes`, `--max-idle-seconds`).
+        `{"CPU": 2}`. `args` are store flags as for `local` (`--max-bytes`, `--max-idle-seconds`);
+        `runtime_env` is Ray's per-actor runtime environment (pip, env_vars, container, ...).
         Calls and data go over HTTP exactly as for `local`; `shutdown()` kills the actors and
         frees the placement group.
         Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
@@ -112,6 +114,7 @@ class WorkerGroup:
             resources=resources,
             node_ids=node_ids,
             args=args,
+            runtime_env=runtime_env,
             startup_timeout=startup_timeout,
         )
         try:

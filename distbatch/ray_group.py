@@ -197,6 +197,7 @@ def start_ray_workers(
     resources: Mapping[str, float] | None = None,
     node_ids: Sequence[str] | None = None,
     args: Sequence[str] = (),
+    runtime_env: Mapping[str, Any] | None = None,
     startup_timeout: float = 120.0,
 ) -> RayWorkers:
     """Place `n` worker actors and start their servers; returns once all serve.
@@ -204,6 +205,7 @@ def start_ray_workers(
     Placed by a placement group with `placement`'s strategy, or, with `node_ids` (one Ray
     node ID per worker), pinned to those nodes by hard node affinity. `args` are the store
     flags of `python -m rpc_server` (`--max-bytes`, `--max-idle-seconds`, ...), checked here.
+    `runtime_env` is Ray's, per actor (env_vars, pip, container, ...).
     """
     check_ray_worker_flags(args)
     if n < 1:
@@ -254,6 +256,8 @@ def start_ray_workers(
             }
             if others:
                 options["resources"] = others
+            if runtime_env:
+                options["runtime_env"] = dict(runtime_env)
             actors.append(actor_class.options(**options).remote(engine, dict(extra), list(args)))
         refs = [actor.node.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)

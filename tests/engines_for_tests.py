@@ -33,6 +33,10 @@ class EchoEngine:
         node = self.context.node if self.context is not None else None
         return {"node": node, "value": value, "kwargs": kwargs}
 
+    def environ(self, name: str) -> str | None:
+        """An environment variable as the engine's process sees it (launcher env settings)."""
+        return os.environ.get(name)
+
     def store_shards(self) -> int:
         """How many shards the hosting worker's store holds (via the WorkerContext)."""
         return self.context.store.stats().shards

@@ -137,6 +137,13 @@ def test_store_flags_reach_the_ray_workers() -> None:
         assert client.stats(node)["tasks"] == 16  # the refused put stored nothing
 
 
+def test_runtime_env_reaches_the_engine() -> None:
+    runtime_env = {"env_vars": {"DISTBATCH_TEST_MARK": "from-runtime-env"}}
+    with WorkerGroup.ray(1, ECHO, env=ENV, runtime_env=runtime_env) as g:
+        assert g.call_on(0, "environ", "DISTBATCH_TEST_MARK") == "from-runtime-env"
+        assert g.call_on(0, "environ", "PYTHONPATH") == ENV["PYTHONPATH"]  # `env` still applies
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
