@@ -723,8 +723,8 @@ class ShardClient:
         """A JSON request to any distbatch HTTP service (worker or controller), with this
         client's session, token, retries and error mapping.
 
-        `waits=True` for a request the server may hold open (a long poll): it goes over
-        connections of its own, so waiters never hold up puts and fetches to the same node.
+        `waits=True` for a request the server may hold open (a long poll): it takes a connection
+        slot of the waiting budget, so waiters never hold up puts and fetches to the same node.
         """
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
