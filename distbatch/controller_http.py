@@ -120,6 +120,11 @@ def partitions() -> Response:
     return jsonify({"partitions": _controller().partitions()})
 
 
+@_ROUTES.get("/v1/controller/waiting_consumers")
+def waiting_consumers() -> Response:
+    return jsonify({"waiting_consumers": _controller().waiting_consumers()})
+
+
 @_ROUTES.get("/v1/controller/state")
 def state() -> Response:
     return jsonify(_controller().state_dict())
@@ -287,6 +292,10 @@ class RemoteController:
 
     def partitions(self) -> list[str]:
         return self._get("/v1/controller/partitions")["partitions"]
+
+    def waiting_consumers(self) -> int:
+        """How many `get_meta` calls the served controller has waiting for producers."""
+        return self._get("/v1/controller/waiting_consumers")["waiting_consumers"]
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
         body = {"partition_id": partition_id, "fields": None if fields is None else list(fields)}

@@ -184,13 +184,14 @@ def test_waiting_consumers_never_starve_a_producer_sharing_their_client(
                 for rank in range(4)
             ]
             deadline = time.monotonic() + 10
-            while server.controller.waiting_consumers() < 4 and time.monotonic() < deadline:
+            while rc.waiting_consumers() < 4 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert server.controller.waiting_consumers() == 4  # all four hold a connection to the controller
+            assert rc.waiting_consumers() == 4  # all four hold a connection to the controller
             batch = DistributedBatchMemory.from_dict({"x": torch.arange(4.0)[:, None]}, task_ids=ids)
             stored = batch.to_remote(node, shared)
             assert rc.put("p", stored) == 4
             got = [c.result(timeout=30) for c in consumers]
+        assert rc.waiting_consumers() == 0 == server.controller.waiting_consumers()
         assert sorted(t for b in got for t in b.task_ids) == ids  # each rank got one, none timed out
         stored.clear()
 
@@ -413,6 +414,7 @@ def test_token_guards_everything_but_health(
                 lambda rc: rc.get_meta("p", "t", ["x"], 1, timeout=5),
                 lambda rc: rc.production_status("p"),
                 lambda rc: rc.partitions(),
+                lambda rc: rc.waiting_consumers(),
                 lambda rc: rc.state_dict(),
                 lambda rc: rc.load_state_dict(server.controller.state_dict()),
                 lambda rc: rc.clear_partition("p"),
