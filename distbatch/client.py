@@ -500,12 +500,20 @@ class ShardClient:
         order: list[tuple[str, ShardKey]] = []
         per_node: dict[str, dict[ShardKey, int]] = defaultdict(dict)
         nodes: dict[str, str] = {}  # validate each distinct node once, not once per shard
+        valid_ids: set[str] = set()  # likewise task ids and fields (a task has several fields)
         for ref in refs:
-            ref = ShardRef(*ref)
+            if type(ref) is not ShardRef:
+                ref = ShardRef(*ref)
             node = nodes.get(ref.node) if isinstance(ref.node, str) else None
             if node is None:
                 node = nodes[ref.node] = validate_node(ref.node)
-            key = validate_key((ref.task_id, ref.field))
+            task_id, field = ref.task_id, ref.field
+            if type(task_id) is str and type(field) is str and task_id in valid_ids and field in valid_ids:
+                key = ShardKey(task_id, field)
+            else:
+                key = validate_key((task_id, field))
+                valid_ids.add(task_id)
+                valid_ids.add(field)
             order.append((node, key))
             per_node[node][key] = ref.nbytes or 0
         requests: list[tuple[str, list[ShardKey]]] = []

@@ -68,17 +68,21 @@ class BatchMeta:
     def refs(self, fields: Iterable[str], indices: Sequence[int] | None = None) -> list[ShardRef]:
         """ShardRefs for `fields` of the tasks at `indices` (all tasks by default), task-major."""
         rows = range(len(self.task_ids)) if indices is None else indices
-        fms = [(name, self.fields[name], ITEMSIZE[self.fields[name].dtype or "U8"]) for name in fields]
         nodes, task_ids = self.nodes, self.task_ids
+        row_task_ids = [task_ids[i] for i in rows]
+        columns = []  # per field, column-wise (cheaper than a size and a node lookup per shard)
+        for name in fields:
+            fm = self.fields[name]
+            if fm.dtype is None:
+                sizes: list[int | None] = [None] * len(row_task_ids)
+            else:
+                itemsize, shapes = ITEMSIZE[fm.dtype], fm.shapes
+                sizes = [math.prod(shapes[i]) * itemsize for i in rows]
+            columns.append((name, [nodes[fm.nodes[i]] for i in rows], sizes))
         return [
-            ShardRef(
-                nodes[fm.nodes[i]],
-                task_ids[i],
-                name,
-                math.prod(fm.shapes[i]) * itemsize if fm.dtype is not None else None,
-            )
-            for i in rows
-            for name, fm, itemsize in fms
+            ShardRef(column_nodes[r], task_id, name, sizes[r])
+            for r, task_id in enumerate(row_task_ids)
+            for name, column_nodes, sizes in columns
         ]
 
     def keys_by_node(self) -> dict[str, list[ShardKey]]:
