@@ -66,10 +66,13 @@ def loopback_node_ip() -> str:
 def init_local_ray(**kwargs: Any) -> Any:
     """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
 
-    With no `address` (or "local") it starts a new single-machine cluster on loopback; with
-    one, it joins that cluster. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
+    With an `address` it joins that cluster; with none it joins `$RAY_ADDRESS` when that is set
+    (as `ray job submit` and `ray start` leave it), and otherwise, or with "local", starts a new
+    single-machine cluster on loopback. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
     """
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, **kwargs}
+    if options.get("address") is None and os.environ.get("RAY_ADDRESS"):
+        options["address"] = os.environ["RAY_ADDRESS"]
     new_cluster = options.get("address") in (None, "local")
     prepare_ray_environment(new_cluster)
     if new_cluster:

@@ -74,6 +74,16 @@ def test_init_local_ray_joins_a_running_cluster_and_keeps_its_auth(cluster: Clus
     assert os.environ.get("RAY_AUTH_TOKEN") == token  # joining never makes up a new token
 
 
+def test_worker_group_joins_the_cluster_named_by_ray_address(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ray.shutdown()  # as in a script `ray job submit` runs: no ray.init, RAY_ADDRESS set
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    with WorkerGroup.ray(2, ECHO, env=ENV, placement="strict_spread") as g:
+        assert sorted(host(n) for n in g.nodes) == [HEAD_IP, SECOND_IP]  # not a new local cluster
+    assert sorted(node_ids_by_ip()) == [HEAD_IP, SECOND_IP]
+
+
 def test_strict_spread_serves_from_both_nodes_and_gathers_across_them(cluster: Cluster) -> None:
     with WorkerGroup.ray(2, ECHO, env=ENV, placement="strict_spread") as g:
         assert sorted(host(n) for n in g.nodes) == [HEAD_IP, SECOND_IP]
