@@ -284,8 +284,7 @@ class ShardClient:
                 raise  # our caller is being cancelled
             raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    def _session(self) -> aiohttp.ClientSession:
-        runtime = self._get_runtime()
+    def _session(self, runtime: _Runtime) -> aiohttp.ClientSession:
         if runtime.session is None:
             # The runtime's slots bound connections (per node and in total); the connector's own
             # limit is only a backstop for both budgets together.
@@ -337,8 +336,8 @@ class ShardClient:
             content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
             headers = self._headers(content_type if body is not None else None)
         url = f"http://{node}{path}"
-        session = self._session()
         runtime = self._get_runtime()
+        session = self._session(runtime)
         attempt = 0
         while True:
             remaining = None if deadline is None else deadline - loop.time()

@@ -403,7 +403,9 @@ class Controller:
             deleted, failed = self._delete_on_workers(plan)
         except BaseException:
             with self._changed:
-                self._partitions.get(partition_id, _Partition(partition_id)).mark_clearing(indexes, -1)
+                partition = self._partitions.get(partition_id)
+                if partition is not None:
+                    partition.mark_clearing(indexes, -1)
                 self._changed.notify_all()
             raise
         with self._changed:

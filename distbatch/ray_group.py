@@ -176,19 +176,21 @@ class RayWorkers:
         self.actors = []
 
 
-PLACEMENT_FLAGS = ("--host", "--port", "--address-file", "--exit-with-parent")
+PLACEMENT_OPTIONS = ("host", "port", "address_file", "exit_with_parent")  # Ray's to decide
 
 
 def check_ray_worker_flags(flags: Sequence[str]) -> None:
     """ValueError for worker flags that are bad, or that Ray placement decides instead."""
-    from rpc_server.__main__ import server_config_from_flags
+    from rpc_server.__main__ import UNSET, parse_flags, server_config
 
-    fixed = [f for f in flags if f.split("=", 1)[0] in PLACEMENT_FLAGS]
-    if fixed:
+    args = parse_flags(flags, unset=PLACEMENT_OPTIONS)  # argparse's abbreviations included
+    given = [name for name in PLACEMENT_OPTIONS if getattr(args, name) is not UNSET]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
         raise ValueError(
-            f"{fixed[0]} does not apply to Ray workers: each binds its node's address on a free port"
+            f"{flag} does not apply to Ray workers: each binds its node's address on a free port"
         )
-    server_config_from_flags(flags)
+    server_config(args)
 
 
 def start_ray_workers(

@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from distbatch.atomic import write_text_atomically
@@ -72,15 +72,29 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def server_config_from_flags(flags: Sequence[str]) -> ServerConfig:
-    """A `ServerConfig` from store flags (`--max-bytes N`, ...); ValueError, never an exit, on bad ones."""
+UNSET = object()  # the default `parse_flags` gives the options a caller asks about
+
+
+def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.Namespace:
+    """Parse worker flags; ValueError, never an exit, on bad or unknown ones.
+
+    Options named in `unset` (argparse dests, e.g. "host") default to `UNSET`, so a caller can
+    tell whether they were given at all, abbreviated or not.
+    """
+    parser = build_parser(exit_on_error=False)
+    parser.set_defaults(**dict.fromkeys(unset, UNSET))
     try:
-        args, unknown = build_parser(exit_on_error=False).parse_known_args(list(flags))
+        args, unknown = parser.parse_known_args(list(flags))
     except argparse.ArgumentError as exc:
         raise ValueError(f"bad worker flag: {exc}") from None
     if unknown:
         raise ValueError(f"unknown worker flags: {unknown}")
-    return server_config(args)
+    return args
+
+
+def server_config_from_flags(flags: Sequence[str]) -> ServerConfig:
+    """A `ServerConfig` from store flags (`--max-bytes N`, ...); ValueError, never an exit, on bad ones."""
+    return server_config(parse_flags(flags))
 
 
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
