@@ -17,6 +17,10 @@ from rpc_server.app import (
     DEFAULT_MAX_JSON_BYTES,
     DEFAULT_MAX_KEYS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_THREADS,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_STAGE_TTL,
     ServerConfig,
     create_app,
 )
@@ -35,6 +39,32 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
     parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
+    parser.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        help="refuse (413) a fetch whose response would be larger; clients split below it",
+    )
+    parser.add_argument(
+        "--stage-ttl",
+        type=float,
+        default=DEFAULT_STAGE_TTL,
+        metavar="S",
+        help="drop a multi-request put not committed within S seconds, releasing its capacity",
+    )
+    parser.add_argument(
+        "--max-threads",
+        type=int,
+        default=DEFAULT_MAX_THREADS,
+        help="requests served at once; further connections wait to be accepted",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        metavar="S",
+        help="close a connection that sends nothing for S seconds (idle or stalled)",
+    )
     parser.add_argument(
         "--max-idle-seconds",
         type=float,
@@ -62,6 +92,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` the parsed flags ask for; ValueError for a value no server runs with."""
     if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
         raise ValueError("--max-idle-seconds must be > 0")
+    for flag, value in (
+        ("--stage-ttl", args.stage_ttl),
+        ("--read-timeout", args.read_timeout),
+        ("--max-threads", args.max_threads),
+        ("--max-response-bytes", args.max_response_bytes),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0")
     return ServerConfig(
         max_bytes=args.max_bytes,
         max_request_bytes=args.max_request_bytes,
@@ -69,6 +107,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_keys_per_request=args.max_keys_per_request,
         engine=args.engine,
         max_idle_seconds=args.max_idle_seconds,
+        max_response_bytes=args.max_response_bytes,
+        stage_ttl=args.stage_ttl,
+        max_threads=args.max_threads,
+        read_timeout=args.read_timeout,
     )
 
 

@@ -32,6 +32,10 @@ logger = logging.getLogger("rpc_server")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30
 DEFAULT_MAX_JSON_BYTES = 64 << 20
 DEFAULT_MAX_KEYS_PER_REQUEST = 200_000
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
+DEFAULT_STAGE_TTL = 600.0
+DEFAULT_MAX_THREADS = 256
+DEFAULT_READ_TIMEOUT = 60.0
 
 
 @dataclass
@@ -47,6 +51,14 @@ class ServerConfig:
     engine: str | None = None
     # Delete tasks nobody put or fetched for this many seconds (None: never).
     max_idle_seconds: float | None = None
+    # A fetch whose response would be larger is refused (413); clients split below it.
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    # A staged (multi-request) put not committed within this many seconds is dropped.
+    stage_ttl: float = DEFAULT_STAGE_TTL
+    # Requests served at once (one thread each); further connections wait to be accepted.
+    max_threads: int = DEFAULT_MAX_THREADS
+    # Seconds a connection may sit without sending a byte (idle keep-alive, stalled upload).
+    read_timeout: float = DEFAULT_READ_TIMEOUT
 
 
 @dataclass
