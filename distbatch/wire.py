@@ -14,16 +14,15 @@ decode when the buffer is writable.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distbatch.errors import InvalidIdError, WireFormatError
+from distbatch.gc_pause import paused_gc
 from distbatch.ids import ShardKey, parse_wire_name, validate_key
 
 if TYPE_CHECKING:
@@ -123,23 +122,6 @@ class Container:
 
     def __len__(self) -> int:
         return len(self.tensors) + len(self.json_texts)
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Hold the cyclic garbage collector off during a bulk loop.
-
-    Building thousands of small objects triggers collections that traverse
-    every live tensor; that doubled decode time for bundles of small shards.
-    These loops create no reference cycles, so nothing is leaked by waiting.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # --------------------------------------------------------------------------- raw layer
