@@ -20,8 +20,8 @@ import torch
 
 from distbatch import wire
 from distbatch.balance import balanced_group_partitions
-from distbatch.client import ShardClient, default_client, validate_node
-from distbatch.errors import BatchStatusError
+from distbatch.client import DeleteResult, ShardClient, default_client, validate_node
+from distbatch.errors import BatchStatusError, ClearError, NodeError, WireFormatError
 from distbatch.ids import validate_id
 from distbatch.meta import BatchMeta, FieldMeta
 
@@ -92,6 +92,8 @@ def _column_meta(name: str, col: Column) -> tuple[str | None, list[tuple[int, ..
 
 def _to_column(name: str, value: Any) -> Column:
     if isinstance(value, torch.Tensor):
+        if value.is_nested:  # has no shape[0]; its components are a ragged column
+            raise ValueError(f"field {name!r} is a nested tensor: pass its components as a list of tensors")
         if value.dim() == 0:
             raise ValueError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
         return value
@@ -409,8 +411,13 @@ class DistributedBatchMemory:
         fields: dict[str, FieldMeta] = {}
         for name, col in (self._data or {}).items():
             if isinstance(col, torch.Tensor):
+                if (problem := wire.tensor_problem(col)) is not None:
+                    raise WireFormatError(f"field {name!r}: {problem}")
                 col = col.detach().cpu().contiguous()
-            dtype, shapes = _column_meta(name, col)
+            try:
+                dtype, shapes = _column_meta(name, col)
+            except WireFormatError as exc:  # a list of tensors of a dtype the wire lacks
+                raise WireFormatError(f"field {name!r}: {exc}") from None
             fields[name] = FieldMeta(dtype, [0] * len(self), shapes)
             for task_id, value in zip(self._task_ids, _column_items(col)):
                 shards[(task_id, name)] = value
@@ -431,16 +438,24 @@ class DistributedBatchMemory:
         """Delete every shard this batch names on the nodes that hold them; idempotent.
 
         Returns how many shards were deleted (0 for LOCAL / EMPTY batches, whose
-        data is not on any worker).
+        data is not on any worker). Every node is tried; if some cannot be reached,
+        `ClearError` reports per node what was deleted and what may remain, and calling
+        `clear()` again once they are back finishes the job.
         """
         if self._meta is None:
             return 0
+        plan = self._meta.keys_by_node()
         try:
-            result = self.client.delete_many(self._meta.keys_by_node())
+            outcome = self.client.delete_each(plan)
         finally:
             with self._lock:  # even a partial clear may have deleted cached shards
                 self._cache.clear()
-        return result.deleted
+        deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
+        failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
+        if failed:
+            undeleted = {n: len(plan[n]) for n in failed}
+            raise ClearError(failed, sum(deleted.values()), undeleted, deleted_by_node=deleted)
+        return sum(deleted.values())
 
     # ------------------------------------------------------------------ splitting
 

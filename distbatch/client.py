@@ -33,6 +33,7 @@ from distbatch.errors import (
     EngineError,
     InvalidIdError,
     NodeError,
+    ProtocolError,
     RequestError,
     ServerError,
     ShardNotFoundError,
@@ -45,6 +46,18 @@ T = TypeVar("T")
 
 _CLOSED_IN_FLIGHT = "ShardClient was closed while this call was in flight"
 
+DEFAULT_LIVENESS_TIMEOUT = 30.0
+"""Seconds a worker may leave `/health` unanswered during an engine call before the call fails."""
+CALL_ID_HEADER = "X-Distbatch-Call-Id"
+"""The request header naming an engine call, so the client can abandon it on the worker."""
+_PROBE_INTERVAL_MAX = 5.0  # seconds between liveness probes (less for a short liveness_timeout)
+_PROBE_TIMEOUT_MAX = 10.0  # one probe's own limit, so a stale connection is not waited on for long
+_ABANDON_TIMEOUT = 5.0  # one abandon notice's whole budget, retries included
+_ABANDON_WAIT = 0.5  # how long a failing call waits for its abandon notices before raising
+_CLEANUP_GRACE = 1.0  # how long closing a client lets pending abandon notices finish
+# Answers after which the worker holds nothing of an engine call (it refused it or rolled it back).
+_KEPT_NOTHING = (EngineError, RequestError, AuthError, CapacityError)
+
 _NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 
 
@@ -54,6 +67,8 @@ def validate_node(node: Any) -> str:
         node = node[len("http://") :].rstrip("/")
     if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
         raise ValueError(f"invalid node address {node!r}: expected 'host:port'")
+    if not 1 <= int(node.rpartition(":")[2]) <= 65535:  # 0 is "any port" when binding, not a peer
+        raise ValueError(f"invalid node address {node!r}: the port must be 1-65535")
     return node
 
 
@@ -82,46 +97,76 @@ class DeleteResult:
 
 
 class _LoopThread:
-    """An event loop running on a daemon thread, owned by one client in one process."""
+    """An event loop running on a daemon thread, owned by one client in one process.
+
+    `wait_interval`: how often a waiting sync caller checks that the loop thread still runs.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self.wait_interval = 1.0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="distbatch-client", daemon=True)
         self.thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the loop and wait for it; its own result or exception, always.
+
+        If the waiting thread is interrupted (KeyboardInterrupt, any BaseException), the
+        coroutine is cancelled so it does not run on, holding connections (an engine call is
+        abandoned on its worker).
+        """
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError(
                 "sync ShardClient methods cannot run on the client's own loop; await the a* variant"
             )
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        while True:
-            try:
-                return future.result(timeout=1.0)
-            except concurrent.futures.CancelledError:
-                raise RuntimeError(_CLOSED_IN_FLIGHT) from None
-            except TimeoutError:
-                if future.done():
-                    raise  # the call itself raised TimeoutError
-                if not self.thread.is_alive():  # the loop stopped under us: never wait forever
+        try:
+            # Wait without `future.result(timeout)`: its TimeoutError could not be told apart
+            # from the call's own, and a call finishing right after the wait gave up was lost.
+            while not future.done():
+                concurrent.futures.wait([future], timeout=self.wait_interval)
+                if not future.done() and not self.thread.is_alive():  # the loop stopped under us
                     future.cancel()
-                    raise RuntimeError(_CLOSED_IN_FLIGHT) from None
+                    raise RuntimeError(_CLOSED_IN_FLIGHT)
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt and the like: stop the work, free its connections
+            raise
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise RuntimeError(_CLOSED_IN_FLIGHT) from None
 
-    async def _shutdown(self, session: aiohttp.ClientSession | None) -> None:
-        # Cancel calls still in flight so that whoever waits on them is released.
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    async def _shutdown(
+        self, sessions: Sequence[aiohttp.ClientSession | None], background: set[asyncio.Task[Any]]
+    ) -> None:
+        # Cancel calls still in flight so that whoever waits on them is released; the cleanup
+        # they leave behind (abandon notices to workers) gets a moment before it is cut off.
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in background]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if session is not None:
-            await session.close()
+        if background:
+            await asyncio.wait(set(background), timeout=_CLEANUP_GRACE)
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        for session in sessions:
+            if session is not None:
+                await session.close()
 
-    def stop(self, session: aiohttp.ClientSession | None) -> None:
+    def stop(
+        self,
+        sessions: Sequence[aiohttp.ClientSession | None] = (),
+        background: set[asyncio.Task[Any]] | None = None,
+    ) -> None:
         if not self.loop.is_closed() and self.thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(session), self.loop).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(
+                    self._shutdown(sessions, background or set()), self.loop
+                ).result(timeout=5)
             except TimeoutError:
                 pass  # stop the loop regardless; waiters notice the thread is gone
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -166,6 +211,18 @@ class _Runtime:
         self.data_slots = asyncio.Semaphore(max_connections)
         self.waiting_slots = asyncio.Semaphore(max_connections)
         self.node_slots: dict[str, asyncio.Semaphore] = {}
+        # Liveness probes get a session (and connections) of their own: never a slot a data
+        # request needs, never queued behind them.
+        self.probe_session: aiohttp.ClientSession | None = None
+        # Best-effort cleanup (abandon notices) that outlives the call that started it.
+        self.background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `coro` on the loop, detached from the caller (must be called on the loop)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     @contextlib.asynccontextmanager
     async def slot(self, node: str, waits: bool, timeout: float | None) -> AsyncIterator[None]:
@@ -190,7 +247,7 @@ class _Runtime:
 
     def close(self) -> None:
         if self.loop_thread.pid == os.getpid():
-            self.loop_thread.stop(self.session)
+            self.loop_thread.stop([self.session, self.probe_session], self.background)
 
 
 class ShardClient:
@@ -318,13 +375,17 @@ class ShardClient:
         timeout: float | None | object = ...,
         idempotent: bool = True,
         waits: bool = False,
+        extra_headers: Mapping[str, str] | None = None,
+        runtime: _Runtime | None = None,
     ) -> Any:
         """One logical request with retries inside one deadline; returns JSON or a bytearray.
 
         `timeout` overrides the client's (None: no deadline, for long engine
         calls; a dead worker still fails at once because its socket closes).
-        A non-idempotent request is retried only when no connection was made.
+        A non-idempotent request is retried only when no connection was made or
+        the worker answered 503 `busy` (it ran nothing).
         `waits`: the server may hold it open, so it takes a slot of the waiting budget, not the node's.
+        `runtime`: the one to use (cleanup running while the client closes must not look it up).
         """
         loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is ... else timeout
@@ -335,10 +396,12 @@ class ShardClient:
         else:
             content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
             headers = self._headers(content_type if body is not None else None)
+        if extra_headers:
+            headers.update(extra_headers)
         url = f"http://{node}{path}"
-        runtime = self._get_runtime()
+        runtime = runtime or self._get_runtime()
         session = self._session(runtime)
-        attempt = 0
+        attempt = waited = 0  # attempts that count against `retries`; all retries (for the backoff)
         while True:
             remaining = None if deadline is None else deadline - loop.time()
             self._traffic.requests += 1
@@ -362,7 +425,9 @@ class ShardClient:
                                 else await response.read()
                             )
                             self._traffic.bytes_received += len(payload)
-                            return payload if binary_response else json.loads(payload)
+                            if binary_response:
+                                return payload
+                            return _json_reply(node, f"{method} {path}", response, payload)
                         raw = await response.read()
                         self._traffic.bytes_received += len(raw)
                         error = _error_from_response(node, response.status, raw)
@@ -371,19 +436,25 @@ class ShardClient:
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
                 if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
                     raise error from None
-            if not isinstance(error, (WorkerUnavailableError, ServerError)) or (
-                not idempotent and isinstance(error, ServerError)
+            # 503 `busy`: every worker thread was busy and nothing ran, so any request (an engine
+            # call too) is retried until its deadline, without counting against `retries`.
+            busy = isinstance(error, ServerError) and error.status == 503 and error.code == "busy"
+            if not busy and (
+                not isinstance(error, (WorkerUnavailableError, ServerError))
+                or (not idempotent and isinstance(error, ServerError))
             ):
                 raise error
-            attempt += 1
-            delay = min(self.backoff * 2 ** (attempt - 1), self.backoff_max) * (0.5 + random.random() / 2)
+            if not busy:
+                attempt += 1
+            waited = min(waited + 1, 30)  # capped, so a worker busy for hours never overflows the delay
+            delay = min(self.backoff * 2 ** (waited - 1), self.backoff_max) * (0.5 + random.random() / 2)
             if attempt > self.retries or (deadline is not None and loop.time() + delay >= deadline):
                 raise error
             await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ engine calls
 
-    async def _call(self, node: str, method: str, body: bytes, timeout: float | None) -> Any:
+    async def _call(self, node: str, method: str, body: bytes, timeout: float | None, call_id: str) -> Any:
         return await self._request(
             node,
             "POST",
@@ -393,38 +464,183 @@ class ShardClient:
             timeout=timeout,
             idempotent=False,
             waits=True,
+            extra_headers={CALL_ID_HEADER: call_id},
         )
 
-    async def _call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
-        tasks = [
-            asyncio.ensure_future(self._call(node, method, body, timeout)) for node, method, body in calls
-        ]
-        # A worker that dies is reported at once, not after the others' (maybe long) calls end;
-        # the other requests are abandoned (their engines finish on their own).
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t in done and t.exception() is not None]
-        if failed:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise failed[0].exception()  # type: ignore[misc]
-        return [t.result() for t in tasks]
+    def _probe_session(self, runtime: _Runtime) -> aiohttp.ClientSession:
+        if runtime.probe_session is None:
+            runtime.probe_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                auto_decompress=False,
+                trust_env=False,
+            )
+        return runtime.probe_session
 
-    def call_many(self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None = None) -> list[Any]:
+    async def _probe(self, runtime: _Runtime, node: str, timeout: float) -> bool:
+        """One `GET /health` on the probe session, never retried: did the worker answer at all?"""
+        try:
+            async with self._probe_session(runtime).get(
+                f"http://{node}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                await response.read()
+                return True
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _watch(self, runtime: _Runtime, node: str, method: str, liveness_timeout: float) -> None:
+        """Probe `node` every few seconds until cancelled; raise once it has not answered for
+        `liveness_timeout` seconds. The worker serves `/health` on other threads than its
+        engine, so a long engine call on a live worker is never cut short."""
+        loop = asyncio.get_running_loop()
+        interval = min(_PROBE_INTERVAL_MAX, liveness_timeout / 4)
+        answered = loop.time()
+        while True:
+            await asyncio.sleep(interval)
+            remaining = answered + liveness_timeout - loop.time()
+            if remaining > 0 and await self._probe(runtime, node, min(remaining, _PROBE_TIMEOUT_MAX)):
+                answered = loop.time()
+            elif loop.time() - answered >= liveness_timeout:
+                raise WorkerUnavailableError(
+                    node,
+                    f"stopped answering: no reply to GET /health for {liveness_timeout:g} s while "
+                    f"engine call {method!r} was in flight (liveness_timeout)",
+                )
+
+    async def _abandon(self, runtime: _Runtime, node: str, call_ids: list[str]) -> None:
+        """Tell `node` to drop these calls' results; best effort (a dead worker holds none)."""
+        with contextlib.suppress(Exception):
+            await self._request(
+                node,
+                "POST",
+                "/v1/calls/abandon",
+                json_body={"call_ids": call_ids},
+                timeout=_ABANDON_TIMEOUT,
+                runtime=runtime,
+            )
+
+    async def _settle(
+        self,
+        runtime: _Runtime,
+        calls: Sequence[tuple[str, str, bytes]],
+        call_ids: list[str],
+        tasks: list[asyncio.Task[Any]],
+        watchers: list[asyncio.Task[Any]],
+    ) -> list[asyncio.Task[Any]]:
+        """Stop what still runs and send abandon notices for every call that gave no result.
+
+        A call the worker refused or reported failed (4xx, an engine error) needs none: the
+        worker kept nothing of it. Any other outcome (no answer, a 5xx, an unreadable reply,
+        a cancelled call) may have left a result there.
+        """
+        for task in (*tasks, *watchers):
+            task.cancel()
+        await asyncio.gather(*tasks, *watchers, return_exceptions=True)
+        unanswered: dict[str, list[str]] = {}
+        for (node, _, _), call_id, task in zip(calls, call_ids, tasks):
+            if task.cancelled() or (
+                task.exception() is not None and not isinstance(task.exception(), _KEPT_NOTHING)
+            ):
+                unanswered.setdefault(node, []).append(call_id)
+        return [runtime.spawn(self._abandon(runtime, node, ids)) for node, ids in unanswered.items()]
+
+    async def _call_many(
+        self,
+        calls: Sequence[tuple[str, str, bytes]],
+        timeout: float | None,
+        liveness_timeout: float | None,
+    ) -> list[Any]:
+        runtime = self._get_runtime()
+        call_ids = [uuid.uuid4().hex for _ in calls]
+        tasks = [
+            asyncio.ensure_future(self._call(node, method, body, timeout, call_id))
+            for (node, method, body), call_id in zip(calls, call_ids)
+        ]
+        node_of = {task: node for (node, _, _), task in zip(calls, tasks)}
+        left: dict[str, int] = {}  # per node, its calls not done yet
+        for node in node_of.values():
+            left[node] = left.get(node, 0) + 1
+        watched: dict[str, asyncio.Task[Any]] = {}  # per node, its liveness watcher
+        if liveness_timeout is not None:
+            for node, method, _ in calls:
+                if node not in watched:
+                    watch = self._watch(runtime, node, method, liveness_timeout)
+                    watched[node] = asyncio.ensure_future(watch)
+        watchers = list(watched.values())
+        error: BaseException | None = None
+        try:
+            # A worker that dies (or stops answering its probes) is reported at once, not after
+            # the others' (maybe long) calls end.
+            pending: set[asyncio.Task[Any]] = {*tasks, *watchers}
+            while error is None and not all(t.done() for t in tasks):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                error = next((e for t in tasks if t in done and (e := _failure(t)) is not None), None)
+                for task in done:
+                    if task in node_of:
+                        left[node_of[task]] -= 1
+                for node, watcher in watched.items():
+                    if left[node] == 0:  # its calls are over: whether it still answers does not matter
+                        watcher.cancel()
+                        pending.discard(watcher)
+                    elif error is None and watcher in done:
+                        error = _failure(watcher)
+        finally:
+            # Also when our caller gave up (cancelled, interrupted): the calls still running are
+            # abandoned, so their workers store nothing nobody holds a handle to.
+            notices = await self._settle(runtime, calls, call_ids, tasks, watchers)
+        if error is None:
+            return [t.result() for t in tasks]
+        if notices:
+            await asyncio.wait(notices, timeout=_ABANDON_WAIT)
+        error.partial_results = [  # type: ignore[attr-defined]
+            t.result() if not t.cancelled() and t.exception() is None else None for t in tasks
+        ]
+        raise error
+
+    def call_many(
+        self,
+        calls: Sequence[tuple[str, str, bytes]],
+        timeout: float | None = None,
+        *,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
+    ) -> list[Any]:
         """Run encoded engine calls `(node, method, body)` concurrently; replies in order.
 
-        The first failure is raised as soon as it happens (a dead worker does not
-        wait for the other workers' calls); the other calls are abandoned.
+        The first failure is raised as soon as it happens (a dead worker does not wait for
+        the other workers' calls). The raised error's `partial_results` holds, in call order,
+        the reply of every call that completed (None for the others): the caller owns what
+        those stored. The calls still running are abandoned: each worker is told (best effort)
+        to drop their results. `timeout`: a deadline per call (None: none). Until its own calls
+        end, each worker's `/health` is probed; one that has not answered for `liveness_timeout`
+        seconds fails the call with `WorkerUnavailableError` (None: no probes).
         """
         checked = [(validate_node(n), m, b) for n, m, b in calls]
-        return self._run(self._call_many(checked, timeout))
+        return self._run(self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout)))
 
-    def call_raw(self, node: str, method: str, body: bytes, timeout: float | None = None) -> Any:
+    def call_raw(
+        self,
+        node: str,
+        method: str,
+        body: bytes,
+        timeout: float | None = None,
+        *,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
+    ) -> Any:
         """POST an encoded engine call (see `distbatch.rpc`) and return the decoded JSON reply."""
-        return self._run(self._call(validate_node(node), method, body, timeout))
+        call = [(validate_node(node), method, body)]
+        return self._run(self._call_many(call, timeout, check_liveness_timeout(liveness_timeout)))[0]
 
-    async def acall_raw(self, node: str, method: str, body: bytes, timeout: float | None = None) -> Any:
-        return await self._on_loop(self._call(validate_node(node), method, body, timeout))
+    async def acall_raw(
+        self,
+        node: str,
+        method: str,
+        body: bytes,
+        timeout: float | None = None,
+        *,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
+    ) -> Any:
+        call = [(validate_node(node), method, body)]
+        liveness = check_liveness_timeout(liveness_timeout)
+        return (await self._on_loop(self._call_many(call, timeout, liveness)))[0]
 
     # ------------------------------------------------------------------ put
 
@@ -533,9 +749,21 @@ class ShardClient:
     async def _fetch_one(
         self, node: str, keys: list[ShardKey], progress: Callable[[int], None] | None = None
     ) -> dict[ShardKey, Any]:
-        body = await self._request(
-            node, "POST", "/v1/shards/fetch", json_body={"keys": keys}, binary_response=True
-        )
+        """Fetch `keys` from `node` in one request, or in parts if the response would be too large.
+
+        A worker refuses (413 `response_too_large`) a response over its
+        `--max-response-bytes`; the keys are then split into parts that should
+        fit (halves at least) and fetched concurrently, recursively; a single
+        shard over the limit raises `RequestError`.
+        """
+        try:
+            body = await self._request(
+                node, "POST", "/v1/shards/fetch", json_body={"keys": keys}, binary_response=True
+            )
+        except RequestError as exc:
+            if exc.status != 413 or exc.code != "response_too_large":
+                raise
+            return await self._fetch_split(node, keys, exc, progress)
         if progress is not None:
             progress(len(body))
         try:
@@ -544,6 +772,44 @@ class ShardClient:
             raise WireFormatError(f"{node}: bad response container: {exc}") from None
         if len(values) != len(keys) or any(k not in values for k in keys):
             raise WireFormatError(f"{node}: response does not hold the shards asked for")
+        return values
+
+    async def _fetch_split(
+        self,
+        node: str,
+        keys: list[ShardKey],
+        refused: RequestError,
+        progress: Callable[[int], None] | None,
+    ) -> dict[ShardKey, Any]:
+        """Fetch `keys` in parts after `refused` (413 `response_too_large`) said they are too many bytes."""
+        limit, size = refused.payload.get("limit"), refused.payload.get("bytes")
+        if len(keys) == 1:
+            task_id, field = keys[0]
+            raise RequestError(
+                node,
+                413,
+                refused.code,
+                f"shard {task_id}/{field} alone is over the worker's response limit"
+                f" ({limit if limit is not None else 'unknown'} bytes); raise its --max-response-bytes",
+                refused.payload,
+            ) from None
+        # Aim each part at half the limit (shard sizes vary and the header adds a little), so one
+        # refusal usually costs one round of parts, not a cascade of halvings; halves at least.
+        parts = 2
+        if type(limit) is int and type(size) is int and limit > 1:
+            parts = max(2, -(-size // (limit // 2)))
+        parts = min(parts, len(keys))
+        bounds = [i * len(keys) // parts for i in range(parts + 1)]
+        results = await asyncio.gather(
+            *(self._fetch_one(node, keys[a:b], progress) for a, b in zip(bounds, bounds[1:])),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _merge_errors(errors)
+        values: dict[ShardKey, Any] = {}
+        for part in results:
+            values.update(part)  # type: ignore[arg-type]
         return values
 
     async def _fetch(
@@ -669,16 +935,16 @@ class ShardClient:
         return total
 
     async def _delete_many(self, keys_by_node: dict[str, list[ShardKey]]) -> DeleteResult:
-        results = await asyncio.gather(
-            *(self._delete_keys_compact(node, keys) for node, keys in keys_by_node.items()),
-            return_exceptions=True,
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
+        """`_delete_each`, summed; a node's failure is raised (all missing keys merged)."""
+        total = DeleteResult(0, 0)
+        errors: list[BaseException] = []
+        for outcome in (await self._delete_each(keys_by_node)).values():
+            if isinstance(outcome, DeleteResult):
+                total += outcome
+            else:
+                errors.append(outcome)
         if errors:
             raise _merge_errors(errors)
-        total = DeleteResult(0, 0)
-        for result in results:
-            total += result
         return total
 
     def delete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
@@ -699,7 +965,7 @@ class ShardClient:
         )
         out: dict[str, DeleteResult | NodeError] = {}
         for node, result in zip(nodes, results):
-            if isinstance(result, NodeError) or isinstance(result, DeleteResult):
+            if isinstance(result, (NodeError, DeleteResult)):
                 out[node] = result
             else:
                 raise result  # not a node's answer: a bug or a cancellation
@@ -764,6 +1030,15 @@ class ShardClient:
         return await self._on_loop(self._request(validate_node(node), "GET", "/health"))
 
 
+def check_liveness_timeout(value: float | None) -> float | None:
+    """A liveness timeout: None (no probes) or a positive number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"liveness_timeout must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
 async def _read_into_bytearray(response: aiohttp.ClientResponse) -> bytearray:
     """Read the body into one writable buffer, so tensors can be decoded without a copy."""
     size = response.content_length
@@ -781,6 +1056,19 @@ async def _read_into_bytearray(response: aiohttp.ClientResponse) -> bytearray:
     if position != size:
         raise aiohttp.ClientPayloadError(f"response ended after {position} of {size} bytes")
     return buffer
+
+
+def _json_reply(node: str, request: str, response: aiohttp.ClientResponse, body: bytes) -> Any:
+    """A success reply's JSON; a body that is not JSON means the peer is not a distbatch worker."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        kind = response.headers.get("Content-Type") or "no Content-Type"
+        raise ProtocolError(
+            node,
+            f"{request} answered HTTP {response.status} with a body that is not JSON "
+            f"({kind}, {len(body)} bytes: {bytes(body[:60])!r}); is this address a distbatch worker?",
+        ) from None
 
 
 def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
@@ -802,6 +1090,11 @@ def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
     if status >= 500:
         return ServerError(node, status, code, message)
     return RequestError(node, status, code, message, payload if isinstance(payload, dict) else {})
+
+
+def _failure(task: asyncio.Future[Any]) -> BaseException | None:
+    """A done task's exception; None if it succeeded or was cancelled."""
+    return None if task.cancelled() else task.exception()
 
 
 def _merge_errors(errors: list[BaseException]) -> BaseException:

@@ -5,6 +5,18 @@ batches (their data already sits on workers); consumers ask `get_meta` for a
 batch of ready, unconsumed tasks chosen by a sampler and get a REMOTE batch
 back. Tasks live in partitions; each task has a per-partition index, which is
 what samplers see.
+
+**Mistakes fail at once.** `get_meta` for a partition the controller does not
+have raises `UnknownPartitionError` (naming the partitions it has) unless the
+call waits (``timeout > 0``): a consumer may start before its producer. A field
+nobody has put into the partition, nor declared with `create_partition`, can
+never become ready: `UnknownFieldError` at once, waiting or not.
+
+**Delivery is at-least-once.** A `get_meta` that hands out tasks marks them
+consumed. A caller that may lose the answer (a dropped reply, a failed fetch)
+passes a ``request_id``: the controller remembers recent answers (bounded by
+count and age) and answers the same id again with the same tasks instead of
+consuming new ones.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,36 +35,30 @@ from typing import Any
 from distbatch.atomic import write_json_atomically
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.client import DeleteResult, ShardClient, default_client, validate_node
-from distbatch.errors import BatchStatusError, DistBatchError, NodeError
+from distbatch.errors import (
+    BatchStatusError,
+    ClearError,
+    DistBatchError,
+    InvalidArgumentError,
+    NodeError,
+    UnknownFieldError,
+    UnknownPartitionError,
+)
 from distbatch.ids import ShardKey, validate_id
 from distbatch.meta import BatchMeta, FieldMeta
-from distbatch.samplers import BaseSampler, SequentialSampler
+from distbatch.samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SequentialSampler
 from distbatch.wire import ITEMSIZE
 
 CHECKPOINT_VERSION = 1
 # Keyword arguments the controller itself gives the sampler.
 RESERVED_SAMPLING_KEYS = frozenset({"partition", "partition_id", "task_name"})
+# Answers remembered per request id (see `Controller`): how many, and for how long.
+DEFAULT_REQUEST_MEMORY = 4096
+DEFAULT_REQUEST_TTL = 600.0
 
 
 class SchemaConflictError(DistBatchError, ValueError):
     """A put gives a field a dtype (or kind) other than the one the partition has."""
-
-
-class ClearError(DistBatchError):
-    """Some shards could not be deleted (a worker down); `failed` maps node -> error.
-
-    The controller keeps its bookkeeping for the tasks involved, so the clear
-    can be retried once the worker is back; `deleted` counts what did go.
-    """
-
-    def __init__(self, failed: Mapping[str, NodeError], deleted: int, undeleted: Mapping[str, int]) -> None:
-        detail = "; ".join(
-            f"{node}: {undeleted[node]} shard(s) ({err.detail})" for node, err in failed.items()
-        )
-        super().__init__(f"could not delete shards on {len(failed)} node(s): {detail}")
-        self.failed = dict(failed)
-        self.deleted = deleted
-        self.undeleted = dict(undeleted)
 
 
 class ClearInProgressError(DistBatchError):
@@ -68,6 +75,16 @@ class _Column:
 
 
 @dataclass
+class _Answer:
+    """What one `get_meta` request id was answered: the request, the tasks handed out, when."""
+
+    request: tuple[Any, ...]
+    partition_id: str
+    task_ids: list[str]
+    at: float
+
+
+@dataclass
 class _Partition:
     partition_id: str
     index_of: dict[str, int] = field(default_factory=dict)
@@ -79,6 +96,15 @@ class _Partition:
     next_index: int = 0
     # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
     clearing: dict[int, int] = field(default_factory=dict)
+    # Fields declared with create_partition: a consumer may wait for them before any put.
+    expected: set[str] = field(default_factory=set)
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` was ever put into this partition or declared for it."""
+        return name in self.columns or name in self.expected
+
+    def known_fields(self) -> list[str]:
+        return list(self.columns) + sorted(self.expected.difference(self.columns))
 
     def intern_node(self, node: str) -> int:
         if node not in self.node_index:
@@ -117,12 +143,16 @@ class _Partition:
         """Per-sample lengths (first dimension of `field`), for length-aware samplers."""
         column = self.columns.get(field)
         if column is None or column.dtype is None:
-            raise ValueError(f"partition {self.partition_id!r} has no tensor field {field!r} for lengths")
+            raise InvalidArgumentError(
+                f"partition {self.partition_id!r} has no tensor field {field!r} for lengths"
+            )
         out = []
         for i in indexes:
             shape = column.shape.get(i)
             if shape is None:
-                raise ValueError(f"task index {i} has no field {field!r}")
+                raise InvalidArgumentError(
+                    f"task {self.task_of.get(i, i)!r} has no field {field!r} for lengths"
+                )
             out.append(shape[0] if shape else 1)
         return out
 
@@ -189,15 +219,36 @@ class Controller:
     Args:
         sampler: decides which ready tasks make a batch (default `SequentialSampler`).
         client: used to delete shards on the workers (default: the process-wide one).
+        request_memory: how many `get_meta` answers to remember by request id (the
+            oldest are forgotten first); a retry of a forgotten one consumes new tasks.
+        request_ttl: seconds an answer is remembered.
     """
 
-    def __init__(self, sampler: BaseSampler | None = None, *, client: ShardClient | None = None) -> None:
+    def __init__(
+        self,
+        sampler: BaseSampler | None = None,
+        *,
+        client: ShardClient | None = None,
+        request_memory: int = DEFAULT_REQUEST_MEMORY,
+        request_ttl: float = DEFAULT_REQUEST_TTL,
+    ) -> None:
+        if isinstance(request_memory, bool) or not isinstance(request_memory, int) or request_memory < 0:
+            raise InvalidArgumentError(f"request_memory must be an int >= 0, got {request_memory!r}")
+        if (
+            isinstance(request_ttl, bool)
+            or not isinstance(request_ttl, (int, float))
+            or not request_ttl >= 0  # NaN too
+        ):
+            raise InvalidArgumentError(f"request_ttl must be a number of seconds >= 0, got {request_ttl!r}")
         self.sampler = sampler if sampler is not None else SequentialSampler()
         self._client = client
         self._partitions: dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._waiting = 0  # get_meta calls now waiting for producers
+        self._request_memory = request_memory
+        self._request_ttl = float(request_ttl)
+        self._answers: OrderedDict[str, _Answer] = OrderedDict()  # by request id, oldest first
 
     @property
     def client(self) -> ShardClient:
@@ -205,13 +256,36 @@ class Controller:
 
     # ------------------------------------------------------------------ producing
 
+    def create_partition(self, partition_id: str, expected_fields: Iterable[str] = ()) -> None:
+        """Create the partition now (if new) and declare fields it will get; idempotent.
+
+        A consumer may then ask for it, and for the declared fields, before the
+        first put, and wait instead of getting `UnknownPartitionError` /
+        `UnknownFieldError`. Use it when stages put their fields at different
+        times (prompts first, responses later). Declared fields add up.
+        """
+        validate_id(partition_id, "partition_id")
+        if isinstance(expected_fields, (str, bytes)):
+            raise InvalidArgumentError(
+                f"expected_fields must be a list of field names, not one string: {expected_fields!r}"
+            )
+        names = [validate_id(f, "field") for f in _iterable(expected_fields, "expected_fields")]
+        with self._changed:
+            partition = self._partitions.setdefault(partition_id, _Partition(partition_id))
+            partition.expected.update(names)
+            self._changed.notify_all()
+
     def put(self, partition_id: str, batch: DistributedBatchMemory) -> int:
         """Register a REMOTE batch's tasks and fields in a partition; returns tasks added.
 
         Tasks already known get the new fields (a later stage's output joins
         the same rows). New tasks get one contiguous block of indexes, in batch
         order. A field whose dtype differs from the partition's raises
-        `SchemaConflictError` and nothing is registered.
+        `SchemaConflictError` and nothing is registered. With a GRPO group
+        sampler (`GRPOGroupNSampler`, `SeqlenBalancedSampler`, or one wrapped by
+        `RankAwareSampler`), a put must add whole groups: a number of new tasks
+        that is not a multiple of ``n_samples_per_prompt`` could never be
+        served and raises `InvalidArgumentError`, registering nothing.
         """
         validate_id(partition_id, "partition_id")
         if batch.status is BatchStatus.EMPTY:
@@ -239,8 +313,15 @@ class Controller:
                     f"{len(clearing)} task(s) of partition {partition_id!r} are being cleared "
                     f"(e.g. {clearing[0]!r}): put them again once clear_tasks returns"
                 )
-            self._partitions[partition_id] = partition
             new = [t for t in meta.task_ids if t not in partition.index_of]
+            n = _group_size(self.sampler)
+            if len(new) % n:
+                raise InvalidArgumentError(
+                    f"the put adds {len(new)} new task(s) to partition {partition_id!r}, not whole groups "
+                    f"of n_samples_per_prompt={n}: put each prompt's {n} responses together (groups "
+                    "are aligned blocks of indexes, so a partial group could never be completed)"
+                )
+            self._partitions[partition_id] = partition
             if new:
                 start = partition.allocate(len(new))
                 for offset, task_id in enumerate(new):
@@ -266,39 +347,64 @@ class Controller:
         batch_size: int,
         *,
         timeout: float | None = None,
+        request_id: str | None = None,
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
         """A REMOTE batch of ready tasks not yet consumed by `task_name`, chosen by the sampler.
 
         Polling by default: an EMPTY batch when there is not enough. With
         `timeout` (seconds), waits up to that long for producers, without
-        blocking other callers. `sampling_config` (e.g. `dp_rank`,
-        `batch_index`) goes to the sampler.
+        blocking other callers, also for the partition itself to appear.
+        `sampling_config` (e.g. `dp_rank`, `batch_index`) goes to the sampler.
+
+        `request_id`: the same id asked again (a retry after a lost reply or a
+        failed fetch) gets the same tasks, from memory, instead of new ones;
+        reusing an id for another request is an `InvalidArgumentError`.
+
+        Raises `UnknownPartitionError` for a partition the controller does not
+        have (when not waiting), `UnknownFieldError` for a field the partition
+        has never had nor declared, `InvalidArgumentError` for bad arguments.
         """
         validate_id(partition_id, "partition_id")
         validate_id(task_name, "task_name")
         if isinstance(fields, (str, bytes)):
-            raise ValueError(f"fields must be a list of field names, not one string: {fields!r}")
-        fields = [validate_id(f, "field") for f in fields]
+            raise InvalidArgumentError(f"fields must be a list of field names, not one string: {fields!r}")
+        fields = [validate_id(f, "field") for f in _iterable(fields, "fields")]
         if not fields:
-            raise ValueError("ask for at least one field")
+            raise InvalidArgumentError("ask for at least one field")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
         reserved = sorted(RESERVED_SAMPLING_KEYS.intersection(sampling_config))
         if reserved:
-            raise ValueError(f"sampling config may not set {reserved}: the controller passes them itself")
+            raise InvalidArgumentError(
+                f"sampling config may not set {reserved}: the controller passes them itself"
+            )
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
             or math.isnan(timeout)
             or timeout < 0
         ):
-            raise ValueError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
+            )
+        if request_id is not None:
+            validate_id(request_id, "request_id")
+        request = (partition_id, task_name, tuple(fields), batch_size, sampling_config)
         deadline = None if not timeout else time.monotonic() + timeout
         with self._changed:
             while True:
+                if request_id is not None:
+                    again = self._recall_answer(request_id, request)
+                    if again is not None:
+                        return again
                 partition = self._partitions.get(partition_id)
+                if partition is None and deadline is None:
+                    raise UnknownPartitionError(partition_id, self._partitions)
                 if partition is not None:
+                    unknown = [f for f in fields if not partition.knows(f)]
+                    if unknown:
+                        raise UnknownFieldError(partition_id, unknown, partition.known_fields())
                     ready = partition.ready(task_name, fields)
                     sampled, consumed = self.sampler(
                         ready,
@@ -312,10 +418,11 @@ class Controller:
                         missing = [i for i in sampled if i not in partition.task_of]
                         if missing:
                             raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
+                        meta = partition.meta_for(sampled, fields)
                         partition.consumed.setdefault(task_name, set()).update(consumed)
-                        return DistributedBatchMemory.from_meta(
-                            partition.meta_for(sampled, fields), self._client
-                        )
+                        if request_id is not None:
+                            self._remember_answer(request_id, request, partition_id, meta.task_ids)
+                        return DistributedBatchMemory.from_meta(meta, self._client)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     return DistributedBatchMemory()
@@ -324,6 +431,50 @@ class Controller:
                     self._changed.wait(min(remaining, threading.TIMEOUT_MAX))
                 finally:
                     self._waiting -= 1
+
+    def _recall_answer(self, request_id: str, request: tuple[Any, ...]) -> DistributedBatchMemory | None:
+        """The batch `request_id` was answered with, rebuilt (None if forgotten or its tasks are gone)."""
+        self._expire_answers()
+        answer = self._answers.get(request_id)
+        if answer is None:
+            return None
+        if answer.request != request:
+            raise InvalidArgumentError(
+                f"request_id {request_id!r} was already used for another get_meta request "
+                "(another partition, task, fields, batch size or sampling config): use a new id per request"
+            )
+        fields = request[2]
+        partition = self._partitions.get(answer.partition_id)
+        rows = _rows_with(partition, answer.task_ids, fields) if partition is not None else None
+        if partition is None or rows is None:
+            del self._answers[request_id]  # cleared since: nothing of it can be delivered any more
+            return None
+        return DistributedBatchMemory.from_meta(partition.meta_for(rows, fields), self._client)
+
+    def _remember_answer(
+        self, request_id: str, request: tuple[Any, ...], partition_id: str, task_ids: list[str]
+    ) -> None:
+        if self._request_memory == 0:
+            return
+        self._answers[request_id] = _Answer(request, partition_id, list(task_ids), time.monotonic())
+        self._answers.move_to_end(request_id)
+        while len(self._answers) > self._request_memory:
+            self._answers.popitem(last=False)
+
+    def _expire_answers(self) -> None:
+        limit = time.monotonic() - self._request_ttl
+        while self._answers:
+            oldest = next(iter(self._answers.values()))
+            if oldest.at >= limit:
+                break
+            self._answers.popitem(last=False)
+
+    def _forget_answers(self, partition_id: str, task_ids: Iterable[str] | None = None) -> None:
+        """Drop remembered answers of the partition (those naming any of `task_ids`, if given)."""
+        gone = None if task_ids is None else set(task_ids)
+        for request_id, answer in list(self._answers.items()):
+            if answer.partition_id == partition_id and (gone is None or gone.intersection(answer.task_ids)):
+                del self._answers[request_id]
 
     # ------------------------------------------------------------------ status
 
@@ -337,18 +488,30 @@ class Controller:
             return list(self._partitions)
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
-        """Tasks in the partition, how many have each field, and how many have all of `fields`."""
+        """Tasks in the partition, how many have each field, and how many have all of `fields`.
+
+        A status query never raises for an unknown partition: it reports zero tasks.
+        """
+        validate_id(partition_id, "partition_id")
+        if fields is not None:
+            if isinstance(fields, (str, bytes)):
+                raise InvalidArgumentError(
+                    f"fields must be a list of field names, not one string: {fields!r}"
+                )
+            fields = [validate_id(f, "field") for f in _iterable(fields, "fields")]
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return {"tasks": 0, "produced": {}, "ready": 0}
-            names = list(fields) if fields is not None else list(partition.columns)
+            names = list(fields) if fields is not None else partition.known_fields()
             produced = {n: len(partition.columns[n].node) if n in partition.columns else 0 for n in names}
             ready = len(partition.ready("\0", names)) if names else 0
             return {"tasks": len(partition.task_of), "produced": produced, "ready": ready}
 
     def consumption_status(self, partition_id: str, task_name: str) -> dict[str, int]:
         """How many of the partition's tasks `task_name` has consumed."""
+        validate_id(partition_id, "partition_id")
+        validate_id(task_name, "task_name")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -362,6 +525,9 @@ class Controller:
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Forget what `task_name` (or every consumer) consumed, to replay the partition."""
+        validate_id(partition_id, "partition_id")
+        if task_name is not None:
+            validate_id(task_name, "task_name")
         with self._changed:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -375,11 +541,14 @@ class Controller:
 
     # ------------------------------------------------------------------ clearing
 
-    def _delete_on_workers(self, keys_by_node: dict[str, list[ShardKey]]) -> tuple[int, dict[str, NodeError]]:
+    def _delete_on_workers(
+        self, keys_by_node: dict[str, list[ShardKey]]
+    ) -> tuple[dict[str, int], dict[str, NodeError]]:
+        """Shards deleted per node that answered, and the error of each node that did not."""
         if not keys_by_node:
-            return 0, {}
+            return {}, {}
         outcome = self.client.delete_each(keys_by_node)
-        deleted = sum(r.deleted for r in outcome.values() if isinstance(r, DeleteResult))
+        deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
         failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
         return deleted, failed
 
@@ -389,7 +558,10 @@ class Controller:
         If a worker cannot be reached, `ClearError` says which shards stayed;
         tasks whose shards all went are forgotten, the others kept for a retry.
         """
-        ids = [validate_id(t, "task_id") for t in task_ids]
+        validate_id(partition_id, "partition_id")
+        if isinstance(task_ids, (str, bytes)):
+            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
+        ids = [validate_id(t, "task_id") for t in _iterable(task_ids, "task_ids")]
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -400,7 +572,8 @@ class Controller:
             # producer adds a field to them: a new shard would outlive the forgotten task.
             partition.mark_clearing(indexes, +1)
         try:
-            deleted, failed = self._delete_on_workers(plan)
+            deleted_by_node, failed = self._delete_on_workers(plan)
+            deleted = sum(deleted_by_node.values())
         except BaseException:
             with self._changed:
                 partition = self._partitions.get(partition_id)
@@ -424,11 +597,14 @@ class Controller:
                 for node, keys in plan.items():
                     if node not in failed:
                         partition.drop_rows(node, keys)
+                self._forget_answers(
+                    partition_id, [partition.task_of[i] for i in forgotten if i in partition.task_of]
+                )
                 partition.forget(forgotten)
                 _forget_in_sampler(self.sampler, partition_id, forgotten)
                 self._changed.notify_all()
         if failed:
-            raise ClearError(failed, deleted, {n: len(plan[n]) for n in failed})
+            raise ClearError(failed, deleted, {n: len(plan[n]) for n in failed}, deleted_by_node)
         return deleted
 
     def clear_partition(self, partition_id: str) -> int:
@@ -436,6 +612,7 @@ class Controller:
 
         Raises `ClearError` (keeping what could not be deleted) if a worker is down.
         """
+        validate_id(partition_id, "partition_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -447,6 +624,7 @@ class Controller:
             if partition is not None and not partition.task_of:
                 del self._partitions[partition_id]
                 self.sampler.clear_cache(partition_id)
+                self._forget_answers(partition_id)
         return deleted
 
     # ------------------------------------------------------------------ checkpoint
@@ -468,6 +646,7 @@ class Controller:
                         for name, c in p.columns.items()
                     },
                     "consumed": {name: sorted(s) for name, s in p.consumed.items()},
+                    "expected_fields": sorted(p.expected),
                 }
             return {
                 "version": CHECKPOINT_VERSION,
@@ -476,9 +655,12 @@ class Controller:
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace this controller's state with a `state_dict` (validated before anything changes)."""
+        """Replace this controller's state with a `state_dict` (validated before anything changes).
+
+        Remembered `get_meta` answers are not part of a checkpoint: they are forgotten.
+        """
         if not isinstance(state, Mapping) or state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
+            raise InvalidArgumentError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
         partitions: dict[str, _Partition] = {}
         try:
             if not isinstance(state["partitions"], Mapping):
@@ -510,12 +692,17 @@ class Controller:
                     if not consumed <= p.task_of.keys():
                         raise ValueError(f"consumer {name!r} consumed unknown task indexes")
                     p.consumed[validate_id(name, "task_name")] = consumed
+                expected = raw.get("expected_fields", [])
+                if not isinstance(expected, list):
+                    raise ValueError("'expected_fields' must be a list")
+                p.expected = {validate_id(f, "field") for f in expected}
                 partitions[pid] = p
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"invalid controller checkpoint: {exc}") from None
+            raise InvalidArgumentError(f"invalid controller checkpoint: {exc}") from None
         with self._changed:
             self.sampler.load_state_dict(state.get("sampler", {}))
             self._partitions = partitions
+            self._answers.clear()
             self._changed.notify_all()
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -541,6 +728,31 @@ def _forget_in_sampler(sampler: BaseSampler, partition_id: str, indexes: list[in
         sampler.clear_cache(partition_id)
 
 
+def _rows_with(partition: _Partition, task_ids: Sequence[str], fields: Sequence[str]) -> list[int] | None:
+    """The indexes of `task_ids` if every one is still there with every field, else None."""
+    rows = []
+    for task_id in task_ids:
+        i = partition.index_of.get(task_id)
+        if i is None or any(i not in partition.columns[f].node for f in fields):
+            return None
+        rows.append(i)
+    return rows
+
+
+def _group_size(sampler: BaseSampler) -> int:
+    """n_samples_per_prompt of a GRPO group sampler (also one inside `RankAwareSampler`), else 1."""
+    if isinstance(sampler, RankAwareSampler):
+        sampler = sampler.sampler
+    return sampler.n_samples_per_prompt if isinstance(sampler, GRPOGroupNSampler) else 1
+
+
+def _iterable(value: Any, name: str) -> Iterable[Any]:
+    """`value` if it is a list-like of names, else `InvalidArgumentError` (an int, a dict, None...)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be a list of names, got {type(value).__name__}")
+    return value
+
+
 def _count(value: Any) -> int:
     """A non-negative int from a checkpoint (an index, a node number, a dimension), else ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -553,14 +765,17 @@ def _check_meta(meta: BatchMeta) -> None:
     for task_id in meta.task_ids:
         validate_id(task_id, "task_id")
     if len(set(meta.task_ids)) != len(meta.task_ids):
-        raise ValueError("the batch lists a task id twice")
+        raise InvalidArgumentError("the batch lists a task id twice")
     for node in meta.nodes:
-        validate_node(node)
+        try:
+            validate_node(node)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
     for name, fm in meta.fields.items():
         validate_id(name, "field")
         if fm.dtype is not None and fm.dtype not in ITEMSIZE:
-            raise ValueError(f"field {name!r} has unknown dtype {fm.dtype!r}")
+            raise InvalidArgumentError(f"field {name!r} has unknown dtype {fm.dtype!r}")
         if len(fm.nodes) != len(meta.task_ids) or len(fm.shapes) != len(meta.task_ids):
-            raise ValueError(f"field {name!r} does not have one node and one shape per task")
+            raise InvalidArgumentError(f"field {name!r} does not have one node and one shape per task")
         if not all(isinstance(n, int) and 0 <= n < len(meta.nodes) for n in fm.nodes):
-            raise ValueError(f"field {name!r} names a node the batch does not list")
+            raise InvalidArgumentError(f"field {name!r} names a node the batch does not list")

@@ -3,6 +3,11 @@
 Ranks in other processes (loader workers, other hosts) pull batches with the
 same Python API as a local `Controller`. Both sides of the protocol live here.
 Every error comes back as a JSON error response; no request can stop the server.
+
+Validated bad input (the exception types in `_VALIDATED`) answers 4xx with a
+code that `RemoteController` turns back into the same exception type. Anything
+else raised while serving a request is a bug: a logged 500 ``internal_error``,
+which the client raises as `ServerError`.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +28,19 @@ from distbatch.auth import bearer_ok, token_from_env
 from distbatch.batch import DistributedBatchMemory
 from distbatch.client import ShardClient, default_client, validate_node
 from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
-from distbatch.errors import BatchStatusError, RequestError, WorkerUnavailableError
+from distbatch.errors import (
+    BatchStatusError,
+    DistBatchError,
+    InvalidArgumentError,
+    InvalidIdError,
+    RequestError,
+    UnknownFieldError,
+    UnknownPartitionError,
+    WireFormatError,
+    WorkerUnavailableError,
+)
+from distbatch.ids import validate_id
+from distbatch.meta import MetaFormatError
 from distbatch.rpc import decode_value, encode_value
 from rpc_server.app import register_json_errors
 
@@ -29,6 +48,13 @@ logger = logging.getLogger("distbatch.controller")
 
 MAX_WAIT_SECONDS = 300.0
 MAX_BODY_BYTES = 256 << 20
+# RemoteController.get_meta: pause before re-sending a request whose reply was lost (doubles, capped).
+GET_META_BACKOFF = 0.05
+GET_META_BACKOFF_MAX = 1.0
+# get_meta keywords that are not sampling config (a body's sampling_config may not set them).
+_GET_META_KEYWORDS = frozenset(
+    {"partition_id", "task_name", "fields", "batch_size", "timeout", "request_id", "partition"}
+)
 _ROUTES = Blueprint("controller", __name__)
 
 
@@ -39,8 +65,14 @@ def _controller() -> Controller:
 def _body() -> dict[str, Any]:
     body = request.get_json(silent=True)
     if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object (Content-Type: application/json)")
+        raise InvalidArgumentError("body must be a JSON object (Content-Type: application/json)")
     return body
+
+
+def _required(body: Mapping[str, Any], key: str) -> Any:
+    if key not in body:
+        raise InvalidArgumentError(f"the body is missing {key!r}")
+    return body[key]
 
 
 def _error(status: int, code: str, message: str, **extra: Any) -> Response:
@@ -57,10 +89,18 @@ def health() -> Response:
 @_ROUTES.post("/v1/controller/put")
 def put() -> Response:
     body = _body()
-    batch = decode_value(body.get("batch"), None)
+    partition_id = _required(body, "partition_id")
+    batch = decode_value(_required(body, "batch"), None)
     if not isinstance(batch, DistributedBatchMemory):
-        raise ValueError("'batch' must be a tagged batch")
-    return jsonify({"added": _controller().put(body["partition_id"], batch)})
+        raise InvalidArgumentError("'batch' must be a tagged batch")
+    return jsonify({"added": _controller().put(partition_id, batch)})
+
+
+@_ROUTES.post("/v1/controller/create_partition")
+def create_partition() -> Response:
+    body = _body()
+    _controller().create_partition(_required(body, "partition_id"), body.get("expected_fields") or [])
+    return jsonify({"ok": True})
 
 
 @_ROUTES.post("/v1/controller/get_meta")
@@ -68,16 +108,22 @@ def get_meta() -> Response:
     body = _body()
     config = body.get("sampling_config") or {}
     if not isinstance(config, dict) or not all(isinstance(k, str) and k.isidentifier() for k in config):
-        raise ValueError("'sampling_config' must map names to JSON values")
+        raise InvalidArgumentError("'sampling_config' must map names to JSON values")
+    reserved = sorted(_GET_META_KEYWORDS.intersection(config))
+    if reserved:
+        raise InvalidArgumentError(f"'sampling_config' may not set {reserved}: they are get_meta's own")
     timeout = body.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ValueError("'timeout' must be a non-negative number")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+    ):
+        raise InvalidArgumentError("'timeout' must be a non-negative number")
     batch = _controller().get_meta(
-        body["partition_id"],
-        body["task_name"],
-        body["fields"],
-        body["batch_size"],
+        _required(body, "partition_id"),
+        _required(body, "task_name"),
+        _required(body, "fields"),
+        _required(body, "batch_size"),
         timeout=min(float(timeout), MAX_WAIT_SECONDS) if timeout else None,
+        request_id=body.get("request_id"),
         **config,
     )
     return jsonify({"batch": encode_value(batch)})
@@ -86,33 +132,36 @@ def get_meta() -> Response:
 @_ROUTES.post("/v1/controller/production_status")
 def production_status() -> Response:
     body = _body()
-    return jsonify(_controller().production_status(body["partition_id"], body.get("fields")))
+    return jsonify(_controller().production_status(_required(body, "partition_id"), body.get("fields")))
 
 
 @_ROUTES.post("/v1/controller/consumption_status")
 def consumption_status() -> Response:
     body = _body()
-    return jsonify(_controller().consumption_status(body["partition_id"], body["task_name"]))
+    return jsonify(
+        _controller().consumption_status(_required(body, "partition_id"), _required(body, "task_name"))
+    )
 
 
 @_ROUTES.post("/v1/controller/reset_consumption")
 def reset_consumption() -> Response:
     body = _body()
-    _controller().reset_consumption(body["partition_id"], body.get("task_name"))
+    _controller().reset_consumption(_required(body, "partition_id"), body.get("task_name"))
     return jsonify({"ok": True})
 
 
 @_ROUTES.post("/v1/controller/clear_tasks")
 def clear_tasks() -> Response:
     body = _body()
-    if not isinstance(body.get("task_ids"), list):
-        raise ValueError("'task_ids' must be a list")
-    return jsonify({"deleted": _controller().clear_tasks(body["partition_id"], body["task_ids"])})
+    task_ids = _required(body, "task_ids")
+    if not isinstance(task_ids, list):
+        raise InvalidArgumentError("'task_ids' must be a list")
+    return jsonify({"deleted": _controller().clear_tasks(_required(body, "partition_id"), task_ids)})
 
 
 @_ROUTES.post("/v1/controller/clear_partition")
 def clear_partition() -> Response:
-    return jsonify({"deleted": _controller().clear_partition(_body()["partition_id"])})
+    return jsonify({"deleted": _controller().clear_partition(_required(_body(), "partition_id"))})
 
 
 @_ROUTES.get("/v1/controller/partitions")
@@ -136,13 +185,21 @@ def load_state() -> Response:
     return jsonify({"ok": True})
 
 
-_CONTROLLER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
+# Validated bad input: (status, code) per exception type. Exactly these answer 4xx (plus
+# ClearError, 424, and werkzeug's own); RemoteController raises the same type again from the code.
+# A plain ValueError / TypeError / KeyError is a bug: 500.
+_VALIDATED: dict[type[DistBatchError], tuple[int, str]] = {
     SchemaConflictError: (409, "schema_conflict"),
     ClearInProgressError: (409, "clear_in_progress"),
+    UnknownPartitionError: (404, "unknown_partition"),
+    UnknownFieldError: (404, "unknown_field"),
     BatchStatusError: (400, "batch_status"),
-    ValueError: (400, "bad_request"),
-    TypeError: (400, "bad_request"),
+    InvalidIdError: (400, "invalid_id"),
+    MetaFormatError: (400, "bad_metadata"),
+    WireFormatError: (400, "bad_container"),
+    InvalidArgumentError: (400, "bad_request"),
 }
+_BY_CODE = {code: exc_type for exc_type, (_, code) in _VALIDATED.items()}
 
 
 def create_controller_app(controller: Controller, *, token: str | None = None) -> Flask:
@@ -171,14 +228,22 @@ def create_controller_app(controller: Controller, *, token: str | None = None) -
             str(exc),
             deleted=exc.deleted,
             undeleted=exc.undeleted,
+            deleted_by_node=exc.deleted_by_node,
             failed={n: e.detail for n, e in exc.failed.items()},
         )
 
-    @app.errorhandler(KeyError)
-    def _missing(exc: KeyError) -> Response:
-        return _error(400, "bad_request", f"missing or unknown key: {exc}")
+    @app.errorhandler(UnknownPartitionError)
+    def _unknown_partition(exc: UnknownPartitionError) -> Response:
+        return _error(404, "unknown_partition", str(exc), partition_id=exc.partition_id, known=exc.known)
 
-    register_json_errors(app, _CONTROLLER_ERRORS, _error, logger)
+    @app.errorhandler(UnknownFieldError)
+    def _unknown_field(exc: UnknownFieldError) -> Response:
+        return _error(
+            404, "unknown_field", str(exc), partition_id=exc.partition_id, fields=exc.fields, known=exc.known
+        )
+
+    plain = {t: v for t, v in _VALIDATED.items() if t not in (UnknownPartitionError, UnknownFieldError)}
+    register_json_errors(app, plain, _error, logger)
 
     return app
 
@@ -194,10 +259,26 @@ class ControllerServer:
         self.controller = controller
         self._server = WorkerServer(create_controller_app(controller, token=token), host, port)
         self.address = self._server.node
+        self._token_required = token is not None or bool(token_from_env())
+        self._running = True
         self._server.start_background()
 
+    @property
+    def running(self) -> bool:
+        """True until `shutdown()`."""
+        return self._running
+
     def shutdown(self) -> None:
-        self._server.shutdown()
+        """Stop serving and close the socket; idempotent. The `Controller` object stays usable."""
+        if self._running:
+            self._running = False
+            self._server.shutdown()
+
+    def __repr__(self) -> str:
+        state = "running" if self._running else "shut down"
+        partitions = len(self.controller.partitions())
+        token = "token required" if self._token_required else "no token"
+        return f"ControllerServer({self.address}, {state}, {partitions} partition(s), {token})"
 
     def __enter__(self) -> ControllerServer:
         return self
@@ -264,25 +345,74 @@ class RemoteController:
         batch_size: int,
         *,
         timeout: float | None = None,
+        request_id: str | None = None,
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
+        """`Controller.get_meta` over HTTP, delivered at least once.
+
+        The call carries a request id (a new one unless `request_id` is given)
+        and is sent again with it after a connection error or a lost reply,
+        within this controller's timeout (plus the wait) and the client's
+        ``retries``: the controller answers a repeated id with the tasks it
+        handed out the first time, so none is lost or consumed twice. Pass your
+        own `request_id` to re-ask yourself after this raises.
+        """
         if isinstance(fields, (str, bytes)):
-            raise ValueError(f"fields must be a list of field names, not one string: {fields!r}")
-        body = {
-            "partition_id": partition_id,
-            "task_name": task_name,
-            "fields": list(fields),
-            "batch_size": batch_size,
-            "timeout": timeout,
-            "sampling_config": sampling_config,
-        }
+            raise InvalidArgumentError(f"fields must be a list of field names, not one string: {fields!r}")
+        request_id = uuid.uuid4().hex if request_id is None else validate_id(request_id, "request_id")
         # The server waits at most MAX_WAIT_SECONDS (and refuses a bad timeout itself).
         wait = min(timeout, MAX_WAIT_SECONDS) if isinstance(timeout, (int, float)) and timeout > 0 else 0
-        # Not retried once sent: a get_meta may consume samples.
-        reply = self._post(
-            "/v1/controller/get_meta", body, timeout=self.timeout + wait, idempotent=False, waits=wait > 0
+        start = time.monotonic()
+        deadline = start + self.timeout + wait
+        retries = getattr(self.client, "retries", 3)
+        attempt = 0
+        while True:
+            now = time.monotonic()
+            body = {
+                "partition_id": partition_id,
+                "task_name": task_name,
+                "fields": list(fields),
+                "batch_size": batch_size,
+                # A re-sent request waits only for what is left of the caller's wait.
+                "timeout": timeout if attempt == 0 or not wait else max(start + wait - now, 1e-3),
+                "request_id": request_id,
+                "sampling_config": sampling_config,
+            }
+            try:
+                # Not retried by the client once sent: the loop here re-sends with the same id.
+                reply = self._post(
+                    "/v1/controller/get_meta",
+                    body,
+                    timeout=deadline - now,
+                    idempotent=False,
+                    waits=wait > 0,
+                )
+                return decode_value(reply["batch"], self._client)
+            except WorkerUnavailableError as exc:
+                attempt += 1
+                delay = min(GET_META_BACKOFF * 2 ** (attempt - 1), GET_META_BACKOFF_MAX)
+                if attempt > retries or time.monotonic() + delay >= deadline:
+                    raise
+                logger.warning(
+                    "get_meta %s of partition %r: %s; asking again with the same request id",
+                    request_id,
+                    partition_id,
+                    exc.detail,
+                )
+                time.sleep(delay)
+
+    def create_partition(self, partition_id: str, expected_fields: Iterable[str] = ()) -> None:
+        """Create the partition (if new) and declare fields it will get; see `Controller.create_partition`."""
+        if isinstance(expected_fields, (str, bytes)):
+            raise InvalidArgumentError(
+                f"expected_fields must be a list of field names, not one string: {expected_fields!r}"
+            )
+        if isinstance(expected_fields, Iterable) and not isinstance(expected_fields, Mapping):
+            expected_fields = list(expected_fields)  # else sent as is, for the controller to refuse
+        self._post(
+            "/v1/controller/create_partition",
+            {"partition_id": partition_id, "expected_fields": expected_fields},
         )
-        return decode_value(reply["batch"], self._client)
 
     def _get(self, path: str) -> Any:
         try:
@@ -339,19 +469,26 @@ class RemoteController:
 
 
 def _local_error(exc: RequestError) -> Exception:
-    """The controller-side exception a 4xx answer stands for."""
-    if exc.code == "schema_conflict":
-        return SchemaConflictError(exc.detail)
-    if exc.code == "clear_in_progress":
-        return ClearInProgressError(exc.detail)
-    if exc.code == "batch_status":
-        return BatchStatusError(exc.detail)
+    """The controller-side exception a 4xx answer stands for (the RequestError itself if none)."""
+    payload = exc.payload
+    if exc.code == "unknown_partition":
+        return UnknownPartitionError(str(payload.get("partition_id", "?")), payload.get("known") or [])
+    if exc.code == "unknown_field":
+        return UnknownFieldError(
+            str(payload.get("partition_id", "?")), payload.get("fields") or [], payload.get("known") or []
+        )
     if exc.code == "clear_incomplete":
-        failed = {n: WorkerUnavailableError(n, str(d)) for n, d in exc.payload.get("failed", {}).items()}
-        return ClearError(failed, int(exc.payload.get("deleted", 0)), exc.payload.get("undeleted", {}))
-    if exc.status == 401:
-        return exc
-    return ValueError(f"{exc.node}: {exc.detail}")
+        failed = {n: WorkerUnavailableError(n, str(d)) for n, d in payload.get("failed", {}).items()}
+        return ClearError(
+            failed,
+            int(payload.get("deleted", 0)),
+            payload.get("undeleted", {}),
+            payload.get("deleted_by_node", {}),
+        )
+    exc_type = _BY_CODE.get(exc.code)
+    if exc_type is not None:
+        return exc_type(exc.message)
+    return exc
 
 
 __all__ = [

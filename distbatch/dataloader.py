@@ -17,6 +17,21 @@ Two modes:
   serves (a tail smaller than ``batch_size``, an incomplete GRPO group) keep
   the partition unfinished; ``max_empty_polls`` bounds that wait.
 
+**Delivery.** Nothing handed out is skipped. Each batch index is asked with a
+``request_id`` made once for it; when getting the batch or gathering its data
+fails with a connection error, a timeout or a server error (5xx), the
+dataset waits a little and asks again with the same id (and the same
+``batch_index``), up to ``fetch_retries`` times, and the controller answers
+with the same tasks. After that, or on any other error, the error is raised;
+iterating again re-asks that same batch first. The controller remembers
+answers for a bounded time (`Controller` ``request_ttl``, 10 minutes by default).
+
+**Mistakes.** A field the partition has never had nor declared is an
+`UnknownFieldError` at once. An unknown partition is an
+`UnknownPartitionError` at once in finite mode; in streaming mode it counts
+as an empty poll (a consumer may start before its producer), with one
+warning naming the partitions there are.
+
 **Batch indexes.** Each fetched batch gets a ``batch_index`` that goes to the
 sampler with ``dp_rank``; with `RankAwareSampler` (or a group sampler given
 both) every TP/PP peer of one dp rank that asks for the same index gets the
@@ -45,6 +60,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -52,7 +68,7 @@ import torch.utils.data
 
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import Controller
-from distbatch.errors import DistBatchError
+from distbatch.errors import DistBatchError, ServerError, UnknownPartitionError
 from distbatch.ids import validate_id
 
 __all__ = [
@@ -68,15 +84,31 @@ __all__ = [
 logger = logging.getLogger("distbatch.dataloader")
 
 #: fetch_batch_fn(controller, partition_id, task_name, fields, batch_size, *, dp_rank, batch_index,
-#: **sampling_config) -> DistributedBatchMemory (EMPTY, or None, when nothing is ready)
+#: request_id, **sampling_config) -> DistributedBatchMemory (EMPTY, or None, when nothing is ready)
 FetchBatchFn = Callable[..., DistributedBatchMemory | None]
 #: process_batch_fn(local_batch, micro_batch_size=...) -> iterable of micro-batches (anything)
 ProcessBatchFn = Callable[..., Iterable[Any]]
 
 # Names the dataset passes itself (or get_meta / the controller takes): not allowed in sampling_config.
 _RESERVED_CONFIG_KEYS = frozenset(
-    {"partition_id", "task_name", "fields", "batch_size", "timeout", "dp_rank", "batch_index", "partition"}
+    {
+        "partition_id",
+        "task_name",
+        "fields",
+        "batch_size",
+        "timeout",
+        "dp_rank",
+        "batch_index",
+        "partition",
+        "request_id",
+    }
 )
+# Errors worth asking again for (the same tasks): the network, a timeout, a server's 5xx;
+# not a refused token (AuthError is a PermissionError, an OSError).
+_TRANSIENT = (OSError, ServerError)
+_NOT_TRANSIENT = (PermissionError,)
+FETCH_BACKOFF = 0.1
+FETCH_BACKOFF_MAX = 2.0
 
 
 _LOCAL_CONTROLLER_IN_WORKERS = (
@@ -103,9 +135,13 @@ def fetch_batch(
     *,
     dp_rank: int,
     batch_index: int,
+    request_id: str | None = None,
     **sampling_config: Any,
 ) -> DistributedBatchMemory:
-    """The default `fetch_batch_fn`: ask the controller for a batch and gather it (LOCAL, or EMPTY)."""
+    """The default `fetch_batch_fn`: ask the controller for a batch and gather it (LOCAL, or EMPTY).
+
+    `request_id` goes to `get_meta`, so asking again after a failed gather gets the same tasks.
+    """
     batch = controller.get_meta(
         partition_id,
         task_name,
@@ -113,6 +149,7 @@ def fetch_batch(
         batch_size,
         dp_rank=dp_rank,
         batch_index=batch_index,
+        request_id=request_id,
         **sampling_config,
     )
     return batch.to_local()
@@ -201,8 +238,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         dp_rank: this rank's data-parallel index, passed to the sampler.
         fetch_batch_fn: replaces `fetch_batch`; called as ``fn(controller,
             partition_id, task_name, fields, batch_size, dp_rank=...,
-            batch_index=..., **sampling_config)``, returns a batch (EMPTY or
-            None when nothing is ready; a REMOTE one is gathered here).
+            batch_index=..., request_id=..., **sampling_config)``, returns a
+            batch (EMPTY or None when nothing is ready; a REMOTE one is
+            gathered here). Pass `request_id` on to ``get_meta``: a re-ask after
+            a failure then gets the same tasks (see "Delivery").
         process_batch_fn: replaces `split_micro_batches`; called as
             ``fn(local_batch, micro_batch_size=...)``, returns an iterable of
             whatever the training step consumes.
@@ -211,6 +250,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         sampling_config: extra keyword arguments for the sampler (copied, never mutated).
         max_empty_polls: end the iteration after this many empty polls in a row
             (both modes); None waits forever.
+        fetch_retries: how many times a batch whose fetch failed with a
+            transient error is asked again (same tasks) before the error is raised.
     """
 
     def __init__(
@@ -228,6 +269,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         poll_interval: float = 1.0,
         sampling_config: Mapping[str, Any] | None = None,
         max_empty_polls: int | None = None,
+        fetch_retries: int = 3,
     ) -> None:
         super().__init__()
         if controller is None:
@@ -263,6 +305,11 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.max_empty_polls = (
             None if max_empty_polls is None else _positive_int(max_empty_polls, "max_empty_polls")
         )
+        self.fetch_retries = _positive_int(fetch_retries, "fetch_retries", minimum=0)
+        # (partition_id, batch_index, request_id) of the batch being fetched, until it is buffered:
+        # a re-ask after a failure (also in a later iteration) reuses the id and gets the same tasks.
+        self._pending: tuple[str, int, str] | None = None
+        self._warned_partition: str | None = None
         self._buffer: list[DistributedBatchMemory] = []
         self._buffer_pid = os.getpid()  # the process whose fetches the buffer holds
         self._position = 0  # buffer index of the batch being yielded
@@ -294,6 +341,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def step(self, partition_id: str) -> None:
         """Move on to `partition_id` (the next training step): drop the buffer, batch indexes restart."""
         self._partition_id = validate_id(partition_id, "partition_id")
+        self._pending = None
         self._buffer = []
         self._buffer_pid = os.getpid()
         self._position = 0
@@ -320,8 +368,65 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             )
         return info.id, info.num_workers
 
+    def _request_id(self, batch_index: int) -> str:
+        """The request id of `batch_index`: the pending one if this batch was asked before."""
+        pending = self._pending
+        if pending is not None and pending[:2] == (self._partition_id, batch_index):
+            return pending[2]
+        request_id = uuid.uuid4().hex
+        self._pending = (self._partition_id, batch_index, request_id)
+        return request_id
+
     def _fetch(self, batch_index: int) -> DistributedBatchMemory | None:
-        """One batch for `batch_index`, LOCAL, or None when nothing is ready."""
+        """One batch for `batch_index`, LOCAL, or None when nothing is ready.
+
+        A transient failure asks again for the same tasks (same request id), at most
+        `fetch_retries` times; then, or on another error, the error is raised.
+        """
+        request_id = self._request_id(batch_index)
+        failures = 0
+        while True:
+            try:
+                return self._fetch_once(batch_index, request_id)
+            except _TRANSIENT as exc:
+                if isinstance(exc, _NOT_TRANSIENT):
+                    raise
+                failures += 1
+                if failures > self.fetch_retries:
+                    logger.error(
+                        "partition %r, task %r, dp rank %d, batch %d: fetch failed %d times, giving up "
+                        "(iterating again asks for the same tasks): %s",
+                        self._partition_id,
+                        self.task_name,
+                        self.dp_rank,
+                        batch_index,
+                        failures,
+                        exc,
+                    )
+                    raise
+                logger.warning(
+                    "partition %r, task %r, dp rank %d, batch %d: fetch failed (%s), asking again",
+                    self._partition_id,
+                    self.task_name,
+                    self.dp_rank,
+                    batch_index,
+                    exc,
+                )
+                time.sleep(min(FETCH_BACKOFF * 2 ** (failures - 1), FETCH_BACKOFF_MAX))
+
+    def _poll(self, batch_index: int) -> DistributedBatchMemory | None:
+        """`_fetch`, where streaming mode takes an unknown partition for one not produced yet."""
+        try:
+            return self._fetch(batch_index)
+        except UnknownPartitionError as exc:
+            if self.should_check_consumption_status:
+                raise
+            if self._warned_partition != self._partition_id:
+                self._warned_partition = self._partition_id
+                logger.warning("%s; waiting for a producer to create it", exc)
+            return None
+
+    def _fetch_once(self, batch_index: int, request_id: str) -> DistributedBatchMemory | None:
         batch = self.fetch_batch_fn(
             self.controller,
             self._partition_id,
@@ -330,6 +435,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             self.batch_size,
             dp_rank=self.dp_rank,
             batch_index=batch_index,
+            request_id=request_id,
             **self._sampling_config,
         )
         if batch is None:
@@ -364,16 +470,17 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                     self._micro = 0
                 continue
             batch_index = worker_id + len(self._buffer) * num_workers
-            batch = self._fetch(batch_index)
+            batch = self._poll(batch_index)
             if batch is None and self.should_check_consumption_status:
                 if self.controller.all_consumed(self._partition_id, self.task_name):
                     # Done unless a TP peer took this index's samples between our fetch and the
                     # status check: the sampler's cache then hands them to us on a second ask.
-                    batch = self._fetch(batch_index)
+                    batch = self._poll(batch_index)
                     if batch is None:
                         return
             if batch is not None:
                 self._buffer.append(batch)
+                self._pending = None  # delivered: the next index gets a new request id
                 empty_polls = 0
                 continue
             empty_polls += 1

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class DistBatchError(Exception):
@@ -22,7 +23,14 @@ class BatchStatusError(DistBatchError):
 
 
 class NodeError(DistBatchError):
-    """An error that concerns one worker node; `node` names it (`host:port`)."""
+    """An error that concerns one worker node; `node` names it (`host:port`).
+
+    Raised by a group (or `ShardClient.call_many`) call, it carries `partial_results`: per
+    worker, in order, the result of each call that completed (None for the others), so
+    the caller can clear what those calls stored. None when the error is not from a call.
+    """
+
+    partial_results: list[Any] | None = None
 
     def __init__(self, node: str, message: str) -> None:
         super().__init__(f"{node}: {message}")
@@ -85,3 +93,94 @@ class RequestError(NodeError, ValueError):
         self.code = code
         self.message = message
         self.payload = payload or {}
+
+
+class ClearError(DistBatchError):
+    """Some shards could not be deleted (a worker down or not answering); nothing is hidden.
+
+    `failed` maps node -> error, `undeleted` node -> shards that may still be there,
+    `deleted` the count that did go and `deleted_by_node` node -> count per node that
+    answered. Retrying the clear once the worker is back finishes the job (deleting is
+    idempotent).
+    """
+
+    def __init__(
+        self,
+        failed: Mapping[str, NodeError],
+        deleted: int,
+        undeleted: Mapping[str, int],
+        deleted_by_node: Mapping[str, int] | None = None,
+    ) -> None:
+        detail = "; ".join(
+            f"{node}: {undeleted.get(node, '?')} shard(s) may remain ({err.detail})"
+            for node, err in failed.items()
+        )
+        done = ""
+        if deleted_by_node:
+            done = "; deleted " + ", ".join(f"{node}: {count}" for node, count in deleted_by_node.items())
+        super().__init__(f"could not delete shards on {len(failed)} node(s): {detail}{done}")
+        self.failed = dict(failed)
+        self.deleted = deleted
+        self.undeleted = dict(undeleted)
+        self.deleted_by_node = dict(deleted_by_node or {})
+
+
+class ProtocolError(NodeError):
+    """The node answered with something that is not a distbatch reply; `node` names it.
+
+    For example a 2xx whose body is not JSON: the address most likely belongs
+    to another kind of server (or a proxy answers in its place). Not retried,
+    since asking the same peer again would get the same answer.
+    """
+
+
+def _names(names: Iterable[str], limit: int = 20) -> str:
+    shown = sorted(names)
+    more = f" (+{len(shown) - limit} more)" if len(shown) > limit else ""
+    return (", ".join(repr(n) for n in shown[:limit]) or "none") + more
+
+
+class InvalidArgumentError(DistBatchError, ValueError):
+    """An argument was checked and refused (a batch size, a sampling config, a checkpoint...).
+
+    Raised before anything changes. The controller's HTTP face answers it with 400 and
+    `RemoteController` raises it again on the client, like the other validated errors.
+    """
+
+
+class UnknownPartitionError(DistBatchError, KeyError):
+    """No partition of that id (never put nor created, or cleared); `known` lists the partitions there are."""
+
+    def __init__(self, partition_id: str, known: Iterable[str]) -> None:
+        self.partition_id = partition_id
+        self.known = sorted(known)
+        super().__init__(f"unknown partition {partition_id!r}; known partitions: {_names(self.known)}")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.partition_id, self.known)
+
+
+class UnknownFieldError(DistBatchError, KeyError):
+    """Fields that no producer has put into, nor declared for, the partition: they can never be ready.
+
+    `fields` lists them, `known` the fields the partition has or expects.
+    """
+
+    def __init__(self, partition_id: str, fields: Iterable[str], known: Iterable[str]) -> None:
+        self.partition_id = partition_id
+        self.fields = list(fields)
+        self.known = sorted(known)
+        super().__init__(
+            f"partition {partition_id!r} has no field {_names(self.fields)} (a typo?); "
+            f"its fields: {_names(self.known)}. A field a later stage will put can be declared "
+            "with create_partition(partition_id, expected_fields=[...])"
+        )
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.partition_id, self.fields, self.known)

@@ -6,11 +6,19 @@ metadata, and per-task results stay on the worker that produced them.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
-from distbatch.client import ShardClient, default_client, validate_node
+from distbatch.client import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    ShardClient,
+    check_liveness_timeout,
+    default_client,
+    validate_node,
+)
 from distbatch.errors import WorkerUnavailableError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.rpc import decode_value, encode_call
@@ -32,7 +40,14 @@ def _stop_all(processes: list[WorkerProcess], stoppers: list[Stoppable]) -> None
 
 
 class WorkerGroup:
-    """An ordered set of worker nodes; worker i receives chunk i."""
+    """An ordered set of worker nodes; worker i receives chunk i.
+
+    `call_timeout`: default deadline of one engine call in seconds (None: none, for long
+    training steps). `liveness_timeout`: while a call runs, each worker's `/health` is
+    probed; a worker that has not answered for this many seconds (stopped, dropped off the
+    network) fails the call with `WorkerUnavailableError`. A long call on a live worker is
+    never cut short by it. None disables the probes.
+    """
 
     def __init__(
         self,
@@ -42,6 +57,7 @@ class WorkerGroup:
         stoppers: Sequence[Stoppable] = (),
         client: ShardClient | None = None,
         call_timeout: float | None = None,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> None:
         self.nodes = [validate_node(n) for n in nodes]
         if not self.nodes:
@@ -49,6 +65,7 @@ class WorkerGroup:
         self.processes = list(processes)
         self.stoppers = list(stoppers)
         self.call_timeout = call_timeout
+        self.liveness_timeout = check_liveness_timeout(liveness_timeout)
         self._client = client
         # Stops the processes (and stoppers) on shutdown(), on garbage collection and at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_all, self.processes, self.stoppers)
@@ -63,13 +80,23 @@ class WorkerGroup:
         args: Sequence[str] = (),
         client: ShardClient | None = None,
         call_timeout: float | None = None,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
         startup_timeout: float = 60.0,
+        log_dir: str | os.PathLike[str] | None = None,
     ) -> WorkerGroup:
-        """Spawn `n` `rpc_server` processes on loopback, hosting `engine` ('pkg.module:Factory')."""
+        """Spawn `n` `rpc_server` processes on loopback, hosting `engine` ('pkg.module:Factory').
+
+        Workers import with this process's import path; whatever they print or log goes to
+        `group.log_files` (in `log_dir`, or a new temporary directory), see `spawn_workers`.
+        """
         extra = [*args, *(["--engine", engine] if engine else [])]
-        processes = spawn_workers(n, args=extra, env=env, startup_timeout=startup_timeout)
+        processes = spawn_workers(n, args=extra, env=env, startup_timeout=startup_timeout, log_dir=log_dir)
         group = cls(
-            [p.node for p in processes], processes=processes, client=client, call_timeout=call_timeout
+            [p.node for p in processes],
+            processes=processes,
+            client=client,
+            call_timeout=call_timeout,
+            liveness_timeout=liveness_timeout,
         )
         return group._ready_or_shut_down()
 
@@ -87,6 +114,7 @@ class WorkerGroup:
         runtime_env: Mapping[str, Any] | None = None,
         client: ShardClient | None = None,
         call_timeout: float | None = None,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
         startup_timeout: float = 120.0,
     ) -> WorkerGroup:
         """Start `n` workers as Ray actors (one per placement-group bundle), hosting `engine`.
@@ -118,7 +146,13 @@ class WorkerGroup:
             startup_timeout=startup_timeout,
         )
         try:
-            group = cls(workers.nodes, stoppers=[workers], client=client, call_timeout=call_timeout)
+            group = cls(
+                workers.nodes,
+                stoppers=[workers],
+                client=client,
+                call_timeout=call_timeout,
+                liveness_timeout=liveness_timeout,
+            )
         except BaseException:
             workers.stop()
             raise
@@ -126,12 +160,22 @@ class WorkerGroup:
 
     @classmethod
     def connect(
-        cls, addresses: Sequence[str], *, client: ShardClient | None = None, call_timeout: float | None = None
+        cls,
+        addresses: Sequence[str],
+        *,
+        client: ShardClient | None = None,
+        call_timeout: float | None = None,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> WorkerGroup:
         """A group over workers someone else started (Slurm, by hand, another launcher)."""
-        group = cls(addresses, client=client, call_timeout=call_timeout)
+        group = cls(addresses, client=client, call_timeout=call_timeout, liveness_timeout=liveness_timeout)
         group.wait_ready()
         return group
+
+    @property
+    def log_files(self) -> list[Path]:
+        """Each started worker's log file (its prints and logs), in worker order; [] for connect/ray."""
+        return [p.log_file for p in self.processes if p.log_file is not None]
 
     @property
     def client(self) -> ShardClient:
@@ -165,15 +209,36 @@ class WorkerGroup:
             raise ValueError(f"{node} is not in this group")
         return node
 
-    def _run(self, calls: list[tuple[str, str, bytes]], timeout: float | None) -> list[Any]:
-        self._check_alive([node for node, _, _ in calls])
+    def _run(self, calls: list[tuple[str, str, bytes]], call_timeout: float | None) -> list[Any]:
+        nodes = [node for node, _, _ in calls]
+        self._check_alive(nodes)
         try:
-            replies = self.client.call_many(calls, timeout=timeout or self.call_timeout)
-        except WorkerUnavailableError as exc:
-            self._check_alive([node for node, _, _ in calls])
-            self._check_stoppers([node for node, _, _ in calls])
-            raise exc
+            replies = self.client.call_many(
+                calls,
+                timeout=self.call_timeout if call_timeout is None else call_timeout,
+                liveness_timeout=self.liveness_timeout,
+            )
+        except Exception as exc:  # any error of a call carries the completed ones' replies
+            error: Exception = exc
+            if isinstance(exc, WorkerUnavailableError):  # say why, if the launcher knows
+                error = self._dead_worker_error(nodes) or exc
+            partial = getattr(exc, "partial_results", None)
+            if partial is not None:
+                error.partial_results = [  # type: ignore[attr-defined]
+                    None if r is None else decode_value(r["result"], self._client) for r in partial
+                ]
+            if error is exc:
+                raise
+            raise error from exc
         return [decode_value(reply["result"], self._client) for reply in replies]
+
+    def _dead_worker_error(self, nodes: list[str]) -> WorkerUnavailableError | None:
+        try:
+            self._check_alive(nodes)
+            self._check_stoppers(nodes)
+        except WorkerUnavailableError as exc:
+            return exc
+        return None
 
     def _check_alive(self, nodes: list[str]) -> None:
         for process in self.processes:
@@ -190,24 +255,36 @@ class WorkerGroup:
                     raise WorkerUnavailableError(node, "its Ray actor is dead")
 
     def call(
-        self, method: str, chunks: Sequence[Any], *, timeout: float | None = None, **kwargs: Any
+        self, method: str, chunks: Sequence[Any], *, call_timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
-        """Call `method(chunks[i], **kwargs)` on worker i, all concurrently; results in worker order."""
+        """Call `method(chunks[i], **kwargs)` on worker i, all concurrently; results in worker order.
+
+        `call_timeout` overrides the group's deadline for this call; every other keyword
+        (`timeout` too) goes to the engine method. If a worker fails, the error is raised at
+        once and carries `partial_results` (per worker: the result if its call completed,
+        else None; clear those batches if you do not use them); the calls still running
+        are abandoned and their workers drop their results.
+        """
         if len(chunks) != len(self.nodes):
             raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
         calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
-        return self._run(calls, timeout)
+        return self._run(calls, call_timeout)
 
-    def call_all(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Call `method(*args, **kwargs)` on every worker concurrently; results in worker order."""
+    def call_all(
+        self, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every worker concurrently; results in worker order.
+
+        Errors and `call_timeout` as for `call`.
+        """
         body = encode_call(args, kwargs)
-        return self._run([(node, method, body) for node in self.nodes], timeout)
+        return self._run([(node, method, body) for node in self.nodes], call_timeout)
 
     def call_on(
-        self, worker: int | str, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+        self, worker: int | str, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
     ) -> Any:
-        """Call `method(*args, **kwargs)` on one worker (by index or node)."""
-        return self._run([(self._node(worker), method, encode_call(args, kwargs))], timeout)[0]
+        """Call `method(*args, **kwargs)` on one worker (by index or node); `call_timeout` as for `call`."""
+        return self._run([(self._node(worker), method, encode_call(args, kwargs))], call_timeout)[0]
 
     def stats(self) -> list[dict[str, Any]]:
         """Every worker's `/v1/stats`, in worker order."""

@@ -1,24 +1,40 @@
-"""Start `python -m rpc_server` processes on this machine and stop them reliably."""
+"""Start `python -m rpc_server` processes on this machine and stop them reliably.
+
+A worker's stdout carries one line, its address; everything else it writes (an engine's
+prints and logs, in any amount) goes to its stderr, which is a per-worker log file here:
+never a pipe nobody reads, so output can never block a worker.
+"""
 
 from __future__ import annotations
 
 import os
 import selectors
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from distbatch.client import validate_node
 from distbatch.errors import WorkerUnavailableError
+
+LOG_TAIL_LINES = 20  # lines of a worker's log quoted when it fails to start
 
 
 class WorkerProcess:
-    """One spawned worker: its process and the `host:port` it printed on start."""
+    """One spawned worker: its process, the `host:port` it printed on start and its log file.
 
-    def __init__(self, process: subprocess.Popen[bytes], node: str) -> None:
+    `log_file` holds everything the worker wrote besides its address (None if not known).
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes], node: str, log_file: Path | None = None) -> None:
         self.process = process
         self.node = node
+        self.log_file = log_file
 
     @property
     def pid(self) -> int:
@@ -81,6 +97,111 @@ def read_first_line(process: subprocess.Popen[bytes], timeout: float) -> str | N
     return _read_address(process, time.monotonic() + timeout)
 
 
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log file ('' if it is empty or unreadable)."""
+    try:
+        with path.open("rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(0, size - 64 * 1024))
+            data = log.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def _is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def controller_import_path() -> list[str]:
+    """This process's `sys.path`, made absolute ('' is the cwd), less the interpreter's own dirs.
+
+    Workers get it through PYTHONPATH, as multiprocessing's spawn hands `sys.path` to its
+    children, so an engine module importable here (next to the script, from the cwd, or via
+    `sys.path` edits) is importable in the workers too, whatever their cwd. The standard library
+    and site-packages are left out: a worker's interpreter (maybe another `python`) has its own.
+    """
+    own = {
+        os.path.abspath(d)
+        for d in [
+            *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")),
+            *site.getsitepackages(),
+            site.getusersitepackages(),
+        ]
+        if d
+    }
+    paths: list[str] = []
+    for entry in sys.path:
+        if not isinstance(entry, str):
+            continue
+        path = os.path.abspath(entry or os.curdir)
+        if path in paths or not os.path.exists(path) or any(_is_within(path, d) for d in own):
+            continue
+        paths.append(path)
+    return paths
+
+
+def _worker_env(extra: Mapping[str, str], import_path: Sequence[str]) -> dict[str, str]:
+    """The environment of one worker: ours, unbuffered output, `extra`, and our import path.
+
+    PYTHONPATH: entries `extra` gives first (the caller asked for them), then this process's
+    import path, then any PYTHONPATH we inherited, without repeats.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    entries = [
+        *extra.get("PYTHONPATH", "").split(os.pathsep),
+        *import_path,
+        *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+    ]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(e for e in entries if e))
+    return env
+
+
+def _start(command: list[str], index: int, log_dir: Path, env: Mapping[str, str]) -> WorkerProcess:
+    """Popen one worker: stdout a pipe for its address line, stderr its log file `worker-<i>-<pid>.log`."""
+    fd, starting = tempfile.mkstemp(prefix=f"worker-{index}-", suffix=".starting", dir=log_dir)
+    try:
+        with open(fd, "wb") as log:
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env
+            )
+    except BaseException:
+        os.unlink(starting)
+        raise
+    log_file = log_dir / f"worker-{index}-{process.pid}.log"
+    suffix = 1
+    while log_file.exists():  # a pid reused since an earlier run that logged here
+        log_file = log_dir / f"worker-{index}-{process.pid}-{suffix}.log"
+        suffix += 1
+    os.rename(starting, log_file)  # the worker keeps writing to it: renaming moves no data
+    return WorkerProcess(process, "?", log_file)
+
+
+def _stop_all(workers: Sequence[WorkerProcess]) -> None:
+    for worker in workers:
+        worker.terminate()  # all at once: each takes a moment to exit
+    for worker in workers:
+        worker.stop()
+
+
+def _start_failure(
+    worker: WorkerProcess, index: int, line: str | None, code: int | None, timeout: float
+) -> str:
+    """Why worker `index` gave no address, with the tail of its log (call once it is stopped).
+
+    `code` is its exit code if it exited by itself (negative: killed by that signal).
+    """
+    if line is not None:
+        status = f"printed {line!r} instead of its address"
+    elif code is not None:
+        status = f"exited with code {code} before printing its address"
+    else:
+        status = f"printed no address within {timeout}s"
+    tail = log_tail(worker.log_file) if worker.log_file is not None else ""
+    where = f"its log {worker.log_file}" if worker.log_file is not None else "no log"
+    return f"worker {index} {status}; {where}" + (f" ends with:\n{tail}" if tail else " is empty")
+
+
 def spawn_workers(
     count: int,
     *,
@@ -90,46 +211,53 @@ def spawn_workers(
     startup_timeout: float = 60.0,
     exit_with_parent: bool = True,
     python: str = sys.executable,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` workers on free ports (in parallel); return once all printed their address.
 
     `env` adds variables to every worker, or one mapping per worker (e.g.
-    CUDA_VISIBLE_DEVICES). With `exit_with_parent` a worker exits by itself
-    when this process dies, even by SIGKILL, so no worker is ever orphaned.
-    If any worker fails to start, all are stopped and `WorkerUnavailableError` raised.
+    CUDA_VISIBLE_DEVICES). Workers import with this process's import path (see
+    `controller_import_path`) ahead of any PYTHONPATH they inherit. Each worker's output goes
+    to `worker-<i>-<pid>.log` in `log_dir` (created if missing; None: `$DISTBATCH_LOG_DIR` if
+    set, else a new temporary directory), see `WorkerProcess.log_file`. With `exit_with_parent`
+    a worker exits by itself when this process dies, even by SIGKILL, so no worker is orphaned.
+    If any worker fails to start, all are stopped and `WorkerUnavailableError` raised, quoting
+    the end of the failed worker's log.
     """
     if count < 1:
         raise ValueError(f"worker count must be >= 1, got {count}")
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * count
     if len(envs) != count:
         raise ValueError(f"{len(envs)} env mappings for {count} workers")
+    log_dir = log_dir if log_dir is not None else os.environ.get("DISTBATCH_LOG_DIR") or None
+    directory = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="distbatch-workers-"))
+    directory.mkdir(parents=True, exist_ok=True)
     command = [python, "-m", "rpc_server", "--host", host, "--port", "0", *args]
     if exit_with_parent:
         command += ["--exit-with-parent", str(os.getpid())]
-    processes = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ, **extra}
-        )
-        for extra in envs
-    ]
-    deadline = time.monotonic() + startup_timeout
+    import_path = controller_import_path()
     workers: list[WorkerProcess] = []
-    failure: str | None = None
-    for process in processes:
-        node = _read_address(process, deadline)
-        if node is None:
-            try:  # it closed its stdout without an address: most likely exiting, so get its code
-                code = process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            status = "did not print an address" if code is None else f"exited with code {code}"
-            failure = failure or f"worker {status} within {startup_timeout}s"
-            node = "?"
-        workers.append(WorkerProcess(process, node))
-    if failure is not None:
-        for worker in workers:
-            worker.stop()
-        raise WorkerUnavailableError(" ".join(command), failure)
+    try:
+        for index, extra in enumerate(envs):
+            workers.append(_start(command, index, directory, _worker_env(extra, import_path)))
+        deadline = time.monotonic() + startup_timeout
+        for index, worker in enumerate(workers):
+            line = _read_address(worker.process, deadline)
+            try:
+                worker.node = validate_node(line)
+            except ValueError:
+                try:  # no address: most likely it is exiting, so wait a moment for its code
+                    code: int | None = worker.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    code = None
+                _stop_all(workers)
+                message = _start_failure(worker, index, line, code, startup_timeout)
+                raise WorkerUnavailableError(" ".join(command), message) from None
+            if worker.process.stdout is not None:
+                worker.process.stdout.close()  # the address is all a worker writes there
+    except BaseException:
+        _stop_all(workers)  # idempotent: stopping a stopped worker does nothing
+        raise
     return workers
 
 
@@ -141,6 +269,7 @@ def spawn_worker(
     startup_timeout: float = 60.0,
     exit_with_parent: bool = True,
     python: str = sys.executable,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> WorkerProcess:
     """Start one worker on a free port and return once it has printed its address."""
     return spawn_workers(
@@ -151,4 +280,5 @@ def spawn_worker(
         startup_timeout=startup_timeout,
         exit_with_parent=exit_with_parent,
         python=python,
+        log_dir=log_dir,
     )[0]

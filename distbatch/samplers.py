@@ -26,7 +26,11 @@ calls return the cache even though those samples have left ``ready_indexes``.
 The cache is bounded: at most ``max_cached_batches`` (default 4096) batch
 indexes per ``(partition_id, task_name, dp_rank)``, oldest inserted evicted
 first. A peer that falls more than that many batches behind its fastest
-sibling therefore gets a fresh batch instead of its siblings' one.
+sibling therefore gets a fresh batch instead of its siblings' one. A cached
+key asked again with another ``batch_size`` is refused
+(`InvalidArgumentError`): a peer configured differently would otherwise get
+its siblings' batch silently. (The batch size is not part of the checkpoint:
+after a load, cached keys are served without that check.)
 
 **Groups.** Group samplers treat the aligned block ``[k*n, (k+1)*n)`` as the
 k-th group of ``n = n_samples_per_prompt`` samples. The controller gives each
@@ -44,6 +48,10 @@ listed in insertion order, so a loaded sampler evicts exactly as the saved
 one would have. ``load_state_dict`` validates everything before it changes
 anything, and rejects a ``config`` (group size, dp size) other than its own.
 
+**Errors.** Invalid input (a batch size, a sampling config, a checkpoint)
+raises `InvalidArgumentError`, a `ValueError`; the controller's HTTP face
+answers it with 400. Any other exception from a sampler is a bug (500).
+
 Samplers are not thread-safe by themselves: the controller calls them under
 its lock.
 """
@@ -57,6 +65,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from distbatch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
+from distbatch.errors import InvalidArgumentError
 
 __all__ = [
     "BaseSampler",
@@ -91,26 +100,26 @@ class LengthSource(Protocol):
 def _check_int(value: Any, name: str, minimum: int) -> int:
     """`value` as an int >= minimum, else ValueError (bools and floats are refused)."""
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None
     if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {number}")
     return number
 
 
 def _check_str(value: Any, name: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a str, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a str, got {value!r}")
     return value
 
 
 def _index_list(values: Any, name: str) -> list[int]:
     """A fresh list of non-negative ints (sample indexes), else ValueError."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"{name} must be a list of sample indexes, got {type(values).__name__}")
+        raise InvalidArgumentError(f"{name} must be a list of sample indexes, got {type(values).__name__}")
     return [_check_int(v, name, 0) for v in values]
 
 
@@ -119,7 +128,7 @@ def _rank_key(dp_rank: Any, batch_index: Any) -> tuple[int, int] | None:
     if dp_rank is None and batch_index is None:
         return None
     if dp_rank is None or batch_index is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"dp_rank and batch_index go together, got dp_rank={dp_rank!r}, batch_index={batch_index!r}"
         )
     return _check_int(dp_rank, "dp_rank", 0), _check_int(batch_index, "batch_index", 0)
@@ -128,7 +137,7 @@ def _rank_key(dp_rank: Any, batch_index: Any) -> tuple[int, int] | None:
 def _required_rank_key(dp_rank: Any, batch_index: Any, who: str) -> tuple[int, int]:
     key = _rank_key(dp_rank, batch_index)
     if key is None:
-        raise ValueError(f"{who} needs dp_rank and batch_index in the sampling config")
+        raise InvalidArgumentError(f"{who} needs dp_rank and batch_index in the sampling config")
     return key
 
 
@@ -140,7 +149,7 @@ def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[i
     ready = set(ready_indexes)
     for i in ready:
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ValueError(f"ready indexes must be non-negative ints, got {i!r}")
+            raise InvalidArgumentError(f"ready indexes must be non-negative ints, got {i!r}")
     members = Counter(i // n for i in ready)
     complete = sorted(g for g, c in members.items() if c == n)
     if len(complete) < count:
@@ -178,6 +187,9 @@ class BaseSampler(ABC):
     def clear_cache(self, partition_id: str) -> None:
         """Forget every cached result of the partition (its indexes may be reused next)."""
         self._states.pop(partition_id, None)
+        sizes = self._batch_sizes()
+        for key in [k for k in sizes if k[0] == partition_id]:
+            del sizes[key]
 
     def forget_indexes(self, partition_id: str, indexes: Iterable[int]) -> None:
         """Drop cached results that hand out any of `indexes` (those tasks were cleared).
@@ -188,10 +200,12 @@ class BaseSampler(ABC):
         gets reused can never come back from a stale cache entry.
         """
         gone = set(indexes)
-        for ranks in self._states.get(partition_id, {}).values():
-            for batches in ranks.values():
+        sizes = self._batch_sizes()
+        for task_name, ranks in self._states.get(partition_id, {}).items():
+            for dp_rank, batches in ranks.items():
                 for batch_index in [b for b, entry in batches.items() if gone.intersection(entry[0])]:
                     del batches[batch_index]
+                    sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
 
     def has_cached_result(
         self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
@@ -211,10 +225,30 @@ class BaseSampler(ABC):
 
     # ---------------------------------------------------------------- the cache
 
-    def _cached(self, partition_id: str, task_name: str, dp_rank: int, batch_index: int) -> _Entry | None:
+    def _batch_sizes(self) -> dict[tuple[str, str, int, int], int]:
+        """The batch size each cached key was sampled with (created on first use: a ported
+        subclass may not call ``BaseSampler.__init__``)."""
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:
+            sizes = self.__dict__["_sizes"] = {}
+        return sizes
+
+    def _cached(
+        self, partition_id: str, task_name: str, dp_rank: int, batch_index: int, batch_size: int | None = None
+    ) -> _Entry | None:
+        """The cached result of a key (copies), or None; `InvalidArgumentError` if it was
+        sampled with another `batch_size`."""
         entry = self._states.get(partition_id, {}).get(task_name, {}).get(dp_rank, {}).get(batch_index)
         if entry is None:
             return None
+        if batch_size is not None:
+            first = self._batch_sizes().get((partition_id, task_name, dp_rank, batch_index))
+            if first is not None and first != batch_size:
+                raise InvalidArgumentError(
+                    f"dp_rank {dp_rank}, batch_index {batch_index} of task {task_name!r} in partition "
+                    f"{partition_id!r} was sampled with batch_size {first}; asked again with {batch_size} "
+                    "(every TP/PP peer of a rank must use the same batch size)"
+                )
         return list(entry[0]), list(entry[1])  # copies: callers may mutate what they get
 
     def _remember(
@@ -225,14 +259,22 @@ class BaseSampler(ABC):
         batch_index: int,
         sampled: Sequence[int],
         consumed: Sequence[int],
+        batch_size: int | None = None,
     ) -> None:
         """Cache a result unless one is already there; evict the oldest beyond the bound."""
         batches = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
         if batch_index in batches:
             return
         batches[batch_index] = (list(sampled), list(consumed))
+        sizes = self._batch_sizes()
+        if batch_size is None:
+            sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
+        else:
+            sizes[(partition_id, task_name, dp_rank, batch_index)] = batch_size
         while len(batches) > self.max_cached_batches:
-            del batches[next(iter(batches))]
+            oldest = next(iter(batches))
+            del batches[oldest]
+            sizes.pop((partition_id, task_name, dp_rank, oldest), None)
 
     # ---------------------------------------------------------------- checkpoint
 
@@ -259,7 +301,7 @@ class BaseSampler(ABC):
                                 ]
                             )
         except (AttributeError, TypeError, ValueError) as exc:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{type(self).__name__}._states is not in the standard layout ({exc}); "
                 "override state_dict() and load_state_dict()"
             ) from None
@@ -268,29 +310,29 @@ class BaseSampler(ABC):
     def _parse_state(self, state: Mapping[str, Any]) -> _States:
         """Validate a `state_dict` and build the `_states` it describes, changing nothing."""
         if not isinstance(state, Mapping):
-            raise ValueError(f"sampler state must be a mapping, got {type(state).__name__}")
+            raise InvalidArgumentError(f"sampler state must be a mapping, got {type(state).__name__}")
         version = state.get("version", STATE_VERSION)
         if version != STATE_VERSION:
-            raise ValueError(f"sampler state version {version!r} is not {STATE_VERSION}")
+            raise InvalidArgumentError(f"sampler state version {version!r} is not {STATE_VERSION}")
         config = state.get("config")
         if config is not None and (not isinstance(config, Mapping) or dict(config) != self._config()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sampler state was saved with config {config!r}; this sampler has {self._config()}"
             )
         raw = state.get("cache", [])
         if not isinstance(raw, list):
-            raise ValueError("sampler state 'cache' must be a list")
+            raise InvalidArgumentError("sampler state 'cache' must be a list")
         states: _States = {}
         for row in raw:
             if not isinstance(row, (list, tuple)) or len(row) != 6:
-                raise ValueError(f"sampler cache rows have 6 items, got {row!r}")
+                raise InvalidArgumentError(f"sampler cache rows have 6 items, got {row!r}")
             partition_id = _check_str(row[0], "partition_id")
             task_name = _check_str(row[1], "task_name")
             dp_rank = _check_int(row[2], "dp_rank", 0)
             batch_index = _check_int(row[3], "batch_index", 0)
             batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
             if batch_index in batches:
-                raise ValueError(f"sampler state lists {row[:4]} twice")
+                raise InvalidArgumentError(f"sampler state lists {row[:4]} twice")
             batches[batch_index] = (_index_list(row[4], "sampled"), _index_list(row[5], "consumed"))
         for tasks in states.values():
             for ranks in tasks.values():
@@ -302,6 +344,7 @@ class BaseSampler(ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the cache with a `state_dict` (an empty mapping empties it); ValueError if invalid."""
         self._states = self._parse_state(state)
+        self._batch_sizes().clear()
 
 
 def _check_bound(max_cached_batches: Any) -> int:
@@ -352,7 +395,7 @@ class GRPOGroupNSampler(BaseSampler):
             n_samples_per_prompt is not None
             and _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1) != n
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"n_samples_per_prompt={n_samples_per_prompt!r} but this sampler was built with {n}"
             )
         return n
@@ -381,19 +424,21 @@ class GRPOGroupNSampler(BaseSampler):
         batch_size = _check_int(batch_size, "batch_size", 1)
         n = self._check_n(n_samples_per_prompt)
         if batch_size % n:
-            raise ValueError(f"batch_size {batch_size} is not a multiple of n_samples_per_prompt {n}")
+            raise InvalidArgumentError(
+                f"batch_size {batch_size} is not a multiple of n_samples_per_prompt {n}"
+            )
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
         key = _rank_key(dp_rank, batch_index)
         if key is not None:
-            cached = self._cached(partition_id, task_name, *key)
+            cached = self._cached(partition_id, task_name, *key, batch_size)
             if cached is not None:
                 return cached
         sampled = self._select(ready_indexes, batch_size // n)
         if sampled is None:
             return [], []
         if key is not None:
-            self._remember(partition_id, task_name, *key, sampled, sampled)
+            self._remember(partition_id, task_name, *key, sampled, sampled, batch_size)
         return sampled, list(sampled)
 
 
@@ -416,9 +461,9 @@ class RankAwareSampler(BaseSampler):
         if sampler is None:
             sampler = SequentialSampler()
         if not isinstance(sampler, BaseSampler):
-            raise ValueError(f"sampler must be a BaseSampler, got {type(sampler).__name__}")
+            raise InvalidArgumentError(f"sampler must be a BaseSampler, got {type(sampler).__name__}")
         if isinstance(sampler, (RankAwareSampler, SeqlenBalancedSampler)):
-            raise ValueError(f"{type(sampler).__name__} is rank-aware already; use it directly")
+            raise InvalidArgumentError(f"{type(sampler).__name__} is rank-aware already; use it directly")
         self.sampler = sampler
         self.max_cached_batches = _check_bound(max_cached_batches)
 
@@ -437,7 +482,7 @@ class RankAwareSampler(BaseSampler):
         key = _required_rank_key(dp_rank, batch_index, type(self).__name__)
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
-        cached = self._cached(partition_id, task_name, *key)
+        cached = self._cached(partition_id, task_name, *key, batch_size)
         if cached is not None:
             return cached
         sampled, consumed = self.sampler.sample(
@@ -447,7 +492,7 @@ class RankAwareSampler(BaseSampler):
             return [], []
         sampled = _index_list(sampled, "sampled")
         consumed = _index_list(consumed, "consumed")
-        self._remember(partition_id, task_name, *key, sampled, consumed)
+        self._remember(partition_id, task_name, *key, sampled, consumed, batch_size)
         return sampled, consumed
 
     def clear_cache(self, partition_id: str) -> None:
@@ -472,6 +517,7 @@ class RankAwareSampler(BaseSampler):
         states = self._parse_state(state)
         self.sampler.load_state_dict(state.get("inner", {}))
         self._states = states
+        self._batch_sizes().clear()
 
 
 class SeqlenBalancedSampler(GRPOGroupNSampler):
@@ -480,9 +526,8 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     On the first call for ``(partition_id, task_name, batch_index)``, from
     whichever rank comes first, it takes ``batch_size * dp_size`` samples as
     complete groups and splits the groups over the ranks with Karmarkar–Karp
-    (`balanced_group_partitions`) on per-group total length: rank portions
-    hold equal group counts when the group count divides by ``dp_size``,
-    counts one group apart otherwise. Every rank's portion is cached, and the
+    (`balanced_group_partitions`) on per-group total length: every rank's
+    portion holds ``batch_size // n`` groups. Every rank's portion is cached, and the
     first caller reports **all** selected samples consumed at once, so no
     sample can land in two batches. Later calls (other ranks, TP peers)
     return their cached portion with ``consumed`` equal to it.
@@ -490,8 +535,9 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     Lengths come from ``partition.sample_lengths(indexes, length_field)`` (the
     controller passes ``partition=``), or from a ``lengths`` mapping of index
     to length in the sampling config for standalone use. ``batch_size`` is the
-    per-rank size; ``batch_size * dp_size`` must be a whole number of groups
-    and ``batch_size >= n_samples_per_prompt`` so that no rank gets nothing.
+    per-rank size and must be a multiple of ``n_samples_per_prompt`` (whole
+    groups per rank, at least one): anything else is an `InvalidArgumentError`,
+    since a rank would otherwise get more or fewer tasks than it asked for.
     All ranks' entries of a batch index are inserted (and so evicted) together.
     """
 
@@ -514,17 +560,19 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         """Per-sample lengths of `indexes`: the `lengths` mapping if given, else the partition's."""
         if lengths is not None:
             if not isinstance(lengths, Mapping):
-                raise ValueError(f"lengths must be a mapping of sample index to length, got {type(lengths)}")
+                raise InvalidArgumentError(
+                    f"lengths must be a mapping of sample index to length, got {type(lengths)}"
+                )
             missing = [i for i in indexes if i not in lengths]
             if missing:
-                raise ValueError(f"lengths has no entry for sample indexes {missing[:5]}")
+                raise InvalidArgumentError(f"lengths has no entry for sample indexes {missing[:5]}")
             values = [lengths[i] for i in indexes]
         elif partition is not None and callable(getattr(partition, "sample_lengths", None)):
             values = list(partition.sample_lengths(indexes, self.length_field))
             if len(values) != len(indexes):
                 raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
         else:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "SeqlenBalancedSampler needs lengths: a partition= with sample_lengths() "
                 "(the controller passes one) or a lengths= mapping"
             )
@@ -548,17 +596,18 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         batch_size = _check_int(batch_size, "batch_size", 1)
         n = self._check_n(n_samples_per_prompt)
         total = batch_size * self.dp_size
-        if batch_size < n or total % n:
-            raise ValueError(
-                f"batch_size {batch_size} x dp_size {self.dp_size} must be whole groups of "
-                f"n_samples_per_prompt {n}, at least one per rank"
+        if batch_size % n:
+            # Not whole groups per rank: n=4, dp=2, batch_size=6 would serve 8 and 4 tasks.
+            raise InvalidArgumentError(
+                f"batch_size {batch_size} is per rank and must be whole groups of "
+                f"n_samples_per_prompt {n}, at least one: a multiple of {n}"
             )
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
         rank, index = _required_rank_key(dp_rank, batch_index, type(self).__name__)
         if rank >= self.dp_size:
-            raise ValueError(f"dp_rank {rank} is not in [0, {self.dp_size})")
-        cached = self._cached(partition_id, task_name, rank, index)
+            raise InvalidArgumentError(f"dp_rank {rank} is not in [0, {self.dp_size})")
+        cached = self._cached(partition_id, task_name, rank, index, batch_size)
         if cached is not None:
             return cached
         selected = self._select(ready_indexes, total // n)
@@ -569,5 +618,5 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         parts = balanced_group_partitions(group_lengths, self.dp_size)
         portions = [[selected[g * n + j] for g in part for j in range(n)] for part in parts]
         for r, portion in enumerate(portions):
-            self._remember(partition_id, task_name, r, index, portion, portion)
+            self._remember(partition_id, task_name, r, index, portion, portion, batch_size)
         return list(portions[rank]), list(selected)

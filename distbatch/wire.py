@@ -355,15 +355,37 @@ def torch_dtype(name: str) -> torch.dtype:
         raise WireFormatError(f"dtype {name!r} is not available in this torch build") from None
 
 
+def tensor_problem(tensor: torch.Tensor) -> str | None:
+    """Why `tensor` cannot be stored or sent, or None if it can; callers prefix the field's name.
+
+    Only dense (strided) tensors with data, of a dtype in `ITEMSIZE`, travel:
+    sparse, nested, quantized and meta tensors do not.
+    """
+    import torch
+
+    if tensor.is_nested:
+        return "a nested tensor cannot be stored: pass its components as a list of tensors (a ragged field)"
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor cannot be stored, only a dense one: call .to_dense() first"
+    if tensor.device.type == "meta":
+        return "a tensor on the meta device holds no data to store"
+    if tensor.dtype not in _torch_dtype_table()[0]:
+        hint = ": call .dequantize() first" if tensor.is_quantized else ""
+        return f"a {tensor.dtype} tensor cannot be stored{hint}"
+    return None
+
+
 def tensor_to_raw(tensor: torch.Tensor) -> RawTensor:
     """Describe a tensor's bytes without copying when it is already a contiguous CPU tensor."""
     import torch
 
     if tensor.layout != torch.strided or tensor.is_nested:
-        raise WireFormatError(f"only dense tensors can be sent, got layout {tensor.layout}")
+        raise WireFormatError(str(tensor_problem(tensor)))
     name = dtype_name(tensor.dtype)
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
+        if tensor.device.type == "meta":
+            raise WireFormatError(str(tensor_problem(tensor)))
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     shape = tuple(tensor.shape)
@@ -400,10 +422,47 @@ def _check_json(value: Any, depth: int = 0) -> Any:
             if not isinstance(k, str):
                 raise WireFormatError(f"JSON object keys must be strings, got {k!r}")
         return {k: _check_json(v, depth + 1) for k, v in value.items()}
+    name = type(value).__name__
+    if type(value).__module__.partition(".")[0] in ("torch", "numpy"):  # no torch import: raw layer
+        # A shard value is a tensor or JSON; a tensor cannot be *part of* a JSON value.
+        raise WireFormatError(
+            f"a {name} cannot be part of a JSON value (str, int, float, bool, None, lists and dicts "
+            "of those): make the tensor a value of its own, or convert it with .tolist() / .item()"
+        )
     raise WireFormatError(
-        f"cannot send a value of type {type(value).__name__}: use a torch.Tensor or "
-        "JSON types (str, int, float, bool, None, list, dict)"
+        f"cannot send a value of type {name}: a value is a torch.Tensor or JSON "
+        "(str, int, float, bool, None, lists and dicts of those)"
     )
+
+
+def find_non_json(value: Any) -> tuple[str, Any]:
+    """The first part of `value` that JSON cannot hold: its path (`['key'][0]`, "" for `value`) and it.
+
+    For a dict with a non-string key, the dict itself. Only called once encoding
+    failed (it walks the value again), so the hot path pays nothing.
+    """
+    path = ""
+    for _ in range(MAX_JSON_DEPTH + 2):
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                return path, value
+            bad = next(((k, v) for k, v in value.items() if _not_json(v)), None)
+        elif isinstance(value, (list, tuple)):
+            bad = next(((i, v) for i, v in enumerate(value) if _not_json(v)), None)
+        else:
+            return path, value
+        if bad is None:  # too deep: the container itself is the problem
+            return path, value
+        path, value = f"{path}[{bad[0]!r}]", bad[1]
+    return path, value
+
+
+def _not_json(value: Any) -> bool:
+    try:
+        _check_json(value)
+    except WireFormatError:
+        return True
+    return False
 
 
 def is_tensor(value: Any) -> bool:
@@ -446,18 +505,36 @@ def split_values(
             shard_key = validate_key(key)
         except InvalidIdError as exc:
             raise WireFormatError(str(exc)) from None
-        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
-            by_dtype.setdefault(dtype_name(value.dtype), []).append((shard_key, value))
-            continue
-        encoded = value_to_wire(value)
+        try:
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
+                by_dtype.setdefault(dtype_name(value.dtype), []).append((shard_key, value))
+                continue
+            encoded = value_to_wire(value)
+        except WireFormatError as exc:
+            raise WireFormatError(shard_problem(shard_key, value, exc)) from None
         if isinstance(encoded, RawTensor):
             by_dtype.setdefault(encoded.dtype, []).append((shard_key, raw_to_tensor(encoded)))
         else:
             json_texts[shard_key] = encoded
     tensors: dict[ShardKey, RawTensor] = {}
     for name, items in by_dtype.items():
-        tensors.update(_pack_same_dtype(name, items))
+        try:
+            tensors.update(_pack_same_dtype(name, items))
+        except RuntimeError as exc:  # e.g. NotImplementedError: a meta tensor has no data to copy
+            for shard_key, tensor in items:
+                if tensor_problem(tensor) is not None:
+                    raise WireFormatError(shard_problem(shard_key, tensor, exc)) from None
+            raise
     return tensors, json_texts
+
+
+def shard_problem(key: ShardKey, value: Any, exc: Exception) -> str:
+    """What is wrong with one shard's value, naming its task and field (and the spot inside JSON)."""
+    name = f"task {key.task_id!r}, field {key.field!r}"
+    if is_tensor(value) and (problem := tensor_problem(value)) is not None:
+        return f"{name}: {problem}"
+    where = find_non_json(value)[0] if isinstance(value, (dict, list, tuple)) else ""
+    return f"{name}{', at ' + where if where else ''}: {exc}"
 
 
 def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:

@@ -1,8 +1,13 @@
-"""`python -m rpc_server`: run one worker; prints its `host:port` as the first stdout line."""
+"""`python -m rpc_server`: run one worker; prints its `host:port` as the first stdout line.
+
+Everything else the process writes to stdout (an engine's prints, C code, subprocesses) goes
+to stderr instead, so the address line is never preceded by, or stuck behind, engine output.
+"""
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import signal
@@ -56,7 +61,7 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         "--max-threads",
         type=int,
         default=DEFAULT_MAX_THREADS,
-        help="requests served at once; further connections wait to be accepted",
+        help="requests served at once; 4 reserve threads answer /health and abandon notices, others 503 busy",
     )
     parser.add_argument(
         "--read-timeout",
@@ -150,6 +155,46 @@ def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _divert_stdout() -> int | None:
+    """Keep a private copy of stdout for the address line and point fd 1 (and `sys.stdout`) at stderr.
+
+    Called before the engine is imported. From then on whatever anyone writes to stdout --
+    `print`, C extensions, subprocesses -- lands in stderr (a launcher sends it to a log file),
+    so the address stays the first stdout line and no engine output waits on a stdout pipe the
+    launcher stops reading after that line. Returns the private fd (not inheritable by
+    subprocesses), or None if there is no stdout or stderr to work with.
+    """
+    try:
+        address_fd = os.dup(1)
+    except OSError:
+        return None  # started with stdout closed
+    if sys.stdout is not None:
+        sys.stdout.flush()
+    try:
+        os.dup2(2, 1)
+    except OSError:  # started with stderr closed: leave stdout as it is
+        os.close(address_fd)
+        return None
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # prints reach the log as lines, not 8 KiB blocks
+    return address_fd
+
+
+def _announce(node: str, address_fd: int | None) -> None:
+    """Write `node` as the one line of the private stdout copy, then close it (EOF for the reader)."""
+    line = (node + "\n").encode()
+    if address_fd is None:
+        print(node, flush=True)
+        return
+    try:
+        while line:
+            line = line[os.write(address_fd, line) :]
+    except OSError as exc:  # the launcher stopped listening; it may still use --address-file
+        logging.getLogger("rpc_server").warning("could not write the address to stdout: %s", exc)
+    finally:
+        os.close(address_fd)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -157,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         print(f"rpc_server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    address_fd = _divert_stdout()  # before create_app, which imports the engine
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
         app = create_app(config)
@@ -177,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     # The file first: whoever read the stdout line may look for the file at once.
     if args.address_file is not None:
         write_text_atomically(args.address_file, server.node + "\n")
-    print(server.node, flush=True)
+    _announce(server.node, address_fd)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

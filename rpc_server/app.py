@@ -14,7 +14,7 @@ from werkzeug.exceptions import HTTPException
 from distbatch.auth import bearer_ok, token_from_env
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.meta import MetaFormatError
-from rpc_server.errors import EngineCallFailed, UnknownMethodError
+from rpc_server.errors import BadArgumentsError, EngineCallFailed, ShuttingDownError, UnknownMethodError
 from rpc_server.metrics import Metrics
 from rpc_server.store import (
     IdleSweeper,
@@ -77,6 +77,7 @@ class ServerState:
             self.sweeper.stop()
         if self.engine is not None:
             self.engine.shutdown()
+        self.store.close()
 
 
 class ApiError(Exception):
@@ -115,7 +116,9 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
         config=config,
         store=store
         if store is not None
-        else ShardStore(config.max_bytes, max_idle_seconds=config.max_idle_seconds),
+        else ShardStore(
+            config.max_bytes, stage_ttl=config.stage_ttl, max_idle_seconds=config.max_idle_seconds
+        ),
         metrics=Metrics(),
     )
     if config.engine:
@@ -127,8 +130,7 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
         server_state.sweeper = IdleSweeper(server_state.store).start()
     app.extensions["distbatch"] = server_state
     app.extensions["on_bound"] = lambda node: setattr(config, "node", node)
-    if server_state.engine is not None or server_state.sweeper is not None:
-        app.extensions["on_close"] = server_state.close
+    app.extensions["on_close"] = server_state.close
     app.register_blueprint(data_routes)
     app.before_request(_start_and_authenticate)
     app.after_request(_record_metrics)
@@ -191,9 +193,11 @@ _WORKER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
     WireFormatError: (400, "bad_container"),
     MetaFormatError: (400, "bad_metadata"),
     InvalidIdError: (400, "invalid_id"),
+    BadArgumentsError: (400, "bad_arguments"),
     UnknownMethodError: (404, "unknown_method"),
     UnknownStageError: (404, "unknown_stage"),
     StoreCapacityError: (507, "insufficient_storage"),
+    ShuttingDownError: (503, "shutting_down"),
 }
 
 

@@ -20,3 +20,11 @@ class EngineCallFailed(Exception):
         super().__init__(str(exc))
         self.exception_type = type(exc).__name__
         self.traceback = "".join(traceback.format_exception(exc))
+
+
+class BadArgumentsError(Exception):
+    """An engine call's arguments do not fit the method's signature (HTTP 400); it never ran."""
+
+
+class ShuttingDownError(Exception):
+    """The worker is shutting down: an engine call still queued, or arriving now, is not run (503)."""

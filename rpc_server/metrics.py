@@ -6,6 +6,9 @@ import threading
 from collections import defaultdict
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Methods recorded by name; any other request-line token counts as "other", so a client
+# inventing methods cannot grow the metrics (one series per distinct token) without bound.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
 
 
 class _Histogram:
@@ -25,8 +28,13 @@ class _Histogram:
         self.count += 1
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _escape(value: object) -> str:
+    """A label value as Prometheus text wants it: backslash, double quote and newline escaped.
+
+    Every label value goes through here (the method comes from the request line,
+    so a client can put a quote or backslash in it and break the exposition).
+    """
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class Metrics:
@@ -44,6 +52,8 @@ class Metrics:
     def observe(
         self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int
     ) -> None:
+        if method not in KNOWN_METHODS:
+            method = "other"
         with self._lock:
             self._requests[(endpoint, method, status)] += 1
             self._latency[endpoint].observe(seconds)
@@ -88,8 +98,8 @@ class Metrics:
             ]
             for (endpoint, method, status), n in sorted(self._requests.items()):
                 lines.append(
-                    f'distbatch_requests_total{{endpoint="{_escape(endpoint)}",method="{method}",'
-                    f'status="{status}"}} {n}'
+                    f'distbatch_requests_total{{endpoint="{_escape(endpoint)}",method="{_escape(method)}",'
+                    f'status="{_escape(status)}"}} {n}'
                 )
             lines += [
                 "# HELP distbatch_request_errors_total Requests answered with status >= 400.",

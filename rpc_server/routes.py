@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any
+import mmap
+import traceback
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from flask import Blueprint, Response, jsonify, request
+from werkzeug.exceptions import ClientDisconnected
 
 from distbatch import wire
+from distbatch.client import CALL_ID_HEADER
 from distbatch.ids import ShardKey, validate_id, validate_key
 from rpc_server.app import ApiError, state
 from rpc_server.store import StoredShard
@@ -17,35 +23,124 @@ data_routes = Blueprint("data", __name__)
 BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
 
 
+# A body is read into chunks that grow as bytes arrive (never allocated from the declared
+# length), then joined once: a client that declares a big body and stalls holds one small chunk.
+FIRST_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 8 << 20
+
+
 def _read_body(limit: int, what: str = "request body") -> bytearray:
     """The request body, or 413 if it is over `limit` bytes, with or without a Content-Length.
 
-    The app lets werkzeug's stream run one byte past `max_request_bytes`, so a
-    chunked body over the limit is seen (and refused) instead of cut short.
+    Memory follows the bytes received, not the Content-Length a client declares
+    (at most one chunk ahead), so clients that declare big bodies and stall cost
+    little; an honest body costs one extra copy (the final join). A client that
+    stops sending for the server's read timeout gets 408. The app lets
+    werkzeug's stream run one byte past `max_request_bytes`, so a chunked body
+    over the limit is seen (and refused) instead of cut short.
     """
     length = request.content_length
     if length is not None and length > limit:
         raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
-    stream = request.stream
-    if length is not None:
-        body = bytearray(length)
-        with memoryview(body) as view:
-            filled = 0
-            while filled < length:
-                n = stream.readinto(view[filled:])
-                if not n:
-                    raise ApiError(400, "truncated_body", f"{what} ended after {filled} of {length} bytes")
-                filled += n
-        return body
-    body = bytearray()
-    while len(body) <= limit:
-        chunk = stream.read(min(4 << 20, limit + 1 - len(body)))
-        if not chunk:
-            break
-        body += chunk
-    if len(body) > limit:
+    expected = limit + 1 if length is None else length
+    chunks: list[bytearray] = []
+    received = 0
+    chunk_size = FIRST_CHUNK_BYTES
+    ended = False
+    while received < expected and not ended:
+        chunk = bytearray(min(chunk_size, expected - received))
+        with memoryview(chunk) as view:
+            filled = _fill(view, what, received, length)
+        ended = filled < len(chunk)
+        if ended:
+            del chunk[filled:]
+        chunks.append(chunk)
+        received += filled
+        chunk_size = min(chunk_size * 2, MAX_CHUNK_BYTES)
+    if length is not None and received < length:
+        raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
+    if received > limit:
         raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
-    return body
+    if len(chunks) == 1:
+        return chunks[0]
+    return bytearray().join(chunks)  # also the empty body
+
+
+@contextlib.contextmanager
+def _binary_body(limit: int, what: str = "request body") -> Iterator[bytearray | memoryview]:
+    """The request body for the block's duration, or 413 if it is over `limit` bytes.
+
+    With a Content-Length the body is read straight into an anonymous private
+    mapping of that size, with no join: an honest body costs one copy of itself,
+    and one that declares a big length and stalls costs only the pages that
+    arrived (the kernel commits them as they are written). It is unmapped when
+    the block ends, so no view of it may outlive the block (the store copies shard
+    bytes out). Without a Content-Length (chunked), or if the mapping is refused
+    (strict overcommit), it is read as `_read_body` does.
+    """
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
+    try:
+        mapped = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE) if length else None
+    except OSError:
+        mapped = None
+    if mapped is None:
+        yield _read_body(limit, what)
+        return
+    try:
+        with memoryview(mapped) as view:
+            received = _fill(view, what, 0, length)
+            if received < len(view):
+                raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
+            yield view
+    except BaseException as exc:
+        # The exception's frames (a parse error's) may still hold views of the mapping: drop
+        # their locals so it is unmapped now, not whenever the exception is freed.
+        error: BaseException | None = exc
+        while error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error = error.__context__
+        with contextlib.suppress(BufferError):
+            mapped.close()
+        raise
+    mapped.close()  # BufferError here means a view of the body outlived the request: a bug
+
+
+def _fill(view: memoryview, what: str, received: int, length: int | None) -> int:
+    """Read body bytes into `view` until it is full or the body ends; how many were read.
+
+    Each read's target view is released at once, so none outlives the buffer's owner.
+    `received` and `length` only word the error for a stalled or cut-short body.
+    """
+    stream = request.stream
+    filled = 0
+    while filled < len(view):
+        with view[filled:] as target:
+            try:
+                n = stream.readinto(target)
+            except ClientDisconnected as exc:
+                _raise_body_error(exc, what, received + filled, length)
+        if not n:
+            break
+        filled += n
+    return filled
+
+
+def _raise_body_error(exc: ClientDisconnected, what: str, received: int, length: int | None) -> NoReturn:
+    """408 if the client stopped sending for the read timeout, else 400: the body ended early.
+
+    `received` counts whole reads, so a few bytes of the last one may be missing from it.
+    """
+    of = "" if length is None else f" of {length}"
+    if isinstance(exc.__context__, TimeoutError):
+        raise ApiError(
+            408,
+            "request_timeout",
+            f"{what} stalled: nothing received for the server's read timeout (--read-timeout)"
+            f" after at least {received}{of} bytes",
+        ) from None
+    raise ApiError(400, "truncated_body", f"{what} ended after at least {received}{of} bytes") from None
 
 
 def _read_json_body() -> dict[str, Any]:
@@ -86,23 +181,29 @@ def health() -> Response:
 def put_shards() -> Response:
     if request.mimetype not in BINARY_TYPES:
         raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/octet-stream")
-    body = _read_body(state().config.max_request_bytes)
-    container = wire.parse_container(body)
-    if len(container) > state().config.max_keys_per_request:
-        raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
-    # Copy each shard out of the request body so that deleting one frees its memory.
-    with wire.paused_gc():
-        shards: dict[ShardKey, StoredShard] = {
-            key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
-        }
-        for key, text in container.json_texts.items():
-            shards[key] = StoredShard(None, (), text.encode())
+    with _binary_body(state().config.max_request_bytes) as body:
+        shards = _shards_from_body(body)
     stage_id = request.args.get("stage")
     if stage_id is not None:
         staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), shards)
         return jsonify({"staged": staged, "bytes": nbytes})
     stored, nbytes = state().store.put(shards)
     return jsonify({"stored": stored, "bytes": nbytes})
+
+
+def _shards_from_body(body: bytearray | memoryview) -> dict[ShardKey, StoredShard]:
+    """Parse a put body and copy each shard out of it (deleting one shard then frees its memory,
+    and the body can be released); no view of `body` outlives this call."""
+    container = wire.parse_container(body)
+    if len(container) > state().config.max_keys_per_request:
+        raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
+    with wire.paused_gc():
+        shards: dict[ShardKey, StoredShard] = {
+            key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
+        }
+        for key, text in container.json_texts.items():
+            shards[key] = StoredShard(None, (), text.encode())
+    return shards
 
 
 def _stage_id_from_body() -> str:
@@ -124,18 +225,45 @@ def abort_stage() -> Response:
 
 @data_routes.post("/v1/shards/fetch")
 def fetch_shards() -> Response:
+    """The asked-for shards as one container; 413 `response_too_large` over `max_response_bytes`.
+
+    The size is checked from the stored shards before anything is built (and
+    again, exactly, with the header, before the body is joined), so one request
+    can never copy the whole store into a response; clients split and retry.
+    The exact size is the header part plus the tensor bytes, both already
+    known: no second pass over the parts.
+    """
     keys = _validated_keys(_read_json_body().get("keys"))
     found = state().store.get(keys)
+    limit = state().config.max_response_bytes
+    stored = sum(shard.nbytes for shard in found)
+    _check_response_size(len(keys), stored, limit)
     tensors: dict[ShardKey, wire.RawTensor] = {}
     json_texts: dict[ShardKey, str] = {}
+    json_bytes = 0  # JSON shards travel inside the header, not as data parts
     with wire.paused_gc():
         for key, shard in zip(keys, found):
             if shard.dtype is None:
                 json_texts[key] = shard.data.decode()
+                json_bytes += shard.nbytes
             else:
                 tensors[key] = wire.RawTensor(shard.dtype, shard.shape, shard.data)
-        body = wire.join_parts(wire.build_container(tensors, json_texts))
+        parts = wire.build_container(tensors, json_texts)
+        _check_response_size(len(keys), len(parts[0]) + stored - json_bytes, limit)
+        body = wire.join_parts(parts)
     return Response(body, mimetype=wire.CONTENT_TYPE)
+
+
+def _check_response_size(keys: int, size: int, limit: int) -> None:
+    if size > limit:
+        raise ApiError(
+            413,
+            "response_too_large",
+            f"a response of {keys} shard(s) would hold {size} bytes, over the limit of {limit} bytes"
+            " (--max-response-bytes); ask for fewer keys per request",
+            limit=limit,
+            bytes=size,
+        )
 
 
 @data_routes.post("/v1/shards/delete")
@@ -200,4 +328,24 @@ def call_engine(method: str) -> Response:
             404, "no_engine", "this worker runs no engine (start it with --engine pkg.module:Factory)"
         )
     host.method(method)  # 404 before reading the body if there is no such method
-    return jsonify({"result": host.call(method, _read_json_body())})
+    return jsonify({"result": host.call(method, _read_json_body(), call_id=_call_id())})
+
+
+def _call_id() -> str | None:
+    """The client's id for this engine call (lets it abandon the call), if it sent one."""
+    value = request.headers.get(CALL_ID_HEADER)
+    return None if value is None else validate_id(value, "call id")
+
+
+@data_routes.post("/v1/calls/abandon")
+def abandon_calls() -> Response:
+    """Body `{"call_ids": [...]}`: the client gave up on these engine calls, drop their results.
+
+    A queued call is not run, a running one stores nothing, a finished one has what it
+    stored deleted; ids not seen yet are remembered (the notice may beat its call).
+    """
+    call_ids = [validate_id(c, "call id") for c in _key_list(_read_json_body().get("call_ids"), "call_ids")]
+    host = state().engine
+    if host is None:
+        return jsonify({"calls": 0, "deleted": 0, "bytes_freed": 0})
+    return jsonify(host.abandon(call_ids))

@@ -76,6 +76,11 @@ class ShardStore:
     With `max_idle_seconds`, the store remembers when each task was last put or
     fetched (per task, oldest first) so that `evict_idle` can drop tasks nobody
     touched for that long; without it, nothing is tracked and nothing is evicted.
+
+    A staged put untouched for `stage_ttl` seconds (by `clock`) is dropped and its
+    reserved capacity released: by a sweeper thread the store runs while it holds
+    stages, and before any put or stage would be refused for capacity. So a client
+    killed mid-put cannot make every later put fail with 507.
     """
 
     def __init__(
@@ -89,11 +94,13 @@ class ShardStore:
             raise ValueError("max_bytes must be >= 0")
         if max_idle_seconds is not None and not max_idle_seconds > 0:
             raise ValueError("max_idle_seconds must be > 0")
+        if not stage_ttl > 0:
+            raise ValueError("stage_ttl must be > 0")
         self.max_bytes = max_bytes
         self.stage_ttl = stage_ttl
         self.max_idle_seconds = max_idle_seconds
-        self._clock = clock  # for last-access times (tests pass a fake one)
-        # task id -> time.monotonic() of its last put or fetch, least recent first.
+        self._clock = clock  # for last-access times and stage expiry (tests pass a fake one)
+        # task id -> clock() of its last put or fetch, least recent first.
         self._last_access: OrderedDict[str, float] | None = OrderedDict() if max_idle_seconds else None
         self._evicted_shards = 0
         self._evicted_bytes = 0
@@ -106,6 +113,9 @@ class ShardStore:
         self._staged_bytes = 0
         self._committed: dict[str, tuple[float, tuple[int, int]]] = {}
         self._lock = threading.Lock()
+        # Runs only while stages exist (started by `stage`, exits when none are left).
+        self._stage_sweeper: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def put(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
         """Store every shard or none; an existing key is replaced (puts are idempotent).
@@ -124,14 +134,25 @@ class ShardStore:
                 else:
                     replaced += old.nbytes
             after = self._bytes + incoming - replaced
-            self._check_capacity(after + self._staged_bytes, incoming)
+            self._check_capacity(after, incoming)
             self._apply(shards, after, new_keys)
         return len(shards), incoming
 
-    def _check_capacity(self, would_use: int, incoming: int) -> None:
-        if self.max_bytes is not None and would_use > self.max_bytes:
+    def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
+        """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
+
+        Before refusing, drop stages expired at `now` (default: the clock): their reservations
+        must not refuse a put. `stage()` passes the time it already expired stages at, so a
+        stage it is extending cannot expire between its accounting and the check.
+        """
+        if self.max_bytes is None or stored_after + self._staged_bytes <= self.max_bytes:
+            return
+        self._expire_stages(self._clock() if now is None else now)
+        would_use = stored_after + self._staged_bytes
+        if would_use > self.max_bytes:
+            staged = f" ({self._staged_bytes} reserved by staged puts)" if self._staged_bytes else ""
             raise StoreCapacityError(
-                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes"
+                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes{staged}"
             )
 
     def _apply(self, shards: Mapping[ShardKey, StoredShard], after: int, new_keys: int) -> None:
@@ -181,40 +202,90 @@ class ShardStore:
             self._evicted_bytes += freed
         return count, freed
 
-    def _expire_stages(self, now: float) -> None:
+    def _expire_stages(self, now: float) -> tuple[int, int]:
+        """Drop stages untouched for `stage_ttl` (caller holds the lock); returns (stages, bytes) dropped."""
+        dropped = released = 0
         for stage_id, (touched, shards) in list(self._stages.items()):
             if now - touched > self.stage_ttl:
                 del self._stages[stage_id]
-                self._staged_bytes -= sum(s.nbytes for s in shards.values())
+                nbytes = sum(s.nbytes for s in shards.values())
+                self._staged_bytes -= nbytes
+                dropped += 1
+                released += nbytes
         for stage_id, (done, _) in list(self._committed.items()):
             if now - done > self.stage_ttl:
                 del self._committed[stage_id]
+        if dropped:  # a client staged part of a put and never committed or aborted it
+            logger.warning(
+                "dropped %d staged put(s), %d bytes, not committed within %gs (a client died mid-put?)",
+                dropped,
+                released,
+                self.stage_ttl,
+            )
+        return dropped, released
+
+    def expire_stages(self) -> tuple[int, int]:
+        """Drop every stage untouched for `stage_ttl` seconds; returns (stages, bytes released).
+
+        Each drop is logged as a WARNING (a client died mid-put, or stalled longer than the TTL).
+        """
+        with self._lock:
+            return self._expire_stages(self._clock())
+
+    def _start_stage_sweeper(self) -> None:
+        """Start the sweeper thread unless it runs (caller holds the lock, and just staged)."""
+        if self._stage_sweeper is None and not self._closed.is_set():
+            self._stage_sweeper = threading.Thread(
+                target=self._sweep_stages, name="stage-sweeper", daemon=True
+            )
+            self._stage_sweeper.start()
+
+    def _sweep_stages(self) -> None:
+        """Expire stages every `stage_ttl / 4` seconds (10 at most); exit once the store holds none."""
+        interval = min(max(self.stage_ttl / 4, 0.05), 10.0)
+        while not self._closed.wait(interval):
+            self.expire_stages()
+            with self._lock:  # the same lock `stage` holds to decide whether to start a sweeper
+                if not self._stages:
+                    self._stage_sweeper = None
+                    return
+        with self._lock:
+            self._stage_sweeper = None
+
+    def close(self) -> None:
+        """Stop the stage sweeper for good (a server shutting down); stored data stays readable."""
+        self._closed.set()
+        with self._lock:
+            sweeper = self._stage_sweeper
+        if sweeper is not None and sweeper is not threading.current_thread():
+            sweeper.join(timeout=5)
 
     def stage(self, stage_id: str, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
         """Hold shards under `stage_id` until `commit`; invisible to fetches until then.
 
         Re-staging a key replaces it (retries are safe). Staged bytes are
         reserved against capacity. Stages untouched for `stage_ttl` seconds
-        are dropped.
+        are dropped (see the class docstring).
         """
         incoming = sum(s.nbytes for s in shards.values())
         with self._lock:
-            now = time.monotonic()
-            self._expire_stages(now)
+            now = self._clock()
+            self._expire_stages(now)  # first: this stage itself may have expired
             if stage_id in self._committed:
                 raise UnknownStageError(f"stage {stage_id!r} is already committed")
             _, staged = self._stages.get(stage_id, (now, {}))
             released = sum(staged[k].nbytes for k in shards if k in staged)
-            self._check_capacity(self._bytes + self._staged_bytes + incoming - released, incoming)
+            self._check_capacity(self._bytes + incoming - released, incoming, now)
             staged.update(shards)
             self._stages[stage_id] = (now, staged)
             self._staged_bytes += incoming - released
+            self._start_stage_sweeper()
         return len(shards), incoming
 
     def commit(self, stage_id: str) -> tuple[int, int]:
         """Store everything staged under `stage_id` at once; idempotent for a while after."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             self._expire_stages(now)
             if stage_id in self._committed:
                 return self._committed[stage_id][1]
@@ -273,6 +344,28 @@ class ShardStore:
                 count += 1
                 if not fields:
                     del self._tasks[task_id]
+                    self._forget(task_id)
+            self._account_deleted(count, freed)
+        return count, freed
+
+    def delete_if_same(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
+        """Delete each key only while it still holds that very shard object (identity).
+
+        For dropping what one put stored (an abandoned engine call) without touching a
+        later put's shards under the same keys. Returns (count, bytes freed).
+        """
+        count = freed = 0
+        with self._lock:
+            tasks = self._tasks
+            for (task_id, field), shard in shards.items():
+                fields = tasks.get(task_id)
+                if fields is None or fields.get(field) is not shard:
+                    continue
+                del fields[field]
+                freed += shard.nbytes
+                count += 1
+                if not fields:
+                    del tasks[task_id]
                     self._forget(task_id)
             self._account_deleted(count, freed)
         return count, freed

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from distbatch import ShardClient
+from distbatch.controller import Controller
+from distbatch.controller_http import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
 
 
@@ -21,6 +24,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_logs_in_one_place(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every worker the suite starts logs under pytest's own temp dir (pruned by pytest),
+    instead of one new /tmp/distbatch-workers-* directory per group."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DISTBATCH_LOG_DIR", str(tmp_path_factory.mktemp("worker-logs")))
+        yield
 
 
 @pytest.fixture
@@ -71,3 +83,18 @@ def shared_workers() -> Iterator[list[WorkerProcess]]:
 def client() -> Iterator[ShardClient]:
     with ShardClient(timeout=20.0) as c:
         yield c
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ControllerServer]]:
+    """Factory: serve a Controller on loopback; every server is shut down at teardown."""
+    servers: list[ControllerServer] = []
+
+    def start(controller: Controller, **kwargs: Any) -> ControllerServer:
+        server = serve_controller(controller, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()

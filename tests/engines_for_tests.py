@@ -143,3 +143,108 @@ class PlainEngine:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class ResultShapesEngine:
+    """Returns results of every shape an engine might get wrong (tests/test_engine_errors.py)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def too_long(self, batch: DistributedBatchMemory) -> dict[str, Any]:
+        """`y` has one row too many, `tag` is right."""
+        return {"y": torch.zeros(len(batch) + 1), "tag": [str(i) for i in range(len(batch))]}
+
+    def bare_tensor(self, batch: DistributedBatchMemory | None = None) -> torch.Tensor:
+        return torch.zeros(3)
+
+    def columns_without_batch(self) -> dict[str, Any]:
+        return {"y": torch.zeros(3)}
+
+    def tensor_in_json(self) -> dict[str, Any]:
+        return {"metrics": {"loss": torch.tensor(0.5)}}
+
+    def metrics_lists(self, batch: DistributedBatchMemory) -> dict[str, Any]:
+        """Lists whose lengths are not the task count: plain JSON, as before."""
+        return {"losses": [0.5] * (len(batch) + 1)}
+
+    def columns(self, batch: DistributedBatchMemory) -> dict[str, Any]:
+        """Columns with one entry per input task, whatever their number (zero included)."""
+        x = batch["x"] if len(batch) else torch.zeros(0)
+        return {"y": x.float() * 2, "tag": [f"tag-{t}" for t in batch.task_ids]}
+
+    def unstorable(self, batch: DistributedBatchMemory, kind: str, as_batch: bool = False) -> Any:
+        """A column `bad` the wire cannot carry, as a dict of columns or a LOCAL batch."""
+        n = len(batch)
+        dense = torch.arange(n * 2, dtype=torch.float32).reshape(n, 2)
+        if kind == "sparse_coo":
+            bad: Any = dense.to_sparse()
+        elif kind == "sparse_csr":
+            bad = dense.to_sparse_csr()
+        elif kind == "nested":
+            bad = torch.nested.nested_tensor([torch.zeros(i + 1) for i in range(n)])
+        elif kind == "meta":
+            bad = torch.empty(n, 2, device="meta")
+        elif kind == "quantized":
+            bad = torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8)
+        elif kind == "ragged_sparse":
+            bad = [torch.zeros(i + 1).to_sparse() for i in range(n)]
+        else:
+            raise ValueError(kind)
+        columns = {"good": dense, "bad": bad}
+        if as_batch:
+            return DistributedBatchMemory.from_dict(columns, task_ids=batch.task_ids)
+        return columns
+
+    def big(self, batch: DistributedBatchMemory, width: int) -> dict[str, Any]:
+        return {"y": torch.zeros(len(batch), width)}
+
+    def two(self, a: int, b: int = 1) -> int:
+        self.calls += 1
+        return a + b
+
+    def type_error_inside(self, value: Any) -> Any:
+        self.calls += 1
+        return value + "text"  # TypeError for a number: the engine's own bug, not a bad call
+
+    def count(self) -> int:
+        return self.calls
+
+    def slow(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+class ReliabilityEngine:
+    """For abandoned and partly failed calls: per-task columns after a delay chosen per task id."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def mark(
+        self,
+        batch: DistributedBatchMemory,
+        delays: dict[str, float] | None = None,
+        fail_for: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Sleep the longest delay of the batch's tasks, fail if one is in `fail_for`, else
+        return a column `mark` (stored on this worker under the batch's task ids)."""
+        ids = batch.task_ids
+        for task_id in ids:
+            self.counts[task_id] = self.counts.get(task_id, 0) + 1
+        time.sleep(max([(delays or {}).get(t, 0.0) for t in ids], default=0.0))
+        if any(t in (fail_for or []) for t in ids):
+            raise RuntimeError(f"mark failed for {ids}")
+        return {"mark": [f"m-{t}" for t in ids]}
+
+    def ran(self, task_id: str) -> int:
+        """How many times `mark` started for this task id."""
+        return self.counts.get(task_id, 0)
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def takes_timeout(self, timeout: float, value: str = "") -> dict[str, Any]:
+        """An engine method with a keyword named `timeout`: it must reach the engine."""
+        return {"timeout": timeout, "value": value}

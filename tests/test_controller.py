@@ -20,6 +20,7 @@ import torch
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError, _Partition
+from distbatch.errors import UnknownFieldError, UnknownPartitionError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
 
@@ -303,12 +304,14 @@ def test_grpo_groups_stay_whole_across_clears_and_index_reuse(
 def test_get_meta_polls_and_validates(shared_workers: list[WorkerProcess]) -> None:
     node = shared_workers[0].node
     ctl = Controller()
-    assert ctl.get_meta("nothing", "train", ["x"], 1).status is BatchStatus.EMPTY
+    with pytest.raises(UnknownPartitionError):  # polling an unknown partition: at once, not EMPTY
+        ctl.get_meta("nothing", "train", ["x"], 1)
     ids = [f"{prefix()}-{i}" for i in range(3)]
     ctl.put("p", remote(node, ids, x=torch.zeros(3, 2)))
     assert ctl.get_meta("p", "train", ["x"], 4).status is BatchStatus.EMPTY
-    assert ctl.get_meta("p", "train", ["unknown"], 1).status is BatchStatus.EMPTY
-    assert ctl.get_meta("p", "train", ["x", "unknown"], 1).status is BatchStatus.EMPTY
+    for fields in (["unknown"], ["x", "unknown"]):  # never put nor declared: can never be ready
+        with pytest.raises(UnknownFieldError):
+            ctl.get_meta("p", "train", fields, 1)
     assert ctl.consumption_status("p", "train") == {"tasks": 3, "consumed": 0}
     for bad_size in (0, -1, 2.0, True, "2", None):
         with pytest.raises(ValueError):
@@ -618,7 +621,7 @@ def test_clear_with_a_worker_down(doomed_workers: list[WorkerProcess], mclient: 
         err = info.value
         assert list(err.failed) == [dead.node]
         assert err.undeleted == {dead.node: 2 * 2 + 2}
-        assert err.deleted == 5
+        assert err.deleted == 5 and err.deleted_by_node == {live.node: 5}
         assert dead.node in str(err) and "6 shard(s)" in str(err)
         assert shards_on(mclient, live.node) == 0  # the live worker's shards did go
         # Tasks with a shard on the dead worker are kept for a retry; the others are forgotten.
@@ -757,7 +760,7 @@ def test_invalid_checkpoints_change_nothing(shared_workers: list[WorkerProcess],
     good = source.state_dict()
 
     target = Controller(SeqlenBalancedSampler(2, 2))
-    target.put("mine", remote(node, [f"{prefix()}-0"], x=torch.zeros(1, 1)))
+    target.put("mine", remote(node, [f"{prefix()}-0", f"{prefix()}-1"], x=torch.zeros(2, 1)))
     before = target.state_dict()
 
     truncated = tmp_path / "truncated.json"

@@ -24,7 +24,7 @@ import torch
 from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, WorkerUnavailableError
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
-from distbatch.controller_http import ControllerServer, RemoteController, serve_controller
+from distbatch.controller_http import ControllerServer, RemoteController
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
 
@@ -47,21 +47,6 @@ def groups(node: str, ids: Sequence[str], lengths: Sequence[int], n: int = 2) ->
         input_ids=[torch.arange(k) for k in lengths],
         uid=[f"u{i // n}" for i in range(len(ids))],
     )
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ControllerServer]]:
-    """Factory: serve a Controller on loopback; every server is shut down at teardown."""
-    servers: list[ControllerServer] = []
-
-    def start(controller: Controller, **kwargs: Any) -> ControllerServer:
-        server = serve_controller(controller, **kwargs)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
 
 
 def assert_serving(rc: RemoteController) -> None:
@@ -292,10 +277,12 @@ def test_bad_raw_requests_get_json_errors(
         post("state", {"version": 1, "partitions": {"p": []}}),
         post("state", 3),
     ]
+    # Each validated error type has its own code (RemoteController raises that type again).
+    codes = {"bad_request", "invalid_id", "bad_container", "bad_metadata"}
     for i, response in enumerate(responses):
         assert response.status_code == 400, (i, response.status_code, response.text)
         body = response.json()
-        assert body["error"] == "bad_request" and body["message"], (i, body)
+        assert body["error"] in codes and body["message"], (i, body)
     assert "missing" in post("get_meta", {}).json()["message"]
 
     # A NaN timeout (valid JSON for Python's parser) is refused instead of spinning a thread.
@@ -359,6 +346,8 @@ def test_clear_error_over_http_names_the_dead_worker(
             assert isinstance(err.failed[dead.node], WorkerUnavailableError)
             assert err.undeleted == {dead.node: 2}
             assert err.deleted == deleted  # the live worker's shards went on the first try
+            # the retry only asks the dead worker: the live one's tasks were forgotten
+            assert err.deleted_by_node == ({live.node: deleted} if deleted else {})
             assert dead.node in str(err)
             assert quick.stats(live.node)["shards"] == 0
             assert rc.production_status("p")["tasks"] == 2
@@ -574,3 +563,17 @@ def test_many_threads_pull_over_http(
         assert peers[0] == peers[1]
         handed += [t for batch in peers[0] for t in batch]
     assert sorted(handed) == sorted(t for b in batches for t in b.task_ids)
+
+
+def test_server_repr_and_idempotent_shutdown(serve: Callable[..., ControllerServer], worker) -> None:
+    controller = Controller()
+    server = serve(controller, token="s3cret")
+    controller.put("p", groups(worker.node, ["a", "b"], [3, 4]))
+    text = repr(server)
+    assert server.address in text and "running" in text and "1 partition(s)" in text
+    assert "token required" in text and "s3cret" not in text
+    server.shutdown()
+    server.shutdown()  # a second shutdown (e.g. the fixture's) is a no-op
+    assert not server.running and "shut down" in repr(server)
+    with pytest.raises(requests.ConnectionError):
+        HTTP.get(f"http://{server.address}/health", timeout=5)

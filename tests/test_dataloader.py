@@ -31,6 +31,7 @@ from distbatch.dataloader import (
     fetch_batch,
     split_micro_batches,
 )
+from distbatch.errors import UnknownFieldError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
 
@@ -148,12 +149,19 @@ def test_finite_mode_ends_once_everything_is_consumed(shared_workers: list[Worke
 
 
 def test_finite_mode_waits_for_fields_produced_later(shared_workers: list[WorkerProcess]) -> None:
-    """Known but unfinished tasks keep a finite pass going until they are produced and consumed."""
+    """Known but unfinished tasks keep a finite pass going until they are produced and consumed.
+
+    A field a later stage puts must be declared (`create_partition`): an undeclared one that no
+    put has brought is a typo as far as the controller can tell, an `UnknownFieldError` at once.
+    """
     controller = Controller()
     prefix = _prefix()
     ids = [f"{prefix}-{n}" for n in range(4)]
     prompts = DistributedBatchMemory.from_dict({"num": torch.arange(4)}, task_ids=ids)
     controller.put("p", prompts.to_remote(shared_workers[0].node))
+    with pytest.raises(UnknownFieldError, match="'tag'"):
+        list(dataset(controller, "p", should_check_consumption_status=True, max_empty_polls=500))
+    controller.create_partition("p", expected_fields=["tag"])
     answers = DistributedBatchMemory.from_dict({"tag": ids}, task_ids=ids)
     thread = put_later(0.3, lambda: controller.put("p", answers.to_remote(shared_workers[1].node)))
     ds = dataset(controller, "p", should_check_consumption_status=True, max_empty_polls=500)
@@ -330,6 +338,8 @@ def test_custom_fetch_and_process_functions_are_used(shared_workers: list[Worker
     assert [d["id"] for d in items] == [ids[1], ids[0], ids[3], ids[2]]
     assert all(d["num"] == int(d["id"].rsplit("-", 1)[1]) for d in items)
     hits = [c for c in calls if c["batch_index"] in (0, 1)]
+    request_id = hits[0].pop("request_id")  # one per batch: a re-ask after a failure reuses it
+    assert isinstance(request_id, str) and request_id != hits[-1]["request_id"]
     assert hits[0] == {
         "partition_id": "p",
         "task_name": "train",

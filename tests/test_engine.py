@@ -311,10 +311,10 @@ def test_engine_exception_becomes_engine_error(pair: WorkerGroup, client: ShardC
         kept.clear()
 
 
-def test_bad_arguments_and_results_are_engine_errors(pair: WorkerGroup, a: str) -> None:
-    with pytest.raises(EngineError) as info:
+def test_bad_arguments_are_400_and_bad_results_engine_errors(pair: WorkerGroup, a: str) -> None:
+    with pytest.raises(RequestError) as bad_call:
         pair.call_on(a, "fail", "x", unexpected=True)  # fail() takes no such keyword
-    assert info.value.exception_type == "TypeError"
+    assert (bad_call.value.status, bad_call.value.code) == (400, "bad_arguments")
     with pytest.raises(EngineError) as info:
         pair.call_on(a, "bad_result")
     assert info.value.exception_type == "TypeError"
@@ -496,7 +496,7 @@ def test_timed_out_call_is_not_retried(pair: WorkerGroup, a: str) -> None:
     label = unique("timeout")
     started = time.monotonic()
     with pytest.raises(WorkerUnavailableError, match="timed out") as info:
-        pair.call_on(a, "slow", 1.5, label=label, timeout=0.3)
+        pair.call_on(a, "slow", 1.5, label=label, call_timeout=0.3)
     assert time.monotonic() - started < 1.4
     assert info.value.node == a
     # queued behind the slow call, so it answers once that one finished: it ran exactly once

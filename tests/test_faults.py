@@ -19,7 +19,7 @@ import requests
 import torch
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, wire
-from distbatch.errors import ShardNotFoundError, WorkerUnavailableError
+from distbatch.errors import ClearError, ShardNotFoundError, WorkerUnavailableError
 from distbatch.launch import WorkerProcess, spawn_worker, spawn_workers
 
 TESTS_DIR = str(Path(__file__).parent)
@@ -243,13 +243,14 @@ def test_worker_killed_mid_engine_call_fails_promptly_and_the_others_keep_servin
     assert again.value.node == victim.node and time.monotonic() - started < 3.0
 
     # A stalled (SIGSTOPped) worker, unlike a dead one, keeps its socket open: an engine call
-    # with a timeout fails within it. (With no timeout, the default, it would wait for the worker.)
+    # with a call_timeout fails within it. (With none, the liveness probe fails it: see
+    # tests/test_call_reliability.py.)
     stalled = group.processes[2]
     os.kill(stalled.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
         with pytest.raises(WorkerUnavailableError) as stall:
-            group.call_on(2, "echo", "ping", timeout=2.0)
+            group.call_on(2, "echo", "ping", call_timeout=2.0)
         elapsed = time.monotonic() - started
         assert stall.value.node == stalled.node
         assert 1.5 <= elapsed <= 2.0 + SLACK
@@ -365,12 +366,13 @@ def test_batch_over_three_workers_with_one_killed(spawn) -> None:
 
         # clear() with a dead worker raises naming it (it does not report success), but it has
         # cleared the live workers; a second clear() is idempotent there and raises again.
-        with pytest.raises(WorkerUnavailableError) as cleared:
+        with pytest.raises(ClearError) as cleared:
             remote.clear()
-        assert cleared.value.node == dead.node
+        assert list(cleared.value.failed) == [dead.node]
+        assert isinstance(cleared.value.failed[dead.node], WorkerUnavailableError)
         for node in (nodes[0], nodes[2]):
             assert client.stats(node)["shards"] == 0
-        with pytest.raises(WorkerUnavailableError):
+        with pytest.raises(ClearError):
             remote.clear()
         assert alive.clear() == 0  # only live nodes: succeeds, nothing left to delete
 

@@ -360,7 +360,8 @@ def test_arbitrary_unicode_json_shards(target: Target, text: str) -> None:
         st.sampled_from(
             ["text/plain", "application/json", "application/python-pickle", "multipart/form-data"]
         ),
-        st.text(alphabet=string.ascii_letters + string.digits + "/+-.;= ", max_size=40),
+        # Stripped: a header value with leading/trailing spaces cannot be sent (requests refuses it).
+        st.text(alphabet=string.ascii_letters + string.digits + "/+-.;= ", max_size=40).map(str.strip),
     ),
     seed=st.data(),
 )

@@ -256,13 +256,13 @@ SCRIPTS: list[tuple[str, Callable[[], BaseSampler], int, dict[int, int] | None, 
         + [(D(dp_rank=0, batch_index=1), [], [])],
     ),
     (
-        "seqlen-odd-group-count",
+        "seqlen-groups-of-4-two-ranks",
         lambda: SeqlenBalancedSampler(4, 2),
-        6,  # 2 ranks x 6 = 12 samples = 3 groups of 4: portions of 1 and 2 groups
+        4,  # 2 ranks x 4 = 8 samples = 2 groups of 4: one group per rank
         LEN_ODD,
         [("produce", r(12))]
-        + [(D(dp_rank=0, batch_index=0), [8, 9, 10, 11], r(12))]
-        + [(D(dp_rank=1, batch_index=0), r(8), r(8))],
+        + [(D(dp_rank=0, batch_index=0), [0, 1, 2, 3], r(8))]
+        + [(D(dp_rank=1, batch_index=0), [4, 5, 6, 7], [4, 5, 6, 7])],
     ),
     (
         "seqlen-three-ranks",
@@ -485,6 +485,8 @@ INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[s
         "dp_rank",
     ),
     ("seqlen-not-whole-groups", lambda: SeqlenBalancedSampler(4, 2), r(12), 3, RANK, "whole groups"),
+    # 2 ranks x 6 = 3 groups of 4 would serve 8 and 4 tasks: refused, not split unevenly.
+    ("seqlen-groups-per-rank", lambda: SeqlenBalancedSampler(4, 2), r(12), 6, RANK, "multiple of 4"),
     ("seqlen-rank-would-be-empty", lambda: SeqlenBalancedSampler(4, 2), r(12), 2, RANK, "at least one"),
     ("seqlen-bs-zero", lambda: SeqlenBalancedSampler(1, 2), r(4), 0, RANK, "batch_size"),
     ("seqlen-no-lengths", lambda: SeqlenBalancedSampler(1, 2), r(4), 1, RANK, "needs lengths"),
@@ -763,8 +765,7 @@ def _make(kind: str, n: int, dp: int, rng: random.Random) -> tuple[Callable[[], 
         return (lambda: RankAwareSampler(GRPOGroupNSampler(n))), n * rng.randint(1, 2)
     if kind == "grpo":
         return (lambda: GRPOGroupNSampler(n)), n * rng.randint(1, 2)
-    sizes = [b for b in range(n, 3 * n + 1) if b * dp % n == 0]
-    return (lambda: SeqlenBalancedSampler(n, dp)), rng.choice(sizes)
+    return (lambda: SeqlenBalancedSampler(n, dp)), n * rng.randint(1, 3)
 
 
 def simulate(kind: str, seed: int, dp: int, tp: int, n: int, steps: int) -> None:
