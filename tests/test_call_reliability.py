@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.client import CALL_ID_HEADER, _LoopThread
@@ -113,29 +114,13 @@ def _shards(group: WorkerGroup) -> list[int]:
     return [s["shards"] for s in group.stats()]
 
 
-def _run_in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run `fn` on a daemon thread; the dict gets `value` or `error`, and `at` (monotonic) when done."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # handed to the test thread
-            outcome["error"] = exc
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 # ---------------------------------------------------------------------- point 3: stalled workers
 
 
 def test_stalled_worker_fails_the_call_within_the_liveness_timeout(own_group) -> None:
     group = own_group(1, liveness_timeout=2.0)
     victim = group.processes[0]
-    thread, outcome = _run_in_thread(lambda: group.call_on(0, "sleep", 8.0))
+    thread, outcome = run_in_thread(lambda: group.call_on(0, "sleep", 8.0))
     time.sleep(0.5)  # the call is running on the engine thread
     stopped_at = time.monotonic()
     os.kill(victim.pid, signal.SIGSTOP)
@@ -161,7 +146,7 @@ def test_probes_need_no_connection_slot(shared: WorkerGroup) -> None:
     """With one waiting slot, a call queued for it (and its probes) outlasts the liveness timeout."""
     with ShardClient(max_connections=1, max_connections_per_node=1) as narrow:
         group = WorkerGroup.connect(shared.nodes, client=narrow, liveness_timeout=1.0)
-        holder, held = _run_in_thread(lambda: group.call_on(0, "sleep", 3.0))
+        holder, held = run_in_thread(lambda: group.call_on(0, "sleep", 3.0))
         time.sleep(0.3)
         assert group.call_on(1, "sleep", 0.1) == 0.1  # waited ~3 s for the slot, not failed
         assert narrow.stats(shared.nodes[1])["node"] == shared.nodes[1]
@@ -229,7 +214,7 @@ def test_call_abandoned_by_its_deadline_stores_nothing(shared: WorkerGroup) -> N
 def test_queued_call_abandoned_by_its_deadline_never_runs(shared: WorkerGroup) -> None:
     (chunk,) = _inputs(shared, "queued", 1)
     task = chunk.task_ids[0]
-    busy, busy_outcome = _run_in_thread(lambda: shared.call_on(0, "sleep", 1.5))
+    busy, busy_outcome = run_in_thread(lambda: shared.call_on(0, "sleep", 1.5))
     time.sleep(0.3)  # the engine thread is busy: the next call waits in its queue
     with pytest.raises(WorkerUnavailableError, match="timed out"):
         shared.call_on(0, "mark", chunk, call_timeout=0.3)
@@ -502,10 +487,10 @@ def test_abandoning_a_queued_call_answers_its_request_at_once(shared: WorkerGrou
     url = f"http://{shared.nodes[0]}"
     call_id = uuid.uuid4().hex
     headers = {"Content-Type": "application/json", CALL_ID_HEADER: call_id}
-    busy, busy_outcome = _run_in_thread(lambda: shared.call_on(0, "sleep", 3.0))
+    busy, busy_outcome = run_in_thread(lambda: shared.call_on(0, "sleep", 3.0))
     time.sleep(0.3)  # the engine thread is busy
     body = encode_call([chunk], {})
-    queued, queued_outcome = _run_in_thread(
+    queued, queued_outcome = run_in_thread(
         lambda: requests.post(f"{url}/v1/call/mark", data=body, headers=headers, timeout=30)
     )
     time.sleep(0.5)  # the call waits in the engine's queue
@@ -537,9 +522,9 @@ def test_shutdown_answers_waiting_and_new_calls_503(caplog: pytest.LogCaptureFix
         )
 
     with caplog.at_level(logging.ERROR, logger="rpc_server"):
-        busy, busy_outcome = _run_in_thread(lambda: post(1.5))
+        busy, busy_outcome = run_in_thread(lambda: post(1.5))
         time.sleep(0.3)
-        queued = [_run_in_thread(lambda call_id=call_id: post(0.0, call_id)) for call_id in ("q1", None)]
+        queued = [run_in_thread(lambda call_id=call_id: post(0.0, call_id)) for call_id in ("q1", None)]
         time.sleep(0.3)
         app.extensions["on_close"]()
         for thread, outcome in queued:

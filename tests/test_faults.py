@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, wire
 from distbatch.errors import ClearError, ShardNotFoundError, WorkerUnavailableError
@@ -94,22 +95,6 @@ def _fetch_bundle(client: ShardClient, node: str, bundle: dict[tuple[str, str], 
     return client.fetch([(node, t, f) for t, f in bundle])
 
 
-def _run_in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run `fn` on a daemon thread; the dict gets `value` or `error`, and `at` (monotonic) when done."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # handed to the test thread
-            outcome["error"] = exc
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 # ---------------------------------------------------------------------- SIGKILL mid-gather
 
 
@@ -127,7 +112,7 @@ def test_worker_killed_mid_gather_fails_fast_naming_it_and_spares_the_others(spa
 
         first_response = threading.Event()
         refs = [(a.node, t, f, 2 << 20) for t, f in big]
-        thread, outcome = _run_in_thread(lambda: client.fetch(refs, progress=lambda n: first_response.set()))
+        thread, outcome = run_in_thread(lambda: client.fetch(refs, progress=lambda n: first_response.set()))
         assert first_response.wait(30), "the gather never got its first response"
         killed_at = time.monotonic()
         a.process.send_signal(signal.SIGKILL)  # while the other 31 responses are outstanding
@@ -166,7 +151,7 @@ def test_worker_killed_mid_staged_put_fails_and_a_restarted_worker_is_empty_and_
         b_before = observer.stats(b.node)
 
         big = {(f"staged-{i}", "x"): torch.full((1 << 18,), float(i)) for i in range(48)}  # 48 x 1 MiB
-        thread, outcome = _run_in_thread(lambda: put_client.put(a.node, big))
+        thread, outcome = run_in_thread(lambda: put_client.put(a.node, big))
         deadline = time.monotonic() + 30
         stats = observer.stats(a.node)
         while stats["staged_bytes"] == 0 and "at" not in outcome and time.monotonic() < deadline:
@@ -215,8 +200,8 @@ def test_worker_killed_mid_engine_call_fails_promptly_and_the_others_keep_servin
     group = echo_group
     victim = group.processes[0]
     # A 30 s call on worker 0, and a short one on worker 1 that must complete despite the kill.
-    doomed, doomed_outcome = _run_in_thread(lambda: group.call_on(0, "slow", 30.0, label="doomed"))
-    survivor, survivor_outcome = _run_in_thread(lambda: group.call_on(1, "slow", 2.0, label="survivor"))
+    doomed, doomed_outcome = run_in_thread(lambda: group.call_on(0, "slow", 30.0, label="doomed"))
+    survivor, survivor_outcome = run_in_thread(lambda: group.call_on(1, "slow", 2.0, label="survivor"))
     time.sleep(1.0)  # both calls are running on their engine threads
     assert "at" not in doomed_outcome and "at" not in survivor_outcome
     killed_at = time.monotonic()
