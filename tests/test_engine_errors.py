@@ -274,7 +274,7 @@ def test_node_with_a_port_out_of_range_is_refused(address: str, client: ShardCli
         client.health(address)  # never reaches aiohttp (whose InvalidURL would say less)
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:1", "localhost:65535", "http://[::1]:8080"])
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "localhost:65535", "http://[::1]:8088"])
 def test_node_with_a_port_in_range_is_accepted(address: str) -> None:
     assert validate_node(address) == address.removeprefix("http://")
 

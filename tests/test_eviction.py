@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import requests
 import torch
+from store_support import FakeClock, shard
 
 from distbatch.ids import ShardKey
 from distbatch.launch import WorkerProcess, read_first_line
 from distbatch.wire import encode_bundle_bytes
 from rpc_server.app import ServerConfig, create_app
 from rpc_server.serve import WorkerServer
-from rpc_server.store import IdleSweeper, MissingShardsError, ShardStore, StoredShard
+from rpc_server.store import IdleSweeper, MissingShardsError, ShardStore
 
 ROOT = Path(__file__).resolve().parents[1]
 HTTP = requests.Session()
@@ -31,19 +32,7 @@ HTTP.trust_env = False
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
-def shard(n: int) -> StoredShard:
-    return StoredShard("U8", (n,), b"\x00" * n)
-
-
 # --------------------------------------------------------------------------- store (explicit clock)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_store_evicts_only_idle_tasks() -> None:

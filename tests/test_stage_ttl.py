@@ -15,27 +15,16 @@ from typing import Any
 import pytest
 import requests
 import torch
+from store_support import FakeClock, shard
 
 from distbatch.ids import ShardKey
 from distbatch.launch import WorkerProcess
 from distbatch.wire import encode_bundle_bytes
-from rpc_server.store import ShardStore, StoreCapacityError, StoredShard, UnknownStageError
+from rpc_server.store import ShardStore, StoreCapacityError, UnknownStageError
 
 HTTP = requests.Session()
 HTTP.trust_env = False
 OCTET = {"Content-Type": "application/octet-stream"}
-
-
-def shard(n: int) -> StoredShard:
-    return StoredShard("U8", (n,), b"\x00" * n)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sweeper_threads() -> list[threading.Thread]:
