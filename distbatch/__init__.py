@@ -4,14 +4,6 @@ The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 """
 
-from distbatch.client import (
-    DeleteResult,
-    PutResult,
-    ShardClient,
-    ShardRef,
-    default_client,
-    set_default_client,
-)
 from distbatch.errors import (
     AuthError,
     BatchStatusError,
@@ -35,8 +27,14 @@ from distbatch.ids import ShardKey
 
 __version__ = "0.1.0"
 
-# Imported on first use: these pull in torch, which a data-only worker never needs.
+# Imported on first use: these pull in torch or aiohttp, which the worker's data path never needs.
 _LAZY = {
+    "DeleteResult": "distbatch.client",
+    "PutResult": "distbatch.client",
+    "ShardClient": "distbatch.client",
+    "ShardRef": "distbatch.client",
+    "default_client": "distbatch.client",
+    "set_default_client": "distbatch.client",
     "BatchStatus": "distbatch.batch",
     "DistributedBatchMemory": "distbatch.batch",
     "BatchMeta": "distbatch.meta",

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import enum
 import json
+import operator
 import sys
 import threading
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from distbatch import wire
 from distbatch.balance import balanced_group_partitions
-from distbatch.client import DeleteResult, ShardClient, default_client, validate_node
+from distbatch.client import DeleteResult, ShardClient, _cut_points, default_client, validate_node
 from distbatch.errors import BatchStatusError, ClearError, NodeError, WireFormatError
 from distbatch.ids import validate_id
 from distbatch.meta import BatchMeta, FieldMeta
+from distbatch.shapes import RowShapes
 
 Column = torch.Tensor | list[Any]
 
@@ -57,11 +60,12 @@ def _column_len(col: Column) -> int:
     return col.shape[0] if isinstance(col, torch.Tensor) else len(col)
 
 
-def _take_column(col: Column, indices: Sequence[int]) -> Column:
+def _take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
+    rows = np.asarray(indices, dtype=np.int64).reshape(-1)
     if isinstance(col, torch.Tensor):
-        return col[torch.as_tensor(list(indices), dtype=torch.long)]
+        return col[torch.from_numpy(rows)]
     # Re-normalize: the picked tasks of a ragged column may all share one shape.
-    return _normalize_column("", [col[i] for i in indices])
+    return _normalize_column("", _pick_ids(col, rows))
 
 
 def _column_items(col: Column) -> list[Any]:
@@ -121,6 +125,118 @@ def new_task_ids(count: int) -> list[str]:
     """Fresh task ids, unique across processes and runs."""
     prefix = uuid.uuid4().hex[:12]
     return [f"{prefix}-{i}" for i in range(count)]
+
+
+def _pick_ids(task_ids: Sequence[Any], rows: np.ndarray) -> list[Any]:
+    """`[task_ids[i] for i in rows]`, in C."""
+    if len(rows) == 0:
+        return []
+    if len(rows) == 1:
+        return [task_ids[int(rows[0])]]
+    return list(operator.itemgetter(*rows.tolist())(task_ids))
+
+
+def _reorder(items: list[Any], order: np.ndarray) -> list[Any]:
+    """`items` placed so that item k lands at position order[k]."""
+    if len(items) <= 1:
+        return list(items)
+    return list(operator.itemgetter(*np.argsort(order, kind="stable").tolist())(items))
+
+
+def _cu_seqlens(lengths: np.ndarray) -> torch.Tensor:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{int(offsets[-1])} packed rows do not fit int32 cu_seqlens")
+    return torch.from_numpy(offsets.astype(np.int32))
+
+
+class _Gathered:
+    """One field gathered from the workers, in task order: JSON values, or the flat tensors of
+    every task's elements (one per response, in order) plus their shapes: the columnar form
+    both views come from. A ragged column's per-task views point into the responses, so
+    several responses are never joined just to be split again."""
+
+    __slots__ = ("pieces", "piece_shapes", "shapes", "json")
+
+    def __init__(
+        self,
+        pieces: list[torch.Tensor],
+        piece_shapes: list[RowShapes],
+        json: list[Any] | None = None,
+    ) -> None:
+        self.pieces, self.piece_shapes, self.json = pieces, piece_shapes, json
+        self.shapes = RowShapes.concat(piece_shapes) if json is None else None
+
+    @staticmethod
+    def assemble(name: str, n: int, pieces: list[tuple[np.ndarray, wire.RawColumn]]) -> _Gathered:
+        """Put the responses' columns (each covering some batch rows) in batch order.
+
+        Responses that cover the batch in order are used as they are (zero-copy); rows
+        interleaved across nodes cost one gather.
+        """
+        order = np.concatenate([rows for rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        in_order = bool(np.array_equal(order, np.arange(n)))
+        if pieces[0][1].dtype is None:
+            values = [v for _, column in pieces for v in column.values or []]
+            return _Gathered([], [], values if in_order else _reorder(values, order))
+        dtypes = {column.dtype for _, column in pieces}
+        if len(dtypes) > 1:
+            raise WireFormatError(
+                f"field {name!r} came back with different dtypes {sorted(map(str, dtypes))}"
+            )
+        flats = [wire.column_tensor(column).reshape(-1) for _, column in pieces]
+        piece_shapes = [column.shapes for _, column in pieces]
+        if in_order:
+            return _Gathered(flats, piece_shapes)  # type: ignore[arg-type]
+        shapes = RowShapes.concat(piece_shapes)  # type: ignore[arg-type]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        back = np.argsort(order, kind="stable")
+        if shapes.shape is not None:  # equal rows: one C-level take
+            width = max(1, int(np.prod(shapes.shape)))
+            taken = flat.view(-1, width)[torch.from_numpy(back)].reshape(-1) if flat.numel() else flat
+            return _Gathered([taken], [shapes.take(back)])
+        rows = list(torch.split(flat, shapes.counts().tolist()))
+        return _Gathered([torch.cat(_reorder(rows, order)) if rows else flat], [shapes.take(back)])
+
+    def flat(self) -> torch.Tensor:
+        """Every task's elements in one tensor (joins several responses: one copy)."""
+        if len(self.pieces) == 1:
+            return self.pieces[0]
+        return torch.cat(self.pieces) if self.pieces else torch.empty(0)
+
+    def column(self) -> Column:
+        """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
+        if self.json is not None:
+            return list(self.json)
+        assert self.shapes is not None
+        if self.shapes.shape is not None:
+            return self.flat().view(self.shapes.n, *self.shapes.shape)
+        return [
+            view
+            for piece, shapes in zip(self.pieces, self.piece_shapes)
+            for view in wire.split_rows(piece, shapes)
+        ]
+
+    def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.json is not None:
+            raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+        assert self.shapes is not None
+        return _pack(name, self.flat(), self.shapes)
+
+
+def _pack(name: str, flat: torch.Tensor, shapes: RowShapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values along dim 0, int32 cu_seqlens) from a flat tensor of every row's elements."""
+    if shapes.shape == () or (shapes.ranks is not None and not shapes.ranks.any()):
+        return flat.reshape(shapes.n), _cu_seqlens(np.ones(shapes.n, dtype=np.int64))  # 0-d: one each
+    tail = shapes.packable()
+    if tail is None:
+        raise ValueError(
+            f"field {name!r}: tasks differ in rank or trailing dimensions, so their values cannot be "
+            "concatenated along dim 0; index the field for a list of per-task tensors instead"
+        )
+    lengths = shapes.first_dims()
+    return flat.reshape(int(lengths.sum()), *tail), _cu_seqlens(lengths)
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -320,13 +436,15 @@ class DistributedBatchMemory:
         if self._meta is None:
             return {name: col[index] for name, col in (self._data or {}).items()}
         missing = [f for f in self.fields if f not in self._cache]
-        fetched = dict(zip(missing, self.client.fetch(self._meta.refs(missing, [index]))))
-        return {f: fetched[f] if f in fetched else self._cache[f][index] for f in self.fields}
+        fetched = self._meta.take([index])
+        one = DistributedBatchMemory._make_remote(fetched, self._client)._gather(missing) if missing else {}
+        return {f: one[f][0] if f in one else self._cache[f][index] for f in self.fields}
 
-    def _take(self, indices: list[int]) -> DistributedBatchMemory:
+    def _take(self, indices: Sequence[int] | np.ndarray) -> DistributedBatchMemory:
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self._meta is None:
             data = {name: _take_column(col, indices) for name, col in (self._data or {}).items()}
-            return self._make_local([self._task_ids[i] for i in indices], data)
+            return self._make_local(_pick_ids(self._task_ids, indices), data)
         with self._lock:
             cache = {name: _take_column(col, indices) for name, col in self._cache.items()}
         return self._make_remote(self._meta.take(indices), self._client, cache)
@@ -370,23 +488,102 @@ class DistributedBatchMemory:
 
     def _gather(self, names: Sequence[str]) -> dict[str, Column]:
         """Fetch whole columns of a REMOTE batch from the workers, concurrently."""
-        meta = self._meta
-        if meta is None or not names:
-            return {}
-        refs = meta.refs(names)
-        total = sum(r.nbytes or 0 for r in refs)
-        bar = None
-        if total >= self.progress_min_bytes and sys.stderr.isatty():
-            from tqdm import tqdm
+        return {name: gathered.column() for name, gathered in self._gather_columns(names).items()}
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"gather {len(meta)} tasks")
+    def _gather_columns(self, names: Sequence[str]) -> dict[str, _Gathered]:
+        """Fetch fields as one request per node and field set (split to the client's bounds),
+        nodes concurrently; each field comes back as one tensor of values in task order."""
+        plan = self._fetch_plan(names)
+        if plan is None:
+            return {}
+        requests, placed = plan
+        bar = self._progress_bar(names)
         try:
-            values = self.client.fetch(refs, progress=bar.update if bar is not None else None)
+            bundles = self.client.fetch_products(requests, progress=bar.update if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
-        width = len(names)
-        return {name: _normalize_column(name, values[j::width]) for j, name in enumerate(names)}
+        return self._assemble(names, requests, placed, bundles)
+
+    async def _agather_columns(self, names: Sequence[str]) -> dict[str, _Gathered]:
+        plan = self._fetch_plan(names)
+        if plan is None:
+            return {}
+        requests, placed = plan
+        bundles = await self.client.afetch_products(requests)
+        return self._assemble(names, requests, placed, bundles)
+
+    def _fetch_plan(
+        self, names: Sequence[str]
+    ) -> tuple[list[tuple[str, list[str], list[str]]], list[np.ndarray]] | None:
+        """The requests that gather `names` (per node and field set, cut to the client's bounds)
+        and the batch rows each covers; None when there is nothing to fetch."""
+        meta = self._meta
+        if meta is None or not names:
+            return None
+        client = self.client
+        requests: list[tuple[str, list[str], list[str]]] = []
+        placed: list[np.ndarray] = []  # the batch rows each request covers
+        for node, products in meta.plan(list(names)).items():
+            for rows, fields in products:
+                per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
+                cuts = _cut_points(per_task, client.max_bytes_per_request, client.max_keys_per_request)
+                for a, b in zip(cuts, cuts[1:]):
+                    chunk = rows[a:b]
+                    requests.append((node, _pick_ids(self._task_ids, chunk), fields))
+                    placed.append(chunk)
+        return requests, placed
+
+    def _progress_bar(self, names: Sequence[str]) -> Any:
+        """A tqdm bar for a big gather when a person is watching (stderr is a terminal), else None."""
+        meta = self._meta
+        assert meta is not None
+        total = meta.select_fields(names).total_bytes()
+        if total < self.progress_min_bytes or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="B", unit_scale=True, desc=f"gather {len(meta)} tasks")
+
+    def _assemble(
+        self,
+        names: Sequence[str],
+        requests: list[tuple[str, list[str], list[str]]],
+        placed: list[np.ndarray],
+        bundles: list[wire.Bundle],
+    ) -> dict[str, _Gathered]:
+        pieces: dict[str, list[tuple[np.ndarray, wire.RawColumn]]] = {name: [] for name in names}
+        for (node, _, fields), rows, bundle in zip(requests, placed, bundles):
+            for name in fields:
+                column = bundle.columns.get(name)
+                if column is None or column.rows is not None:
+                    raise WireFormatError(
+                        f"{node}: field {name!r} came back in several dtypes; the batch's metadata "
+                        f"says {self._meta.fields[name].dtype}"  # type: ignore[union-attr]
+                    )
+                pieces[name].append((rows, column))
+        return {name: _Gathered.assemble(name, len(self), pieces[name]) for name in names}
+
+    async def afetch(self, fields: Sequence[str] | None = None) -> DistributedBatchMemory:
+        """Gather `fields` (default: all) of a REMOTE batch into its cache without blocking the
+        caller's event loop; `batch[field]` then answers from memory. Returns the batch."""
+        names = self.fields if fields is None else list(fields)
+        for name in names:
+            self._require_field(name)
+        missing = [n for n in names if n not in self._cache]
+        if self._meta is not None and missing:
+            gathered = await self._agather_columns(missing)
+            with self._lock:
+                for name, value in gathered.items():
+                    self._cache.setdefault(name, value.column())
+        return self
+
+    async def ato_local(self) -> DistributedBatchMemory:
+        """`to_local()` for async controllers: gathers on the caller's loop without blocking it."""
+        if self._meta is None:
+            return self
+        await self.afetch()
+        return self.to_local()
 
     def to_local(self) -> DistributedBatchMemory:
         """A LOCAL batch with every field, gathering what is not cached yet (LOCAL/EMPTY: self)."""
@@ -398,40 +595,80 @@ class DistributedBatchMemory:
             data = {f: self._cache[f] for f in self.fields}
         return self._make_local(list(self._task_ids), data)
 
+    def packed(
+        self, field: str, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(values, cu_seqlens)`: the tasks' values of `field` concatenated along dim 0, and an
+        int32 tensor of the N+1 offsets where each task starts (the flash-attn varlen convention).
+
+        For trainers that remove padding. Built without per-task tensors when REMOTE (the
+        gathered column is already one buffer); a LOCAL ragged column costs one `cat`.
+        0-d values count as one row each. `device=` moves both with one copy each.
+        """
+        self._require_field(field)
+        if self._meta is not None:
+            with self._lock:
+                cached = self._cache.get(field)
+                if cached is None:
+                    gathered = self._gather_columns([field])[field]
+                    self._cache[field] = gathered.column()
+                    values, cu = gathered.packed(field)
+                    return _to_device(values, cu, device)
+            col: Column = cached
+        else:
+            col = (self._data or {})[field]
+        values, cu = _pack_column(field, col)
+        return _to_device(values, cu, device)
+
     def get_data(self) -> dict[str, Column]:
         """Every field as a column (gathered first if REMOTE)."""
         local = self.to_local()
         return {name: local[name] for name in local.fields}
 
-    def export_shards(self, node: str) -> tuple[dict[tuple[str, str], Any], BatchMeta]:
-        """A LOCAL batch as `{(task_id, field): value}` plus the metadata naming `node` as holder."""
+    def export_bundle(self, node: str, copy: bool = False) -> tuple[wire.Bundle, BatchMeta]:
+        """A LOCAL batch as a wire bundle (one column per field) plus the metadata naming `node`.
+
+        A stacked tensor column travels as it is (no per-task work); a ragged one is packed
+        with one `cat`. `copy=True` makes sure no column shares memory with the batch's
+        tensors (for a store that keeps the bundle): one copy per column at most.
+        """
         self._require_local("export shards")
         node = validate_node(node)
-        shards: dict[tuple[str, str], Any] = {}
+        columns: dict[str, wire.RawColumn] = {}
         fields: dict[str, FieldMeta] = {}
+        n = len(self)
         for name, col in (self._data or {}).items():
             if isinstance(col, torch.Tensor):
                 if (problem := wire.tensor_problem(col)) is not None:
                     raise WireFormatError(f"field {name!r}: {problem}")
-                col = col.detach().cpu().contiguous()
-            try:
-                dtype, shapes = _column_meta(name, col)
-            except WireFormatError as exc:  # a list of tensors of a dtype the wire lacks
-                raise WireFormatError(f"field {name!r}: {exc}") from None
-            fields[name] = FieldMeta(dtype, [0] * len(self), shapes)
-            for task_id, value in zip(self._task_ids, _column_items(col)):
-                shards[(task_id, name)] = value
-        return shards, BatchMeta(list(self._task_ids), [node], fields)
+                tensor = col.detach()
+                if copy and tensor.device.type == "cpu":
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
+                try:
+                    column = wire.tensor_column(tensor)
+                except WireFormatError as exc:
+                    raise WireFormatError(f"field {name!r}: {exc}") from None
+            else:
+                column = wire.list_column(name, col, self._task_ids)
+            columns[name] = column
+            shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
+            fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes)
+        return wire.Bundle(list(self._task_ids), columns), BatchMeta(list(self._task_ids), [node], fields)
+
+    def export_shards(self, node: str) -> tuple[dict[tuple[str, str], Any], BatchMeta]:
+        """A LOCAL batch as `{(task_id, field): value}` plus the metadata naming `node` as holder."""
+        bundle, meta = self.export_bundle(node)
+        return dict(wire.bundle_to_shards(bundle)), meta
 
     def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
-        """Push a LOCAL batch's shards to `node`; returns the REMOTE batch that points at them."""
+        """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them."""
         if self.status is BatchStatus.EMPTY:
             return DistributedBatchMemory()
         if self._meta is not None:
             raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
-        shards, meta = self.export_shards(node)
+        bundle, meta = self.export_bundle(node)
         client = client or self._client
-        (client or default_client()).put(meta.nodes[0], shards)
+        (client or default_client()).put_bundle(meta.nodes[0], bundle)
         return self._make_remote(meta, client)
 
     def clear(self) -> int:
@@ -444,18 +681,32 @@ class DistributedBatchMemory:
         """
         if self._meta is None:
             return 0
-        plan = self._meta.keys_by_node()
+        plan = self._clear_plan()
         try:
-            outcome = self.client.delete_each(plan)
+            outcome = self.client.delete_products_each(plan)
         finally:
             with self._lock:  # even a partial clear may have deleted cached shards
                 self._cache.clear()
-        deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
-        failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
-        if failed:
-            undeleted = {n: len(plan[n]) for n in failed}
-            raise ClearError(failed, sum(deleted.values()), undeleted, deleted_by_node=deleted)
-        return sum(deleted.values())
+        return _cleared(plan, outcome)
+
+    async def aclear(self) -> int:
+        """`clear()` for async controllers, on the caller's loop without blocking it."""
+        if self._meta is None:
+            return 0
+        plan = self._clear_plan()
+        try:
+            outcome = await self.client.adelete_products_each(plan)
+        finally:
+            with self._lock:
+                self._cache.clear()
+        return _cleared(plan, outcome)
+
+    def _clear_plan(self) -> dict[str, list[tuple[list[str], list[str]]]]:
+        assert self._meta is not None
+        return {
+            node: [(_pick_ids(self._task_ids, rows), names) for rows, names in products]
+            for node, products in self._meta.plan(list(self._meta.fields)).items()
+        }
 
     # ------------------------------------------------------------------ splitting
 
@@ -467,7 +718,7 @@ class DistributedBatchMemory:
         out, start = [], 0
         for i in range(n):
             size = base + (1 if i < extra else 0)
-            out.append(self._take(list(range(start, start + size))))
+            out.append(self._take(np.arange(start, start + size)))
             start += size
         return out
 
@@ -515,26 +766,31 @@ class DistributedBatchMemory:
             raise ValueError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
         if not len(self):
             return [DistributedBatchMemory() for _ in range(n)]
-        lengths = self.lengths(length_field)
-        group_lengths = [sum(lengths[i : i + group_size]) for i in range(0, len(lengths), group_size)]
-        parts = balanced_group_partitions(group_lengths, n)
+        lengths = np.asarray(self.lengths(length_field), dtype=np.int64)
+        group_lengths = lengths.reshape(-1, group_size).sum(axis=1)
+        parts = balanced_group_partitions(group_lengths.tolist(), n)
         parts.sort(key=lambda p: p[0] if p else len(group_lengths))
-        return [self._take([g * group_size + j for g in part for j in range(group_size)]) for part in parts]
+        offsets = np.arange(group_size)
+        return [
+            self._take((np.asarray(part, dtype=np.int64)[:, None] * group_size + offsets).reshape(-1))
+            for part in parts
+        ]
 
     # ------------------------------------------------------------------ combining
 
     def union(self, other: DistributedBatchMemory, overwrite: bool = False) -> DistributedBatchMemory:
         """A new batch with the fields of both, rows aligned by task id."""
         if other.status is BatchStatus.EMPTY:
-            return self._take(list(range(len(self))))
+            return self._take(np.arange(len(self)))
         if self.status is BatchStatus.EMPTY:
-            return other._take(list(range(len(other))))
+            return other._take(np.arange(len(other)))
         if self.status is not other.status:
             raise BatchStatusError(
                 f"cannot union a {self.status.value} batch with a {other.status.value} one: "
                 "call to_local() on the REMOTE one or to_remote(node) on the LOCAL one"
             )
-        if set(self._task_ids) != set(other._task_ids):
+        aligned = self._task_ids == other._task_ids  # the usual case, checked in C
+        if not aligned and set(self._task_ids) != set(other._task_ids):
             mine, theirs = set(self._task_ids), set(other._task_ids)
             missing = sorted(mine - theirs)[:5]
             extra = sorted(theirs - mine)[:5]
@@ -542,22 +798,21 @@ class DistributedBatchMemory:
         clash = [f for f in other.fields if f in self.fields]
         if clash and not overwrite:
             raise ValueError(f"fields {clash} are in both batches; pass overwrite=True to replace them")
-        position = {t: i for i, t in enumerate(other._task_ids)}
-        rows = [position[t] for t in self._task_ids]
-        aligned = rows == list(range(len(rows)))
+        rows: np.ndarray | None = None
+        if not aligned:
+            position = dict(zip(other._task_ids, range(len(other._task_ids))))
+            rows = np.fromiter(map(position.__getitem__, self._task_ids), dtype=np.int64, count=len(self))
         order = self.fields + [f for f in other.fields if f not in self.fields]
         if self._meta is None:
             data = dict(self._data or {})
             for name, col in (other._data or {}).items():
-                data[name] = col if aligned else _take_column(col, rows)
+                data[name] = col if rows is None else _take_column(col, rows)
             return self._make_local(list(self._task_ids), {f: data[f] for f in order})
         other_meta = other._meta if other._meta is not None else BatchMeta([], [])
-        meta = BatchMeta.merge(
-            list(self._task_ids), [(self._meta, None), (other_meta, None if aligned else rows)], order
-        )
+        meta = BatchMeta.merge(list(self._task_ids), [(self._meta, None), (other_meta, rows)], order)
         cache = {n: c for n, c in self._cache.items() if n not in other.fields}
         for name, col in other._cache.items():
-            cache[name] = col if aligned else _take_column(col, rows)
+            cache[name] = col if rows is None else _take_column(col, rows)
         return self._make_remote(meta, self._client or other._client, cache)
 
     def union_(self, other: DistributedBatchMemory, overwrite: bool = False) -> DistributedBatchMemory:
@@ -615,7 +870,8 @@ class DistributedBatchMemory:
     def __getstate__(self) -> dict[str, Any]:
         status = self.status
         if status is BatchStatus.REMOTE:
-            return {"status": "REMOTE", "meta": self._meta.to_dict()}  # type: ignore[union-attr]
+            # The metadata object itself: numpy arrays pickle as bytes, far faster than JSON lists.
+            return {"status": "REMOTE", "meta": self._meta}
         if status is BatchStatus.LOCAL:
             data = {name: _column_for_pickle(col) for name, col in (self._data or {}).items()}
             return {"status": "LOCAL", "task_ids": self._task_ids, "data": data}
@@ -624,7 +880,9 @@ class DistributedBatchMemory:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
         if state["status"] == "REMOTE":
-            meta = BatchMeta.from_dict(state["meta"])
+            meta = state["meta"]
+            if not isinstance(meta, BatchMeta):  # pickled by an earlier version: the dict form
+                meta = BatchMeta.from_dict(meta)
             self._task_ids, self._meta = list(meta.task_ids), meta
         elif state["status"] == "LOCAL":
             self._task_ids, self._data = list(state["task_ids"]), dict(state["data"])
@@ -639,3 +897,35 @@ def _concat_columns(name: str, cols: Sequence[Column]) -> Column:
         if len(tails) == 1:
             return torch.cat(list(cols))  # type: ignore[arg-type]
     return _normalize_column(name, [v for c in cols for v in _column_items(c)])
+
+
+def _pack_column(name: str, col: Column) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed()` of a column held in memory: a view for a stacked tensor, one `cat` for a list."""
+    if isinstance(col, torch.Tensor):
+        n = col.shape[0]
+        return _pack(name, col.reshape(-1), RowShapes.uniform(n, col.shape[1:]))
+    if not col or not isinstance(col[0], torch.Tensor):
+        raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+    shapes = RowShapes.from_list([tuple(v.shape) for v in col])
+    flat = torch.cat([v.reshape(-1) for v in col])
+    return _pack(name, flat, shapes)
+
+
+def _to_device(
+    values: torch.Tensor, cu: torch.Tensor, device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if device is None:
+        return values, cu
+    return values.to(device), cu.to(device)
+
+
+def _cleared(
+    plan: dict[str, list[tuple[list[str], list[str]]]], outcome: dict[str, DeleteResult | NodeError]
+) -> int:
+    """The count a clear deleted, or `ClearError` naming the nodes that failed."""
+    deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
+    failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
+    if failed:
+        undeleted = {n: sum(len(ids) * len(names) for ids, names in plan[n]) for n in failed}
+        raise ClearError(failed, sum(deleted.values()), undeleted, deleted_by_node=deleted)
+    return sum(deleted.values())

@@ -14,18 +14,18 @@ import contextlib
 import json
 import os
 import random
-import re
 import threading
 import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
+import numpy as np
 
-from distbatch import wire
+from distbatch import http_recv, wire
 from distbatch.auth import token_from_env
 from distbatch.errors import (
     AuthError,
@@ -40,7 +40,8 @@ from distbatch.errors import (
     WireFormatError,
     WorkerUnavailableError,
 )
-from distbatch.ids import ShardKey, validate_id, validate_key
+from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
+from distbatch.protocol import CALL_ID_HEADER
 
 T = TypeVar("T")
 
@@ -48,8 +49,6 @@ _CLOSED_IN_FLIGHT = "ShardClient was closed while this call was in flight"
 
 DEFAULT_LIVENESS_TIMEOUT = 30.0
 """Seconds a worker may leave `/health` unanswered during an engine call before the call fails."""
-CALL_ID_HEADER = "X-Distbatch-Call-Id"
-"""The request header naming an engine call, so the client can abandon it on the worker."""
 _PROBE_INTERVAL_MAX = 5.0  # seconds between liveness probes (less for a short liveness_timeout)
 _PROBE_TIMEOUT_MAX = 10.0  # one probe's own limit, so a stale connection is not waited on for long
 _ABANDON_TIMEOUT = 5.0  # one abandon notice's whole budget, retries included
@@ -57,28 +56,6 @@ _ABANDON_WAIT = 0.5  # how long a failing call waits for its abandon notices bef
 _CLEANUP_GRACE = 1.0  # how long closing a client lets pending abandon notices finish
 # Answers after which the worker holds nothing of an engine call (it refused it or rolled it back).
 _KEPT_NOTHING = (EngineError, RequestError, AuthError, CapacityError)
-
-_NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
-
-
-def validate_node(node: Any) -> str:
-    """Return `node` as `host:port` (an `http://` prefix is dropped) or raise `ValueError`."""
-    if isinstance(node, str) and node.startswith("http://"):
-        node = node[len("http://") :].rstrip("/")
-    if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
-        raise ValueError(f"invalid node address {node!r}: expected 'host:port'")
-    if not 1 <= int(node.rpartition(":")[2]) <= 65535:  # 0 is "any port" when binding, not a peer
-        raise ValueError(f"invalid node address {node!r}: the port must be 1-65535")
-    return node
-
-
-class ShardRef(NamedTuple):
-    """Where one shard lives; `nbytes` (if known) lets the client bound response sizes."""
-
-    node: str
-    task_id: str
-    field: str
-    nbytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -271,7 +248,7 @@ class ShardClient:
         connect_timeout: float = 5.0,
         max_connections: int = 64,
         max_connections_per_node: int = 8,
-        max_keys_per_request: int = 8192,
+        max_keys_per_request: int = 100_000,
         max_bytes_per_request: int = 64 << 20,
         retries: int = 3,
         backoff: float = 0.05,
@@ -369,7 +346,7 @@ class ShardClient:
         method: str,
         path: str,
         *,
-        body: bytes | None = None,
+        body: bytes | list[wire.Buffer] | None = None,
         json_body: Any = None,
         binary_response: bool = False,
         timeout: float | None | object = ...,
@@ -398,6 +375,9 @@ class ShardClient:
             headers = self._headers(content_type if body is not None else None)
         if extra_headers:
             headers.update(extra_headers)
+        size = 0 if body is None else len(body) if not isinstance(body, list) else wire.parts_size(body)
+        if isinstance(body, list):
+            headers["Content-Length"] = str(size)
         url = f"http://{node}{path}"
         runtime = runtime or self._get_runtime()
         session = self._session(runtime)
@@ -405,7 +385,7 @@ class ShardClient:
         while True:
             remaining = None if deadline is None else deadline - loop.time()
             self._traffic.requests += 1
-            self._traffic.bytes_sent += len(body or b"")
+            self._traffic.bytes_sent += size
             try:
                 async with runtime.slot(node, waits, remaining):
                     remaining = None if deadline is None else deadline - loop.time()  # after the slot
@@ -414,9 +394,19 @@ class ShardClient:
                     connect = (
                         self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
                     )
+                    if binary_response and isinstance(body, bytes):
+                        # Data fetches: the body lands in its final buffer (see `http_recv`).
+                        async with asyncio.timeout(remaining):
+                            status, raw = await self._fetch_into_buffer(node, method, path, headers, body)
+                        self._traffic.bytes_received += len(raw)
+                        if status < 400:
+                            return raw
+                        error = _error_from_response(node, status, bytes(raw))
+                        raise _Answered(error)
                     client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
+                    data = _send_slices(body) if isinstance(body, list) else body
                     async with session.request(
-                        method, url, data=body, headers=headers, timeout=client_timeout
+                        method, url, data=data, headers=headers, timeout=client_timeout
                     ) as response:
                         if response.status < 400:
                             payload = (
@@ -431,7 +421,9 @@ class ShardClient:
                         raw = await response.read()
                         self._traffic.bytes_received += len(raw)
                         error = _error_from_response(node, response.status, raw)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            except _Answered as answered:
+                error = answered.error
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, OSError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
                 if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
@@ -451,6 +443,17 @@ class ShardClient:
             if attempt > self.retries or (deadline is not None and loop.time() + delay >= deadline):
                 raise error
             await asyncio.sleep(delay)
+
+    async def _fetch_into_buffer(
+        self, node: str, method: str, path: str, headers: Mapping[str, str], body: bytes
+    ) -> tuple[int, bytearray]:
+        host, _, port = node.rpartition(":")
+        host = host[1:-1] if host.startswith("[") else host
+        connect = asyncio.timeout(self.connect_timeout)
+        status, _, payload = await http_recv.request_into_buffer(
+            host, int(port), method, path, headers, body, MAX_RESPONSE_BYTES, connect
+        )
+        return status, payload
 
     # ------------------------------------------------------------------ engine calls
 
@@ -616,6 +619,19 @@ class ShardClient:
         checked = [(validate_node(n), m, b) for n, m, b in calls]
         return self._run(self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout)))
 
+    async def acall_many(
+        self,
+        calls: Sequence[tuple[str, str, bytes]],
+        timeout: float | None = None,
+        *,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
+    ) -> list[Any]:
+        """`call_many` awaited from any event loop (it runs on the client's own)."""
+        checked = [(validate_node(n), m, b) for n, m, b in calls]
+        return await self._on_loop(
+            self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout))
+        )
+
     def call_raw(
         self,
         node: str,
@@ -644,46 +660,35 @@ class ShardClient:
 
     # ------------------------------------------------------------------ put
 
-    def _encode_put(self, shards: Mapping[Any, Any]) -> list[tuple[list[ShardKey], bytes]]:
-        """Validate and encode every shard, split into bounded request bodies."""
-        tensors, json_texts = wire.split_values(shards)
-        requests: list[tuple[list[ShardKey], bytes]] = []
-        batch_t: dict[ShardKey, wire.RawTensor] = {}
-        batch_j: dict[ShardKey, str] = {}
-        size = 0
-
-        def flush() -> None:
-            nonlocal batch_t, batch_j, size
-            if batch_t or batch_j:
-                body = wire.join_parts(wire.build_container(batch_t, batch_j))
-                requests.append(([*batch_t, *batch_j], body))
-            batch_t, batch_j, size = {}, {}, 0
-
-        items: list[tuple[ShardKey, wire.RawTensor | str]] = [*tensors.items(), *json_texts.items()]
-        for key, value in items:
-            nbytes = value.nbytes if isinstance(value, wire.RawTensor) else len(value)
-            if (batch_t or batch_j) and (
-                len(batch_t) + len(batch_j) >= self.max_keys_per_request
-                or size + nbytes > self.max_bytes_per_request
-            ):
-                flush()
-            if isinstance(value, wire.RawTensor):
-                batch_t[key] = value
+    def _split_bundle(self, bundle: wire.Bundle) -> list[wire.Bundle]:
+        """Cut a bundle into bundles of consecutive tasks, each under the request bounds."""
+        n = len(bundle.task_ids)
+        if n <= 1:
+            return [bundle]
+        per_task = np.zeros(n, dtype=np.int64)
+        for column in bundle.columns.values():
+            if column.rows is None:
+                per_task += column.row_nbytes()
             else:
-                batch_j[key] = value
-            size += nbytes
-        flush()
-        return requests
+                np.add.at(per_task, column.rows, column.row_nbytes())
+        cuts = _cut_points(per_task, self.max_bytes_per_request, self.max_keys_per_request)
+        if len(cuts) == 2:
+            return [bundle]
+        return [_slice_bundle(bundle, a, b) for a, b in zip(cuts, cuts[1:])]
 
-    async def _put_encoded(self, node: str, requests: list[tuple[list[ShardKey], bytes]]) -> PutResult:
-        if len(requests) == 1:
-            reply = await self._request(node, "PUT", "/v1/shards", body=requests[0][1])
+    async def _put_bundles(self, node: str, bundles: list[wire.Bundle]) -> PutResult:
+        if len(bundles) == 1:
+            reply = await self._request(node, "PUT", "/v1/shards", body=wire.build_bundle(bundles[0]))
             return PutResult(reply["stored"], reply["bytes"])
         # Several requests: stage them, then commit once, so the call stores all
-        # or nothing and never touches existing shards before it succeeds.
+        # or nothing and never touches existing shards before it succeeds. Each part has a
+        # name, so a retried request replaces its first attempt instead of adding to it.
         stage = uuid.uuid4().hex
         results = await asyncio.gather(
-            *(self._request(node, "PUT", f"/v1/shards?stage={stage}", body=body) for _, body in requests),
+            *(
+                self._request(node, "PUT", f"/v1/shards?stage={stage}&part=p{i}", body=wire.build_bundle(b))
+                for i, b in enumerate(bundles)
+            ),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -696,159 +701,239 @@ class ShardClient:
         reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
         return PutResult(reply["stored"], reply["bytes"])
 
+    def _split_shards(self, shards: Mapping[Any, Any]) -> list[wire.Bundle]:
+        return self._split_bundle(wire.bundle_from_shards(shards))
+
     def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""
         node = validate_node(node)
-        requests = self._encode_put(shards)
-        return self._run(self._put_encoded(node, requests))
+        return self._run(self._put_bundles(node, self._split_shards(shards)))
 
     async def aput(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         node = validate_node(node)
-        requests = self._encode_put(shards)
-        return await self._on_loop(self._put_encoded(node, requests))
+        return await self._on_loop(self._put_bundles(node, self._split_shards(shards)))
+
+    def put_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
+        """Store a bundle (task ids plus one column per field) on `node`; all or nothing.
+
+        The columnar path: no object per shard. Bundles over the request bounds travel as
+        several requests of consecutive tasks, staged and committed at once.
+        """
+        node = validate_node(node)
+        return self._run(self._put_bundles(node, self._split_bundle(bundle)))
+
+    async def aput_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
+        node = validate_node(node)
+        return await self._on_loop(self._put_bundles(node, self._split_bundle(bundle)))
 
     # ------------------------------------------------------------------ fetch
 
+    async def _fetch_product(
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        progress: Callable[[int], None] | None = None,
+    ) -> wire.Bundle:
+        """One product from `node` in one request, or in parts if the response would be too large.
+
+        A worker refuses (413 `response_too_large`) a response over its
+        `--max-response-bytes`; the tasks are then split into parts that should fit
+        (halves at least) and fetched concurrently, recursively; a single task's fields
+        over the limit raise `RequestError`.
+        """
+        try:
+            body = await self._request(
+                node,
+                "POST",
+                "/v1/shards/fetch",
+                json_body={"task_ids": task_ids, "fields": fields},
+                binary_response=True,
+            )
+        except RequestError as exc:
+            if exc.status != 413 or exc.code != "response_too_large":
+                raise
+            return await self._fetch_product_split(node, task_ids, fields, exc, progress)
+        if progress is not None:
+            progress(len(body))
+        try:
+            bundle = wire.parse_bundle(body)
+        except WireFormatError as exc:
+            raise WireFormatError(f"{node}: bad response container: {exc}") from None
+        if bundle.task_ids != task_ids or {wire.column_field(k) for k in bundle.columns} != set(fields):
+            raise WireFormatError(f"{node}: response does not hold the shards asked for")
+        return bundle
+
+    async def _fetch_product_split(
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        refused: RequestError,
+        progress: Callable[[int], None] | None,
+    ) -> wire.Bundle:
+        limit, size = refused.payload.get("limit"), refused.payload.get("bytes")
+        if len(task_ids) == 1:
+            raise RequestError(
+                node,
+                413,
+                refused.code,
+                (
+                    f"shard {task_ids[0]}/{fields[0]} alone is"
+                    if len(fields) == 1
+                    else f"task {task_ids[0]}'s fields {fields} together are"
+                )
+                + " over the worker's response limit"
+                f" ({limit if limit is not None else 'unknown'} bytes); raise its --max-response-bytes",
+                refused.payload,
+            ) from None
+        # Aim each part at half the limit (sizes vary and the header adds a little), so one
+        # refusal usually costs one round of parts, not a cascade of halvings; halves at least.
+        parts = 2
+        if type(limit) is int and type(size) is int and limit > 1:
+            parts = max(2, -(-size // (limit // 2)))
+        parts = min(parts, len(task_ids))
+        bounds = [i * len(task_ids) // parts for i in range(parts + 1)]
+        results = await asyncio.gather(
+            *(self._fetch_product(node, task_ids[a:b], fields, progress) for a, b in zip(bounds, bounds[1:])),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _merge_errors(errors)
+        return wire.concat_bundles(results)  # type: ignore[arg-type]
+
+    async def _fetch_products(
+        self,
+        requests: Sequence[tuple[str, list[str], list[str]]],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[wire.Bundle]:
+        results = await asyncio.gather(
+            *(self._fetch_product(node, ids, fields, progress) for node, ids, fields in requests),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _merge_errors(errors)
+        return results  # type: ignore[return-value]
+
+    def _check_products(
+        self, requests: Iterable[tuple[str, Sequence[str], Sequence[str]]]
+    ) -> list[tuple[str, list[str], list[str]]]:
+        return [
+            (
+                validate_node(node),
+                wire.validate_id_list(list(ids)),
+                wire.validate_id_list(list(fields), "field"),
+            )
+            for node, ids, fields in requests
+        ]
+
+    def fetch_products(
+        self,
+        requests: Iterable[tuple[str, Sequence[str], Sequence[str]]],
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[wire.Bundle]:
+        """Fetch `(node, task_ids, fields)` products concurrently; one bundle per request, in order.
+
+        The columnar path: each response is one buffer, and each field in it one entry
+        (decode with `wire.decode_column` / `wire.column_tensor`). `ShardNotFoundError`
+        names every missing key. `progress(nbytes)` is called as each response lands.
+        """
+        checked = self._check_products(requests)
+        if not checked:
+            return []
+        return self._run(self._fetch_products(checked, progress))
+
+    async def afetch_products(
+        self,
+        requests: Iterable[tuple[str, Sequence[str], Sequence[str]]],
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[wire.Bundle]:
+        checked = self._check_products(requests)
+        if not checked:
+            return []
+        return await self._on_loop(self._fetch_products(checked, progress))
+
     def _plan_fetch(
         self, refs: Iterable[Any]
-    ) -> tuple[list[tuple[str, ShardKey]], list[tuple[str, list[ShardKey]]]]:
+    ) -> tuple[list[tuple[str, ShardKey]], dict[str, dict[ShardKey, int]]]:
         order: list[tuple[str, ShardKey]] = []
         per_node: dict[str, dict[ShardKey, int]] = defaultdict(dict)
         nodes: dict[str, str] = {}  # validate each distinct node once, not once per shard
-        valid_ids: set[str] = set()  # likewise task ids and fields (a task has several fields)
         for ref in refs:
             if type(ref) is not ShardRef:
                 ref = ShardRef(*ref)
             node = nodes.get(ref.node) if isinstance(ref.node, str) else None
             if node is None:
                 node = nodes[ref.node] = validate_node(ref.node)
-            task_id, field = ref.task_id, ref.field
-            if type(task_id) is str and type(field) is str and task_id in valid_ids and field in valid_ids:
-                key = ShardKey(task_id, field)
-            else:
-                key = validate_key((task_id, field))
-                valid_ids.add(task_id)
-                valid_ids.add(field)
+            key = validate_key((ref.task_id, ref.field))
             order.append((node, key))
             per_node[node][key] = ref.nbytes or 0
-        requests: list[tuple[str, list[ShardKey]]] = []
-        for node, sizes in per_node.items():
-            batch: list[ShardKey] = []
-            size = 0
-            for key, nbytes in sizes.items():
-                if batch and (
-                    len(batch) >= self.max_keys_per_request or size + nbytes > self.max_bytes_per_request
-                ):
-                    requests.append((node, batch))
-                    batch, size = [], 0
-                batch.append(key)
-                size += nbytes
-            requests.append((node, batch))
-        return order, requests
+        return order, dict(per_node)
 
-    async def _fetch_one(
-        self, node: str, keys: list[ShardKey], progress: Callable[[int], None] | None = None
+    async def _fetch_keys(
+        self, node: str, sizes: dict[ShardKey, int], progress: Callable[[int], None] | None = None
     ) -> dict[ShardKey, Any]:
-        """Fetch `keys` from `node` in one request, or in parts if the response would be too large.
-
-        A worker refuses (413 `response_too_large`) a response over its
-        `--max-response-bytes`; the keys are then split into parts that should
-        fit (halves at least) and fetched concurrently, recursively; a single
-        shard over the limit raises `RequestError`.
-        """
-        try:
-            body = await self._request(
-                node, "POST", "/v1/shards/fetch", json_body={"keys": keys}, binary_response=True
+        """Explicit keys from `node`, as a product per field set, split to the request bounds
+        (by bytes too when the refs said how big their shards are)."""
+        fields_of: dict[str, list[str]] = {}
+        for task_id, field in sizes:
+            fields_of.setdefault(task_id, []).append(field)
+        by_fields: dict[tuple[str, ...], list[str]] = {}
+        for task_id, task_fields in fields_of.items():
+            by_fields.setdefault(tuple(dict.fromkeys(task_fields)), []).append(task_id)
+        requests = []
+        for fields, task_ids in by_fields.items():
+            per_task = np.asarray(
+                [sum(sizes[ShardKey(t, f)] for f in fields) for t in task_ids], dtype=np.int64
             )
-        except RequestError as exc:
-            if exc.status != 413 or exc.code != "response_too_large":
-                raise
-            return await self._fetch_split(node, keys, exc, progress)
-        if progress is not None:
-            progress(len(body))
-        try:
-            values = wire.decode_bundle(body)
-        except WireFormatError as exc:
-            raise WireFormatError(f"{node}: bad response container: {exc}") from None
-        if len(values) != len(keys) or any(k not in values for k in keys):
-            raise WireFormatError(f"{node}: response does not hold the shards asked for")
-        return values
-
-    async def _fetch_split(
-        self,
-        node: str,
-        keys: list[ShardKey],
-        refused: RequestError,
-        progress: Callable[[int], None] | None,
-    ) -> dict[ShardKey, Any]:
-        """Fetch `keys` in parts after `refused` (413 `response_too_large`) said they are too many bytes."""
-        limit, size = refused.payload.get("limit"), refused.payload.get("bytes")
-        if len(keys) == 1:
-            task_id, field = keys[0]
-            raise RequestError(
-                node,
-                413,
-                refused.code,
-                f"shard {task_id}/{field} alone is over the worker's response limit"
-                f" ({limit if limit is not None else 'unknown'} bytes); raise its --max-response-bytes",
-                refused.payload,
-            ) from None
-        # Aim each part at half the limit (shard sizes vary and the header adds a little), so one
-        # refusal usually costs one round of parts, not a cascade of halvings; halves at least.
-        parts = 2
-        if type(limit) is int and type(size) is int and limit > 1:
-            parts = max(2, -(-size // (limit // 2)))
-        parts = min(parts, len(keys))
-        bounds = [i * len(keys) // parts for i in range(parts + 1)]
-        results = await asyncio.gather(
-            *(self._fetch_one(node, keys[a:b], progress) for a, b in zip(bounds, bounds[1:])),
-            return_exceptions=True,
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise _merge_errors(errors)
-        values: dict[ShardKey, Any] = {}
-        for part in results:
-            values.update(part)  # type: ignore[arg-type]
-        return values
+            max_tasks = max(1, self.max_keys_per_request // len(fields))
+            cuts = _cut_points(per_task, self.max_bytes_per_request, max_tasks)
+            requests += [(node, task_ids[a:b], list(fields)) for a, b in zip(cuts, cuts[1:])]
+        out: dict[ShardKey, Any] = {}
+        for bundle in await self._fetch_products(requests, progress):
+            out.update(wire.bundle_to_shards(bundle))
+        return out
 
     async def _fetch(
         self,
         order: list[tuple[str, ShardKey]],
-        requests: list[tuple[str, list[ShardKey]]],
+        per_node: dict[str, dict[ShardKey, int]],
         progress: Callable[[int], None] | None = None,
     ) -> list[Any]:
+        nodes = list(per_node)
         results = await asyncio.gather(
-            *(self._fetch_one(node, keys, progress) for node, keys in requests), return_exceptions=True
+            *(self._fetch_keys(node, per_node[node], progress) for node in nodes), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise _merge_errors(errors)
-        found: dict[tuple[str, ShardKey], Any] = {}
-        for (node, _), values in zip(requests, results):
-            for key, value in values.items():
-                found[(node, key)] = value
-        return [found[item] for item in order]
+        found = dict(zip(nodes, results))
+        return [found[node][key] for node, key in order]  # type: ignore[index]
 
     def fetch(
         self, refs: Iterable[ShardRef | tuple], *, progress: Callable[[int], None] | None = None
     ) -> list[Any]:
-        """Gather shards, given as `(node, task_id, field[, nbytes])`, in the order asked.
+        """Gather single shards, given as `(node, task_id, field[, nbytes])`, in the order asked.
 
-        Keys are grouped per node into bounded requests; nodes are fetched
-        concurrently. Raises `ShardNotFoundError` naming every missing key.
-        `progress(nbytes)` is called (on the client's thread) as each response lands.
+        The per-shard API (one value per shard); batches gather columns with
+        `fetch_products`. Nodes are fetched concurrently. Raises `ShardNotFoundError`
+        naming every missing key. `progress(nbytes)` is called (on the client's thread) as each
+        response lands.
         """
-        order, requests = self._plan_fetch(refs)
+        order, per_node = self._plan_fetch(refs)
         if not order:
             return []
-        return self._run(self._fetch(order, requests, progress))
+        return self._run(self._fetch(order, per_node, progress))
 
     async def afetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
-        order, requests = self._plan_fetch(refs)
+        order, per_node = self._plan_fetch(refs)
         if not order:
             return []
-        return await self._on_loop(self._fetch(order, requests))
+        return await self._on_loop(self._fetch(order, per_node))
 
     # ------------------------------------------------------------------ delete
 
@@ -863,9 +948,12 @@ class ShardClient:
         if (task_ids is None) == (keys is None):
             raise ValueError("give exactly one of task_ids or keys")
         if task_ids is not None:
-            step = max(1, self.max_keys_per_request // max(len(fields or ()), 1))
+            step = self.max_keys_per_request  # a task count: the worker deletes a product at once
             bodies: list[dict[str, Any]] = [
-                {"task_ids": list(task_ids[i : i + step]), **({"fields": list(fields)} if fields else {})}
+                {
+                    "task_ids": list(task_ids[i : i + step]),
+                    **({"fields": list(fields)} if fields is not None else {}),
+                }
                 for i in range(0, len(task_ids), step)
             ]
         else:
@@ -979,6 +1067,52 @@ class ShardClient:
         """
         plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
         return self._run(self._delete_each(plan))
+
+    async def _delete_products(self, node: str, products: list[tuple[list[str], list[str]]]) -> DeleteResult:
+        total = DeleteResult(0, 0)
+        for task_ids, fields in products:
+            total += await self._delete(node, task_ids=task_ids, fields=fields)
+        return total
+
+    async def _delete_products_each(
+        self, plan: dict[str, list[tuple[list[str], list[str]]]]
+    ) -> dict[str, DeleteResult | NodeError]:
+        nodes = list(plan)
+        results = await asyncio.gather(
+            *(self._delete_products(node, plan[node]) for node in nodes), return_exceptions=True
+        )
+        out: dict[str, DeleteResult | NodeError] = {}
+        for node, result in zip(nodes, results):
+            if isinstance(result, (NodeError, DeleteResult)):
+                out[node] = result
+            else:
+                raise result  # not a node's answer: a bug or a cancellation
+        return out
+
+    def _check_product_plan(
+        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
+    ) -> dict[str, list[tuple[list[str], list[str]]]]:
+        return {
+            validate_node(node): [
+                (wire.validate_id_list(list(ids)), wire.validate_id_list(list(fields), "field"))
+                for ids, fields in products
+            ]
+            for node, products in plan.items()
+        }
+
+    def delete_products_each(
+        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
+    ) -> dict[str, DeleteResult | NodeError]:
+        """Delete `(task_ids, fields)` products per node, nodes concurrently; each node's outcome.
+
+        The columnar delete: a request names tasks and fields, never one key per shard.
+        """
+        return self._run(self._delete_products_each(self._check_product_plan(plan)))
+
+    async def adelete_products_each(
+        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
+    ) -> dict[str, DeleteResult | NodeError]:
+        return await self._on_loop(self._delete_products_each(self._check_product_plan(plan)))
 
     # ------------------------------------------------------------------ plain JSON requests
 
@@ -1140,3 +1274,60 @@ def default_client() -> ShardClient:
 def set_default_client(client: ShardClient | None) -> None:
     """Replace the process-wide client (e.g. one with a token or other limits); None resets."""
     _default_holder.set(client)
+
+
+def _cut_points(per_task: np.ndarray, max_bytes: int, max_tasks: int) -> list[int]:
+    """Task indexes cutting `per_task` bytes into runs under `max_bytes` and `max_tasks` each
+    (a task over `max_bytes` alone gets a run of its own); first 0, last len(per_task)."""
+    n = len(per_task)
+    cuts = [0]
+    totals = np.cumsum(per_task)
+    while cuts[-1] < n:
+        start = cuts[-1]
+        base = int(totals[start - 1]) if start else 0
+        end = int(np.searchsorted(totals, base + max_bytes, side="right"))
+        cuts.append(min(max(end, start + 1), start + max_tasks, n))
+    return cuts
+
+
+def _slice_bundle(bundle: wire.Bundle, start: int, stop: int) -> wire.Bundle:
+    """Tasks `start:stop` of a bundle (byte views, no copies)."""
+    columns: dict[str, wire.RawColumn] = {}
+    for name, column in bundle.columns.items():
+        if column.rows is None:
+            lo, hi, rows = start, stop, None
+        else:
+            lo, hi = (int(i) for i in np.searchsorted(column.rows, [start, stop]))
+            if not np.all(np.diff(column.rows) > 0):
+                raise ValueError("a partial column's rows must be ascending to be split")
+            rows = column.rows[lo:hi] - start
+        if hi == lo:
+            continue
+        columns[name] = wire.slice_column(column, lo, hi, rows)
+    return wire.Bundle(bundle.task_ids[start:stop], columns)
+
+
+SEND_SLICE_BYTES = 4 << 20
+
+
+async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
+    """A body's parts in slices of a few MiB, sent as they are (never joined).
+
+    aiohttp waits for the socket to drain after each slice; handing it one big buffer
+    instead makes asyncio's transport copy its unsent tail again and again.
+    """
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, SEND_SLICE_BYTES):
+            yield view[start : start + SEND_SLICE_BYTES]
+
+
+MAX_RESPONSE_BYTES = 1 << 40  # a response announcing more than this is refused before allocating
+
+
+class _Answered(Exception):
+    """The worker answered with an error status (carried as `error`), as opposed to not answering."""
+
+    def __init__(self, error: NodeError) -> None:
+        super().__init__(str(error))
+        self.error = error

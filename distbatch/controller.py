@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from distbatch.atomic import write_json_atomically
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.client import DeleteResult, ShardClient, default_client, validate_node
@@ -331,7 +333,7 @@ class Controller:
             local_nodes = [partition.intern_node(n) for n in meta.nodes]
             for name, fm in meta.fields.items():
                 column = partition.columns.setdefault(name, _Column(fm.dtype))
-                for row, node, shape in zip(rows, fm.nodes, fm.shapes):
+                for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
                     column.node[row] = local_nodes[node]
                     column.shape[row] = shape
             self._changed.notify_all()
@@ -777,5 +779,8 @@ def _check_meta(meta: BatchMeta) -> None:
             raise InvalidArgumentError(f"field {name!r} has unknown dtype {fm.dtype!r}")
         if len(fm.nodes) != len(meta.task_ids) or len(fm.shapes) != len(meta.task_ids):
             raise InvalidArgumentError(f"field {name!r} does not have one node and one shape per task")
-        if not all(isinstance(n, int) and 0 <= n < len(meta.nodes) for n in fm.nodes):
+        nodes = np.asarray(fm.nodes)
+        if nodes.dtype.kind not in "iu" or (
+            len(nodes) and not 0 <= int(nodes.min()) <= int(nodes.max()) < len(meta.nodes)
+        ):
             raise InvalidArgumentError(f"field {name!r} names a node the batch does not list")

@@ -39,10 +39,12 @@ from distbatch.errors import (
     WireFormatError,
     WorkerUnavailableError,
 )
+from distbatch.http_errors import error_response as _error
+from distbatch.http_errors import register_json_errors
+from distbatch.http_server import HttpServer
 from distbatch.ids import validate_id
 from distbatch.meta import MetaFormatError
 from distbatch.rpc import decode_value, encode_value
-from rpc_server.app import register_json_errors
 
 logger = logging.getLogger("distbatch.controller")
 
@@ -73,12 +75,6 @@ def _required(body: Mapping[str, Any], key: str) -> Any:
     if key not in body:
         raise InvalidArgumentError(f"the body is missing {key!r}")
     return body[key]
-
-
-def _error(status: int, code: str, message: str, **extra: Any) -> Response:
-    response = jsonify({"error": code, "message": message, **extra})
-    response.status_code = status
-    return response
 
 
 @_ROUTES.get("/health")
@@ -254,10 +250,8 @@ class ControllerServer:
     def __init__(
         self, controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
     ) -> None:
-        from rpc_server.serve import WorkerServer
-
         self.controller = controller
-        self._server = WorkerServer(create_controller_app(controller, token=token), host, port)
+        self._server = HttpServer(create_controller_app(controller, token=token), host, port)
         self.address = self._server.node
         self._token_required = token is not None or bool(token_from_env())
         self._running = True

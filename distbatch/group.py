@@ -6,6 +6,7 @@ metadata, and per-task results stay on the worker that produced them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -219,18 +220,34 @@ class WorkerGroup:
                 liveness_timeout=self.liveness_timeout,
             )
         except Exception as exc:  # any error of a call carries the completed ones' replies
-            error: Exception = exc
-            if isinstance(exc, WorkerUnavailableError):  # say why, if the launcher knows
-                error = self._dead_worker_error(nodes) or exc
-            partial = getattr(exc, "partial_results", None)
-            if partial is not None:
-                error.partial_results = [  # type: ignore[attr-defined]
-                    None if r is None else decode_value(r["result"], self._client) for r in partial
-                ]
-            if error is exc:
-                raise
-            raise error from exc
+            raise self._call_error(exc, nodes, self._dead_worker_error(nodes)) from exc
         return [decode_value(reply["result"], self._client) for reply in replies]
+
+    async def _arun(self, calls: list[tuple[str, str, bytes]], call_timeout: float | None) -> list[Any]:
+        nodes = [node for node, _, _ in calls]
+        self._check_alive(nodes)
+        try:
+            replies = await self.client.acall_many(
+                calls,
+                timeout=self.call_timeout if call_timeout is None else call_timeout,
+                liveness_timeout=self.liveness_timeout,
+            )
+        except Exception as exc:
+            # Asking Ray whether an actor died may block: not on the caller's loop.
+            dead = await asyncio.to_thread(self._dead_worker_error, nodes)
+            raise self._call_error(exc, nodes, dead) from exc
+        return [decode_value(reply["result"], self._client) for reply in replies]
+
+    def _call_error(self, exc: Exception, nodes: list[str], dead: WorkerUnavailableError | None) -> Exception:
+        """The error a failed group call raises: why a worker is gone if the launcher knows,
+        carrying the completed calls' results (`partial_results`) as batches."""
+        error: Exception = dead or exc if isinstance(exc, WorkerUnavailableError) else exc
+        partial = getattr(exc, "partial_results", None)
+        if partial is not None:
+            error.partial_results = [  # type: ignore[attr-defined]
+                None if r is None else decode_value(r["result"], self._client) for r in partial
+            ]
+        return error
 
     def _dead_worker_error(self, nodes: list[str]) -> WorkerUnavailableError | None:
         try:
@@ -252,7 +269,7 @@ class WorkerGroup:
             dead = getattr(stopper, "dead", None)
             for node in nodes if dead is not None else ():
                 if node in getattr(stopper, "nodes", ()) and dead(node):
-                    raise WorkerUnavailableError(node, "its Ray actor is dead")
+                    raise WorkerUnavailableError(node, "its Ray actor or worker process is dead")
 
     def call(
         self, method: str, chunks: Sequence[Any], *, call_timeout: float | None = None, **kwargs: Any
@@ -285,6 +302,28 @@ class WorkerGroup:
     ) -> Any:
         """Call `method(*args, **kwargs)` on one worker (by index or node); `call_timeout` as for `call`."""
         return self._run([(self._node(worker), method, encode_call(args, kwargs))], call_timeout)[0]
+
+    async def acall(
+        self, method: str, chunks: Sequence[Any], *, call_timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """`call` for async controllers: awaits the calls without blocking the caller's loop."""
+        if len(chunks) != len(self.nodes):
+            raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
+        calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
+        return await self._arun(calls, call_timeout)
+
+    async def acall_all(
+        self, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """`call_all` for async controllers."""
+        body = encode_call(args, kwargs)
+        return await self._arun([(node, method, body) for node in self.nodes], call_timeout)
+
+    async def acall_on(
+        self, worker: int | str, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """`call_on` for async controllers."""
+        return (await self._arun([(self._node(worker), method, encode_call(args, kwargs))], call_timeout))[0]
 
     def stats(self) -> list[dict[str, Any]]:
         """Every worker's `/v1/stats`, in worker order."""

@@ -61,3 +61,26 @@ def parse_wire_name(name: str) -> ShardKey:
     if not sep:
         raise InvalidIdError(f"invalid shard name {name!r}: expected 'task_id/field'")
     return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
+
+
+_NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
+
+
+def validate_node(node: Any) -> str:
+    """Return `node` as `host:port` (an `http://` prefix is dropped) or raise `ValueError`."""
+    if isinstance(node, str) and node.startswith("http://"):
+        node = node[len("http://") :].rstrip("/")
+    if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
+        raise ValueError(f"invalid node address {node!r}: expected 'host:port'")
+    if not 1 <= int(node.rpartition(":")[2]) <= 65535:  # 0 is "any port" when binding, not a peer
+        raise ValueError(f"invalid node address {node!r}: the port must be 1-65535")
+    return node
+
+
+class ShardRef(NamedTuple):
+    """Where one shard lives; `nbytes` (if known) lets the client bound response sizes."""
+
+    node: str
+    task_id: str
+    field: str
+    nbytes: int | None = None

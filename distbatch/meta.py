@@ -1,40 +1,68 @@
 """Batch metadata: where each shard of a REMOTE batch lives, and its dtype and shape.
 
-Columnar and compact: per field one dtype, and per task a node index and a
-shape. Its size grows with the number of shards, never with sequence length.
+Columnar on numpy: per field one dtype, one node index per task (an int32 array) and
+the tasks' shapes (`RowShapes`: one shape for a fixed-shape field, one length per task
+for a ragged one). Slicing, chunking, unions, concatenation and (de)serialisation are
+array operations; nothing here makes an object per shard. Its size grows with the
+number of tasks, never with sequence length.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distbatch.client import ShardRef, validate_node
+import numpy as np
+
 from distbatch.errors import DistBatchError, InvalidIdError
-from distbatch.ids import ShardKey, validate_id
-from distbatch.wire import ITEMSIZE
+from distbatch.ids import ShardKey, ShardRef, validate_id, validate_node
+from distbatch.shapes import RowShapes, ShapeError
+from distbatch.wire import ITEMSIZE, validate_id_list
 
 META_VERSION = 1
+NODE_INDEX = np.int32
 
 
 class MetaFormatError(DistBatchError, ValueError):
     """Serialized metadata is malformed (bad JSON, ids, nodes, dtypes or shapes)."""
 
 
+def _pick(values: list[str], rows: np.ndarray) -> list[str]:
+    """`[values[i] for i in rows]`, in C."""
+    if len(rows) == 0:
+        return []
+    if len(rows) == 1:
+        return [values[int(rows[0])]]
+    return list(operator.itemgetter(*rows.tolist())(values))
+
+
+def _rows(indices: Sequence[int] | np.ndarray | slice, n: int) -> np.ndarray:
+    if isinstance(indices, slice):
+        return np.arange(n, dtype=np.int64)[indices]
+    return np.asarray(indices, dtype=np.int64).reshape(-1)
+
+
 @dataclass
 class FieldMeta:
     """One column: `dtype` is a wire dtype name, or None for a JSON field.
 
-    `nodes[i]` indexes `BatchMeta.nodes` for task i; `shapes[i]` is its shape
-    (`()` for JSON values).
+    `nodes[i]` indexes `BatchMeta.nodes` for task i; `shapes` holds each task's shape
+    (`()` for JSON values). Lists are accepted and converted.
     """
 
     dtype: str | None
-    nodes: list[int]
-    shapes: list[tuple[int, ...]]
+    nodes: np.ndarray
+    shapes: RowShapes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, np.ndarray) or self.nodes.dtype != NODE_INDEX:
+            self.nodes = np.asarray(self.nodes, dtype=NODE_INDEX).reshape(-1)
+        if not isinstance(self.shapes, RowShapes):
+            self.shapes = RowShapes.from_list(list(self.shapes))
 
     @property
     def is_tensor(self) -> bool:
@@ -43,10 +71,26 @@ class FieldMeta:
     def nbytes(self, i: int) -> int | None:
         if self.dtype is None:
             return None
-        return math.prod(self.shapes[i]) * ITEMSIZE[self.dtype]
+        return math.prod(self.shapes.row(i)) * ITEMSIZE[self.dtype]
 
-    def take(self, indices: Sequence[int]) -> FieldMeta:
-        return FieldMeta(self.dtype, [self.nodes[i] for i in indices], [self.shapes[i] for i in indices])
+    def row_nbytes(self) -> np.ndarray:
+        """Bytes per task (zeros for a JSON field, whose size metadata does not know)."""
+        if self.dtype is None:
+            return np.zeros(self.shapes.n, dtype=np.int64)
+        return self.shapes.counts() * ITEMSIZE[self.dtype]
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> FieldMeta:
+        rows = _rows(indices, len(self.nodes))
+        return FieldMeta(self.dtype, self.nodes[rows], self.shapes.take(rows))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FieldMeta):
+            return NotImplemented
+        return (
+            self.dtype == other.dtype
+            and bool(np.array_equal(self.nodes, other.nodes))
+            and self.shapes == other.shapes
+        )
 
 
 @dataclass
@@ -60,79 +104,137 @@ class BatchMeta:
     def __len__(self) -> int:
         return len(self.task_ids)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Task ids as one string (ids cannot hold a newline): one object to pickle, not one per task.
+        return {"task_ids": "\n".join(self.task_ids), "nodes": self.nodes, "fields": self.fields}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ids = state["task_ids"]
+        self.task_ids = ids.split("\n") if isinstance(ids, str) and ids else list(ids or [])
+        self.nodes, self.fields = state["nodes"], state["fields"]
+
     # --------------------------------------------------------------- queries
 
     def node_of(self, field_name: str, i: int) -> str:
-        return self.nodes[self.fields[field_name].nodes[i]]
+        return self.nodes[int(self.fields[field_name].nodes[i])]
 
     def refs(self, fields: Iterable[str], indices: Sequence[int] | None = None) -> list[ShardRef]:
-        """ShardRefs for `fields` of the tasks at `indices` (all tasks by default), task-major."""
-        rows = range(len(self.task_ids)) if indices is None else indices
-        nodes, task_ids = self.nodes, self.task_ids
-        row_task_ids = [task_ids[i] for i in rows]
-        columns = []  # per field, column-wise (cheaper than a size and a node lookup per shard)
+        """ShardRefs for `fields` of the tasks at `indices` (all tasks by default), task-major.
+
+        One object per shard: for callers of the per-shard client API; the batch's own
+        gathers use `plan` instead.
+        """
+        rows = np.arange(len(self.task_ids)) if indices is None else _rows(indices, len(self.task_ids))
+        row_ids = _pick(self.task_ids, rows)
+        columns = []
         for name in fields:
             fm = self.fields[name]
-            if fm.dtype is None:
-                sizes: list[int | None] = [None] * len(row_task_ids)
-            else:
-                itemsize, shapes = ITEMSIZE[fm.dtype], fm.shapes
-                sizes = [math.prod(shapes[i]) * itemsize for i in rows]
-            columns.append((name, [nodes[fm.nodes[i]] for i in rows], sizes))
+            sizes: list[int | None] = (
+                [None] * len(rows) if fm.dtype is None else fm.row_nbytes()[rows].tolist()
+            )
+            columns.append((name, _pick(self.nodes, fm.nodes[rows].astype(np.int64)), sizes))
         return [
             ShardRef(column_nodes[r], task_id, name, sizes[r])
-            for r, task_id in enumerate(row_task_ids)
+            for r, task_id in enumerate(row_ids)
             for name, column_nodes, sizes in columns
         ]
 
+    def plan(self, fields: Sequence[str]) -> dict[str, list[tuple[np.ndarray, list[str]]]]:
+        """Per node, the (task rows, fields) products it holds of `fields`.
+
+        Fields whose tasks sit on the same nodes (the usual case: a put stores all of a
+        task's fields together) share one product per node.
+        """
+        out: dict[str, list[tuple[np.ndarray, list[str]]]] = {}
+        groups: dict[bytes, list[str]] = {}
+        for name in fields:
+            groups.setdefault(self.fields[name].nodes.tobytes(), []).append(name)
+        for names in groups.values():
+            nodes = self.fields[names[0]].nodes
+            if len(self.nodes) == 1:
+                out.setdefault(self.nodes[0], []).append((np.arange(len(nodes)), names))
+                continue
+            order = np.argsort(nodes, kind="stable")
+            bounds = np.flatnonzero(np.diff(nodes[order])) + 1
+            for rows in np.split(order, bounds):
+                if len(rows):
+                    out.setdefault(self.nodes[int(nodes[rows[0]])], []).append((rows, names))
+        return out
+
     def keys_by_node(self) -> dict[str, list[ShardKey]]:
-        """Every shard this batch names, grouped by the node that holds it."""
+        """Every shard this batch names, grouped by the node that holds it (one object per shard)."""
         out: dict[str, list[ShardKey]] = {}
-        for name, fm in self.fields.items():
-            for task_id, node_index in zip(self.task_ids, fm.nodes):
-                out.setdefault(self.nodes[node_index], []).append(ShardKey(task_id, name))
+        for node, products in self.plan(list(self.fields)).items():
+            keys = out.setdefault(node, [])
+            for rows, names in products:
+                for task_id in _pick(self.task_ids, rows):
+                    keys += [ShardKey(task_id, name) for name in names]
         return out
 
     def lengths(self, field_name: str) -> list[int]:
         """Per-task length of a tensor field: its first dimension (1 for a 0-d shard)."""
+        return self.length_array(field_name).tolist()
+
+    def length_array(self, field_name: str) -> np.ndarray:
         fm = self.fields[field_name]
         if not fm.is_tensor:
             raise ValueError(f"field {field_name!r} holds JSON values; lengths need a tensor field")
-        return [shape[0] if shape else 1 for shape in fm.shapes]
+        return fm.shapes.first_dims()
 
     def total_bytes(self) -> int:
         """Bytes of tensor data the batch names (JSON shards are not counted)."""
-        return sum(
-            math.prod(s) * ITEMSIZE[fm.dtype] for fm in self.fields.values() if fm.dtype for s in fm.shapes
-        )
+        return sum(int(fm.row_nbytes().sum()) for fm in self.fields.values())
 
     # --------------------------------------------------------------- derivation
 
-    def take(self, indices: Sequence[int]) -> BatchMeta:
+    def take(self, indices: Sequence[int] | np.ndarray) -> BatchMeta:
         """The sub-batch of the tasks at `indices`, nodes compacted to those still named."""
-        sub = {name: fm.take(indices) for name, fm in self.fields.items()}
-        return BatchMeta._compact([self.task_ids[i] for i in indices], self.nodes, sub)
+        rows = _rows(indices, len(self.task_ids))
+        sub = {name: fm.take(rows) for name, fm in self.fields.items()}
+        return BatchMeta._compact(_pick(self.task_ids, rows), self.nodes, sub)
 
     def select_fields(self, names: Iterable[str]) -> BatchMeta:
         return BatchMeta._compact(list(self.task_ids), self.nodes, {n: self.fields[n] for n in names})
 
     @staticmethod
     def _compact(task_ids: list[str], nodes: list[str], fields: dict[str, FieldMeta]) -> BatchMeta:
-        used = sorted({i for fm in fields.values() for i in fm.nodes})
-        remap = {old: new for new, old in enumerate(used)}
+        if not fields:
+            return BatchMeta(task_ids, [], {})
+        if len(nodes) <= 1:
+            return BatchMeta(task_ids, list(nodes), dict(fields))
+        seen = np.zeros(len(nodes), dtype=bool)
+        for fm in fields.values():
+            seen |= np.bincount(fm.nodes, minlength=len(nodes)) > 0
+        used = np.flatnonzero(seen)
+        if len(used) == len(nodes):
+            return BatchMeta(task_ids, list(nodes), dict(fields))
+        remap = np.zeros(max(len(nodes), 1), dtype=NODE_INDEX)
+        remap[used] = np.arange(len(used), dtype=NODE_INDEX)
         return BatchMeta(
             task_ids,
-            [nodes[i] for i in used],
-            {
-                n: FieldMeta(fm.dtype, [remap[i] for i in fm.nodes], list(fm.shapes))
-                for n, fm in fields.items()
-            },
+            _pick(nodes, used),
+            {n: FieldMeta(fm.dtype, remap[fm.nodes], fm.shapes) for n, fm in fields.items()},
         )
+
+    @staticmethod
+    def _node_table(metas: Sequence[BatchMeta]) -> tuple[list[str], list[np.ndarray]]:
+        """All metas' nodes in one list, and per meta the map from its indexes to that list's."""
+        nodes: list[str] = []
+        index: dict[str, int] = {}
+        maps = []
+        for meta in metas:
+            maps.append(
+                np.asarray([index.setdefault(n, len(index)) for n in meta.nodes], dtype=NODE_INDEX).reshape(
+                    -1
+                )
+            )
+        nodes = list(index)
+        return nodes, maps
 
     @staticmethod
     def merge(
         task_ids: list[str],
-        parts: Sequence[tuple[BatchMeta, Sequence[int] | None]],
+        parts: Sequence[tuple[BatchMeta, Sequence[int] | np.ndarray | None]],
         field_order: Sequence[str],
     ) -> BatchMeta:
         """Build one meta whose fields come from `parts`.
@@ -141,43 +243,29 @@ class BatchMeta:
         task i of the result (None: rows already match). A field is taken from
         the last part that has it.
         """
-        nodes: list[str] = []
-        node_index: dict[str, int] = {}
+        nodes, maps = BatchMeta._node_table([meta for meta, _ in parts])
         fields: dict[str, FieldMeta] = {}
-        for meta, rows in parts:
+        for (meta, rows), mapping in zip(parts, maps):
             for name, fm in meta.fields.items():
                 picked = fm if rows is None else fm.take(rows)
-                mapped = []
-                for i in picked.nodes:
-                    node = meta.nodes[i]
-                    if node not in node_index:
-                        node_index[node] = len(nodes)
-                        nodes.append(node)
-                    mapped.append(node_index[node])
-                fields[name] = FieldMeta(fm.dtype, mapped, list(picked.shapes))
+                fields[name] = FieldMeta(fm.dtype, mapping[picked.nodes], picked.shapes)
         ordered = {name: fields[name] for name in field_order}
         return BatchMeta._compact(task_ids, nodes, ordered)
 
     @staticmethod
     def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
         """Tasks of `metas` one after another (same fields and dtypes assumed checked)."""
-        nodes: list[str] = []
-        node_index: dict[str, int] = {}
+        nodes, maps = BatchMeta._node_table(metas)
         names = list(metas[0].fields)
-        cols: dict[str, FieldMeta] = {n: FieldMeta(metas[0].fields[n].dtype, [], []) for n in names}
-        task_ids: list[str] = []
-        for meta in metas:
-            task_ids += meta.task_ids
-            local = []
-            for node in meta.nodes:
-                if node not in node_index:
-                    node_index[node] = len(nodes)
-                    nodes.append(node)
-                local.append(node_index[node])
-            for n in names:
-                fm = meta.fields[n]
-                cols[n].nodes += [local[i] for i in fm.nodes]
-                cols[n].shapes += fm.shapes
+        task_ids = [t for meta in metas for t in meta.task_ids]
+        cols = {
+            n: FieldMeta(
+                metas[0].fields[n].dtype,
+                np.concatenate([m[meta.fields[n].nodes] for meta, m in zip(metas, maps)]),
+                RowShapes.concat([meta.fields[n].shapes for meta in metas]),
+            )
+            for n in names
+        }
         return BatchMeta(task_ids, nodes, cols)
 
     # --------------------------------------------------------------- serialization
@@ -185,21 +273,21 @@ class BatchMeta:
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-safe, compact form.
 
-        Node indexes are run-length encoded (`[index, run, index, run, ...]`);
-        shapes are `{"uniform": dims}` when every task has the same shape,
-        `{"like": other_field}` when they equal an earlier field's, else a flat
-        list of `ndim, dims...` per task.
+        Node indexes are run-length encoded (`[index, run, index, run, ...]`); shapes are
+        `{"uniform": dims}` when every task has the same shape, `{"tail": dims, "lengths":
+        [...]}` for a ragged field, `{"like": other_field}` when they equal an earlier
+        field's, else a flat list of `rank, dims...` per task.
         """
         fields: dict[str, Any] = {}
-        seen_shapes: list[tuple[str, list[tuple[int, ...]]]] = []
+        seen: list[tuple[str, RowShapes]] = []
         for name, fm in self.fields.items():
             shapes: Any
-            if fm.shapes and all(s == fm.shapes[0] for s in fm.shapes):
-                shapes = {"uniform": list(fm.shapes[0])}
+            if fm.shapes.shape is not None:
+                shapes = fm.shapes.to_json()
             else:
-                like = next((other for other, prev in seen_shapes if prev == fm.shapes), None)
-                shapes = {"like": like} if like is not None else _flatten_shapes(fm.shapes)
-                seen_shapes.append((name, fm.shapes))
+                like = next((other for other, prev in seen if prev == fm.shapes), None)
+                shapes = {"like": like} if like is not None else fm.shapes.to_json()
+                seen.append((name, fm.shapes))
             fields[name] = {"dtype": fm.dtype, "nodes": _run_length(fm.nodes), "shapes": shapes}
         return {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
 
@@ -213,7 +301,7 @@ class BatchMeta:
             return _load_meta(data)
         except MetaFormatError:
             raise
-        except (InvalidIdError, ValueError, TypeError, KeyError, IndexError) as exc:
+        except (InvalidIdError, ShapeError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise MetaFormatError(f"invalid batch metadata: {exc}") from None
 
     @staticmethod
@@ -225,58 +313,34 @@ class BatchMeta:
         return BatchMeta.from_dict(data)
 
 
-def _run_length(values: Sequence[int]) -> list[int]:
-    out: list[int] = []
-    for value in values:
-        if out and out[-2] == value:
-            out[-1] += 1
-        else:
-            out += [value, 1]
-    return out
+def _run_length(values: np.ndarray) -> list[int]:
+    if not len(values):
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(values)) + 1])
+    runs = np.diff(np.concatenate([starts, [len(values)]]))
+    out = np.empty(2 * len(starts), dtype=np.int64)
+    out[0::2] = values[starts]
+    out[1::2] = runs
+    return out.tolist()
 
 
-def _expand_runs(runs: Any, count: int, limit: int) -> list[int]:
+def _expand_runs(runs: Any, count: int, limit: int) -> np.ndarray:
     if not isinstance(runs, list) or len(runs) % 2:
         raise MetaFormatError("node runs must be a flat list of [index, count] pairs")
-    out: list[int] = []
-    for index, run in zip(runs[::2], runs[1::2]):
-        if not (_is_count(index) and index < limit and _is_count(run) and run > 0):
-            raise MetaFormatError(f"bad node run ({index!r}, {run!r})")
-        if len(out) + run > count:
-            raise MetaFormatError("node runs cover more tasks than the batch has")
-        out += [index] * run
-    if len(out) != count:
-        raise MetaFormatError(f"node runs cover {len(out)} tasks, the batch has {count}")
-    return out
-
-
-def _flatten_shapes(shapes: Sequence[tuple[int, ...]]) -> list[int]:
-    flat: list[int] = []
-    for shape in shapes:
-        flat.append(len(shape))
-        flat.extend(shape)
-    return flat
-
-
-def _unflatten_shapes(flat: Sequence[Any], count: int) -> list[tuple[int, ...]]:
-    shapes: list[tuple[int, ...]] = []
-    pos = 0
-    for _ in range(count):
-        ndim = flat[pos]
-        if not _is_count(ndim) or ndim > 64:
-            raise MetaFormatError(f"bad ndim {ndim!r} in shapes")
-        dims = flat[pos + 1 : pos + 1 + ndim]
-        if len(dims) != ndim or not all(_is_count(d) for d in dims):
-            raise MetaFormatError("shapes are truncated or hold non-integer dims")
-        shapes.append(tuple(dims))
-        pos += 1 + ndim
-    if pos != len(flat):
-        raise MetaFormatError("shapes hold more entries than there are tasks")
-    return shapes
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if not runs:
+        if count:
+            raise MetaFormatError(f"node runs cover 0 tasks, the batch has {count}")
+        return np.zeros(0, dtype=NODE_INDEX)
+    if set(map(type, runs)) != {int}:
+        raise MetaFormatError("node runs must be integers")
+    array = np.asarray(runs, dtype=np.int64)
+    indexes, lengths = array[0::2], array[1::2]
+    if indexes.min() < 0 or indexes.max() >= limit or lengths.min() <= 0:
+        bad = int(np.flatnonzero((indexes < 0) | (indexes >= limit) | (lengths <= 0))[0])
+        raise MetaFormatError(f"bad node run ({int(indexes[bad])!r}, {int(lengths[bad])!r})")
+    if int(lengths.sum()) != count:
+        raise MetaFormatError(f"node runs cover {int(lengths.sum())} tasks, the batch has {count}")
+    return np.repeat(indexes, lengths).astype(NODE_INDEX)
 
 
 def _load_meta(data: Any) -> BatchMeta:
@@ -284,40 +348,37 @@ def _load_meta(data: Any) -> BatchMeta:
         raise MetaFormatError(f"expected batch metadata version {META_VERSION}")
     if not isinstance(data["task_ids"], list) or not isinstance(data["nodes"], list):
         raise MetaFormatError("'task_ids' and 'nodes' must be lists")
-    task_ids = [validate_id(t, "task_id") for t in data["task_ids"]]
-    if len(set(task_ids)) != len(task_ids):
-        raise MetaFormatError("duplicate task ids in metadata")
+    try:
+        task_ids = validate_id_list(data["task_ids"])
+    except InvalidIdError as exc:
+        raise MetaFormatError(f"invalid batch metadata: {exc}") from None
     nodes = [validate_node(n) for n in data["nodes"]]
     raw_fields = data["fields"]
     if not isinstance(raw_fields, dict):
         raise MetaFormatError("'fields' must be an object")
+    n = len(task_ids)
     fields: dict[str, FieldMeta] = {}
     # JSON objects are unordered (Flask's jsonify sorts keys, for one), so a `{"like": other}`
     # field may come before `other`: resolve those once every other field is loaded.
-    like_fields: dict[str, tuple[str | None, list[int], Any]] = {}
+    like_fields: dict[str, tuple[str | None, np.ndarray, Any]] = {}
     for name, raw in raw_fields.items():
         validate_id(name, "field")
         dtype = raw["dtype"]
         if dtype is not None and dtype not in ITEMSIZE:
             raise MetaFormatError(f"field {name!r}: unknown dtype {dtype!r}")
-        node_list = _expand_runs(raw["nodes"], len(task_ids), len(nodes))
+        node_list = _expand_runs(raw["nodes"], n, len(nodes))
         raw_shapes = raw["shapes"]
-        if isinstance(raw_shapes, dict) and set(raw_shapes) == {"uniform"}:
-            dims = raw_shapes["uniform"]
-            if not isinstance(dims, list) or len(dims) > 64 or not all(_is_count(d) for d in dims):
-                raise MetaFormatError(f"field {name!r}: bad uniform shape {dims!r}")
-            shapes = [tuple(dims)] * len(task_ids)
-        elif isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
+        if isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
             like_fields[name] = (dtype, node_list, raw_shapes["like"])
             continue
-        elif isinstance(raw_shapes, list):
-            shapes = _unflatten_shapes(raw_shapes, len(task_ids))
-        else:
-            raise MetaFormatError(f"field {name!r}: shapes must be a list or a uniform/like object")
+        try:
+            shapes = RowShapes.from_json(raw_shapes, n)
+        except ShapeError as exc:
+            raise MetaFormatError(f"field {name!r}: {exc}") from None
         fields[name] = FieldMeta(dtype, node_list, shapes)
     for name, (dtype, node_list, like) in like_fields.items():
         other = fields.get(like) if isinstance(like, str) else None
         if other is None:
             raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {like!r}")
-        fields[name] = FieldMeta(dtype, node_list, list(other.shapes))
+        fields[name] = FieldMeta(dtype, node_list, other.shapes)
     return BatchMeta(task_ids, nodes, {name: fields[name] for name in raw_fields})

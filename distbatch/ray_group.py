@@ -1,9 +1,10 @@
 """Workers as Ray actors: the multi-node launcher behind `WorkerGroup.ray` (needs `distbatch[ray]`).
 
-Each actor hosts the same `rpc_server` app as `python -m rpc_server`, in-process,
-on the node's IP and a free port. Ray only places, starts and stops the actors:
-batches and engine calls travel over the workers' HTTP data plane, never through
-Ray's object store. Import this module only when Ray is wanted: it imports `ray`.
+Each actor supervises one `python -m rpc_server` process, started on the actor's node with
+`distbatch.launch` (as `WorkerGroup.local` starts them), bound on the node's IP and a free
+port, and exiting with the actor. Ray only places, starts and stops the actors: batches and
+engine calls travel over the workers' HTTP data plane, never through Ray's object store.
+Import this module only when Ray is wanted: it imports `ray`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +20,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from distbatch.errors import WorkerUnavailableError
+from distbatch.launch import spawn_worker
+from distbatch.worker_flags import UNSET, check_flag_values, parse_flags
 
 STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
 DEFAULT_CPUS_PER_WORKER = 0.25  # a worker mostly waits on sockets; keeps 2+ workers on a 2-CPU node
@@ -98,32 +100,53 @@ def _reload_ray_auth_config() -> None:
 
 
 class _WorkerActor:
-    """One worker: an `rpc_server` app served on a thread of this actor's process."""
+    """One worker: a `python -m rpc_server` child process of this actor, on the actor's node.
 
-    def __init__(self, engine: str | None, env: Mapping[str, str], flags: Sequence[str] = ()) -> None:
-        from rpc_server.__main__ import server_config_from_flags
-        from rpc_server.app import create_app
-        from rpc_server.serve import WorkerServer
+    The child gets `env` on top of the actor's environment (Ray's `runtime_env` variables,
+    CUDA_VISIBLE_DEVICES, ...) and imports with the actor's import path, as local workers do
+    with the controller's. Its output goes to a log file on this node (`log_file()`: in
+    `$DISTBATCH_LOG_DIR` when `env` or the actor's environment sets it, else a temporary
+    directory). It exits with the actor, even when the actor is killed (`--exit-with-parent`).
+    """
 
-        os.environ.update(env)  # before the app: ServerConfig reads DISTBATCH_TOKEN, engines read the rest
-        for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
-            if entry and entry not in sys.path:
-                sys.path.insert(0, entry)  # the process is running: PYTHONPATH alone would not reach imports
-        app = create_app(server_config_from_flags([*flags, *(["--engine", engine] if engine else [])]))
-        self.server = WorkerServer(app, ray.util.get_node_ip_address(), 0).start_background()
+    def __init__(
+        self, engine: str | None, env: Mapping[str, str], flags: Sequence[str], startup_timeout: float
+    ) -> None:
+        try:
+            self.worker = spawn_worker(
+                host=ray.util.get_node_ip_address(),
+                args=[*flags, *(["--engine", engine] if engine else [])],
+                env=env,
+                startup_timeout=startup_timeout,
+                log_dir=env.get("DISTBATCH_LOG_DIR") or None,
+            )
+        except WorkerUnavailableError as exc:
+            # Ray pickles a creation error to the driver, and this one's constructor does not
+            # round-trip (the driver would get an UnserializableException): send its text.
+            raise RuntimeError(str(exc)) from None
 
     def node(self) -> str:
-        return self.server.node
+        return self.worker.node
 
     def pid(self) -> int:
-        return os.getpid()
+        """The worker process's pid (the actor's child, which serves the node)."""
+        return self.worker.pid
+
+    def alive(self) -> bool:
+        """Whether the worker process still runs (the actor may outlive it)."""
+        return self.worker.alive()
+
+    def log_file(self) -> str | None:
+        """The worker's log file, on this actor's node."""
+        return str(self.worker.log_file) if self.worker.log_file is not None else None
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id), to check or report placement."""
         return ray.get_runtime_context().get_node_id()
 
-    def stop(self) -> None:
-        self.server.shutdown()
+    def stop(self, timeout: float = 4.0) -> None:
+        """SIGTERM the worker (its engine releases what it holds), SIGKILL it after `timeout`."""
+        self.worker.stop(timeout)
 
 
 class RayWorkers:
@@ -138,25 +161,24 @@ class RayWorkers:
         return self.actors[self.nodes.index(node)]
 
     def dead(self, node: str) -> bool:
-        """True once the actor serving `node` is known to be gone (a cheap local check)."""
+        """True once the actor serving `node`, or its worker process, is known to be gone."""
         if not ray.is_initialized():
             return True
         try:
-            ray.get(self.actor(node).node.remote(), timeout=5.0)
+            return not ray.get(self.actor(node).alive.remote(), timeout=5.0)
         except ray.exceptions.RayActorError:
             return True
         except Exception:
             return False
-        return False
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Shut each server down (so engines release what they hold), kill the actors, free the bundles."""
+        """Stop each worker process (so engines release what they hold), kill the actors, free the bundles."""
         if not ray.is_initialized():  # the cluster went first: the actors went with it
             return
         stopping = []
         for actor in self.actors:
             try:
-                stopping.append(actor.stop.remote())
+                stopping.append(actor.stop.remote(0.8 * timeout))  # SIGKILL falls within our wait
             except Exception:
                 pass
         try:
@@ -181,8 +203,6 @@ PLACEMENT_OPTIONS = ("host", "port", "address_file", "exit_with_parent")  # Ray'
 
 def check_ray_worker_flags(flags: Sequence[str]) -> None:
     """ValueError for worker flags that are bad, or that Ray placement decides instead."""
-    from rpc_server.__main__ import UNSET, parse_flags, server_config
-
     args = parse_flags(flags, unset=PLACEMENT_OPTIONS)  # argparse's abbreviations included
     given = [name for name in PLACEMENT_OPTIONS if getattr(args, name) is not UNSET]
     if given:
@@ -190,7 +210,7 @@ def check_ray_worker_flags(flags: Sequence[str]) -> None:
         raise ValueError(
             f"{flag} does not apply to Ray workers: each binds its node's address on a free port"
         )
-    server_config(args)
+    check_flag_values(args)
 
 
 def start_ray_workers(
@@ -263,7 +283,9 @@ def start_ray_workers(
                 options["resources"] = others
             if runtime_env:
                 options["runtime_env"] = dict(runtime_env)
-            actors.append(actor_class.options(**options).remote(engine, dict(extra), list(args)))
+            actors.append(
+                actor_class.options(**options).remote(engine, dict(extra), list(args), startup_timeout)
+            )
         refs = [actor.node.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)
         if len(ready) < len(refs):

@@ -1,68 +1,98 @@
-"""The wire format: a bundle of shards as one safetensors container.
+"""The wire format: a bundle of shards, laid out by column, as one safetensors container.
 
-Layout (the safetensors spec): 8-byte little-endian header length, a UTF-8 JSON
-header, then the raw tensor bytes. Tensors are named ``task_id/field``; JSON
-(non-tensor) shards ride in the header's ``__metadata__`` under the same names,
-as JSON text. Nothing here pickles, evaluates or base64-encodes anything.
+A bundle names its task ids once and carries one entry per field: the tasks' values
+concatenated along dim 0. Tables say how to cut them back into tasks:
 
-Two layers: the *raw* layer (`parse_container`, `build_container`) works on
-dtype names, shapes and bytes and needs no torch, so a worker can validate,
-store and serve shards without ever materialising a tensor; the *torch* layer
-(`encode_bundle`, `decode_bundle`) converts to and from tensors, zero-copy on
-decode when the buffer is writable.
+| layout  | entries for field `f`                                                        |
+| ------- | ---------------------------------------------------------------------------- |
+| uniform | `f`: shape `[m, *row_shape]` (every task has the same shape)                  |
+| ragged  | `f`: `[sum(lengths), *tail]`, `f/lengths`: I64 `[m]` (first dim per task)     |
+| general | `f`: 1-D `[total elements]`, `f/ranks`: I64 `[m]`, `f/dims`: I64 `[m, width]` |
+| any     | `f/rows`: I64 `[m]`, when the field covers only some of the tasks (indexes)   |
+
+JSON fields ride in the header's `__metadata__` as one JSON array per field, under
+`json/<field>`; `__metadata__["distbatch"]` holds the task ids and each field's dtype and
+layout. `/` is not in the id alphabet, so no table can clash with a field. The whole is a
+valid safetensors container (the `safetensors` package loads it); nothing is pickled,
+evaluated or base64-encoded.
+
+Two layers: the *raw* layer (`Bundle`, `RawColumn`, `build_bundle`, `parse_bundle`)
+works on dtype names, shape tables (numpy) and bytes and needs no torch, so a worker
+stores and serves columns without materialising a tensor; the *torch* layer converts
+columns to and from tensors, one tensor per field, zero-copy on decode.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from distbatch.container import (
+    CONTENT_TYPE,
+    ITEMSIZE,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    Buffer,
+    Entry,
+    RawTensor,
+    build_container,
+    join_parts,
+    parse_container,
+    parts_size,
+)
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.gc_pause import paused_gc
-from distbatch.ids import ShardKey, parse_wire_name, validate_key
+from distbatch.ids import ShardKey, validate_id, validate_key
+from distbatch.shapes import RowShapes, ShapeError
 
 if TYPE_CHECKING:
     import torch
 
-Buffer = bytes | bytearray | memoryview
+__all__ = [
+    "CONTENT_TYPE",
+    "ITEMSIZE",
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "Buffer",
+    "Bundle",
+    "RawColumn",
+    "RawTensor",
+    "build_bundle",
+    "join_parts",
+    "paused_gc",
+    "parse_bundle",
+    "parts_size",
+]
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_JSON_DEPTH = 64
-MAX_DIMS = 64
-METADATA_KEY = "__metadata__"
-CONTENT_TYPE = "application/octet-stream"
+BUNDLE_KEY = "distbatch"
+BUNDLE_VERSION = 2
+JSON_PREFIX = "json/"
+TABLES = ("lengths", "ranks", "dims", "rows")
+# A column's key is its field, or `field#k` for the k-th extra column of a field whose
+# values differ in dtype across tasks (a column holds one dtype). `#` is not an id character.
+LAYER_MARK = "#"
+_INT64_MAX = 2**63 - 1
+_LAYER = re.compile(r"[1-9][0-9]{0,3}")
 
-# safetensors dtype name -> bytes per element. The names are the spec's, so a
-# container we write loads with the `safetensors` package and vice versa.
-ITEMSIZE: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2": 1,
-    "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-    "C64": 8,
-    "C128": 16,  # not in the spec; our extension so complex128 is not lost
-}
 
-# Where the tensor data starts in a container we build: a multiple of every element size.
-_DATA_ALIGNMENT = max(ITEMSIZE.values())
+def column_field(key: str) -> str:
+    """The field a bundle column belongs to (its key without a `#k` layer suffix)."""
+    return key.partition(LAYER_MARK)[0]
+
+
+def _check_column_key(key: str) -> None:
+    field, mark, layer = key.partition(LAYER_MARK)
+    validate_id(field, "field")
+    if mark and _LAYER.fullmatch(layer) is None:
+        raise WireFormatError(f"bad column name {key!r}: expected 'field' or 'field#k'")
+
 
 _TORCH_DTYPE_NAMES = {
     "bool": "BOOL",
@@ -87,241 +117,321 @@ _TORCH_DTYPE_NAMES = {
     "complex128": "C128",
 }
 
-
-class RawTensor(NamedTuple):
-    """A tensor as the wire sees it: dtype name, shape and C-contiguous bytes.
-
-    A NamedTuple, not a frozen dataclass: one is made per shard on every hot
-    path, and a frozen dataclass's __init__ costs several times more.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: Buffer
-
-    @property
-    def nbytes(self) -> int:
-        # From dtype and shape: re-exporting `data`'s buffer costs tens of microseconds
-        # (numpy-backed views), which added up to most of a put's time for small shards.
-        # Parsing checks that the byte span matches; tensor_to_raw builds it that way.
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+_ID_LIST = re.compile(r"(?:[A-Za-z0-9._:@=+-]{1,200}\n)*")
 
 
-@dataclass(slots=True)
-class Container:
-    """A parsed container: tensors as `RawTensor`, JSON shards as their JSON text."""
-
-    tensors: dict[ShardKey, RawTensor]
-    json_texts: dict[ShardKey, str]
-    # (start, end, key) of every tensor in data order, and the data region they index:
-    # lets a decoder turn a run of same-dtype tensors into tensors with one call.
-    layout: list[tuple[int, int, ShardKey]] = field(default_factory=list)
-    data: memoryview | None = None
-    # JSON shards as values, parsed once while validating.
-    json_values: dict[ShardKey, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.tensors) + len(self.json_texts)
+def validate_id_list(ids: Any, what: str = "task_id") -> list[str]:
+    """`ids` as a list of valid, distinct ids, checked with one regex pass (not one call per id)."""
+    if not isinstance(ids, list):
+        raise InvalidIdError(f"{what}s must be a list")
+    text = "\n".join(ids) + "\n" if ids and set(map(type, ids)) == {str} else None
+    # The newline count rules out an id that holds a newline itself (it would pass as two ids).
+    if ids and (text is None or text.count("\n") != len(ids) or _ID_LIST.fullmatch(text) is None):
+        for value in ids:
+            validate_id(value, what)  # names the first bad one
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = next(t for t in ids if t in seen or seen.add(t))  # type: ignore[func-returns-value]
+        raise InvalidIdError(f"duplicate {what} {dup!r}")
+    return ids
 
 
 # --------------------------------------------------------------------------- raw layer
 
 
-def build_container(
-    tensors: Mapping[ShardKey, RawTensor], json_texts: Mapping[ShardKey, str]
-) -> list[Buffer]:
-    """Lay out a container; returns its parts (header first) to send or join.
+@dataclass(slots=True)
+class RawColumn:
+    """One field of a bundle in wire form.
 
-    Tensors are ordered by element size, largest first, so that every tensor's
-    data starts aligned to its element size (the header is padded so the data
-    starts at a multiple of the largest element size, 16 for C128),
-    which keeps zero-copy decoding aligned without breaking the spec's rule
-    that the byte buffer has no holes.
+    Tensors: `dtype` is a wire dtype name, `shapes` one shape per row and `parts` the
+    rows' bytes in order (several buffers when gathered from several places; `nbytes`
+    their total). JSON: `dtype` is None and `values` holds one value per row. `rows`
+    indexes the bundle's task ids when the field covers only some of them, in that
+    order; None means every task, in order.
     """
-    metadata = {"format": "pt"}
-    for key, text in json_texts.items():
-        metadata[key.wire_name()] = text
-    entries = [f'"{METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)]
-    parts: list[Buffer] = [b""]
-    offset = 0
-    # Same-dtype tensors stay adjacent too, so a decoder can take each run in one call.
-    ordered = sorted(tensors.items(), key=lambda item: (-ITEMSIZE[item[1].dtype], item[1].dtype))
-    for (task_id, field_name), raw in ordered:
-        nbytes = raw.nbytes
-        # Written directly rather than through json.dumps of a dict per tensor (the
-        # worker's hottest line when serving many shards). Ids and dtype names come
-        # from alphabets that need no JSON escaping; the text equals json.dumps's.
-        shape = ",".join(map(str, raw.shape))
-        entries.append(
-            f'"{task_id}/{field_name}":{{"dtype":"{raw.dtype}","shape":[{shape}],'
-            f'"data_offsets":[{offset},{offset + nbytes}]}}'
-        )
-        if nbytes:
-            parts.append(raw.data)
-        offset += nbytes
+
+    dtype: str | None
+    shapes: RowShapes | None = None
+    parts: Sequence[Buffer] = ()
+    nbytes: int = 0
+    values: list[Any] | None = None
+    rows: np.ndarray | None = None
+    text: str | None = None  # the JSON array's text, when already encoded
+
+    @property
+    def count(self) -> int:
+        if self.dtype is None:
+            return len(self.values or ())
+        assert self.shapes is not None
+        return self.shapes.n
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    def row_nbytes(self) -> np.ndarray:
+        """Bytes per row (int64); for JSON, the array text's length split evenly over the rows."""
+        if self.dtype is not None:
+            assert self.shapes is not None
+            return self.shapes.counts() * ITEMSIZE[self.dtype]
+        n = self.count
+        # The array's text less its brackets and commas: each value's own text, exactly when
+        # there is one value, near enough otherwise (an even split: no per-value dumps).
+        total = max(len(self.json_text().encode()) - 1 - n, 0) if n else 0
+        out = np.full(n, total // max(n, 1), dtype=np.int64)
+        out[: total - int(out.sum())] += 1
+        return out
+
+    def json_text(self) -> str:
+        if self.text is None:
+            self.text = dump_json_array(self.values or [])
+        return self.text
+
+    def single_buffer(self) -> memoryview:
+        """The rows' bytes as one buffer (joined once if they came in several parts)."""
+        parts = [p for p in self.parts if len(p)]
+        if len(parts) == 1:
+            return memoryview(parts[0]).cast("B")
+        if not parts:
+            return memoryview(b"")
+        return memoryview(join_parts(parts))
+
+
+@dataclass(slots=True)
+class Bundle:
+    """Task ids plus one `RawColumn` per field."""
+
+    task_ids: list[str]
+    columns: dict[str, RawColumn]
+
+    def shard_count(self) -> int:
+        return sum(c.count for c in self.columns.values())
+
+    def nbytes(self) -> int:
+        return sum(int(c.row_nbytes().sum()) for c in self.columns.values())
+
+
+def dump_json_array(values: Sequence[Any]) -> str:
+    """A JSON array's compact UTF-8 text (its size is what the store counts); values holding
+    lone surrogates, which UTF-8 cannot carry, travel as `\\u` escapes instead."""
     try:
-        header_bytes = ("{" + ",".join(entries) + "}").encode()
-    except UnicodeEncodeError as exc:
-        raise WireFormatError(f"JSON value is not valid UTF-8: {exc}") from None
-    header_bytes += b" " * (-(8 + len(header_bytes)) % _DATA_ALIGNMENT)
-    parts[0] = len(header_bytes).to_bytes(8, "little") + header_bytes
-    return parts
+        text = json.dumps(values, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise WireFormatError(f"cannot encode JSON value: {exc}") from None
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(values, separators=(",", ":"))
+    return text
 
 
-def join_parts(parts: list[Buffer]) -> bytes:
-    return b"".join(parts)
+def _table(values: np.ndarray) -> memoryview:
+    array = np.ascontiguousarray(values, dtype="<i8")
+    return memoryview(array).cast("B")
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise WireFormatError(f"duplicate key {key!r} in container header")
-        out[key] = value
+def build_bundle(bundle: Bundle) -> list[Buffer]:
+    """Lay a bundle out as container parts (header first); tensor bytes are not copied."""
+    description: dict[str, Any] = {}
+    metadata: dict[str, str] = {"format": "pt"}
+    entries: list[Entry] = []
+    for name, column in bundle.columns.items():
+        info: dict[str, Any] = {"dtype": column.dtype}
+        if column.rows is not None:
+            info["rows"] = True
+            entries.append(Entry(f"{name}/rows", "I64", (len(column.rows),), [_table(column.rows)]))
+        if column.dtype is None:
+            metadata[JSON_PREFIX + name] = column.json_text()
+            description[name] = info
+            continue
+        shapes = column.shapes
+        assert shapes is not None
+        info["layout"] = shapes.kind
+        if shapes.shape is not None:
+            data_shape: tuple[int, ...] = (shapes.n, *shapes.shape)
+        elif shapes.lengths is not None:
+            data_shape = (int(shapes.lengths.sum()), *(shapes.tail or ()))
+            entries.append(Entry(f"{name}/lengths", "I64", (shapes.n,), [_table(shapes.lengths)]))
+        else:
+            assert shapes.ranks is not None and shapes.dims is not None
+            data_shape = (int(shapes.counts().sum()),)
+            entries.append(Entry(f"{name}/ranks", "I64", (shapes.n,), [_table(shapes.ranks)]))
+            entries.append(Entry(f"{name}/dims", "I64", shapes.dims.shape, [_table(shapes.dims)]))
+        entries.append(Entry(name, column.dtype, data_shape, column.parts))
+        description[name] = info
+    metadata[BUNDLE_KEY] = json.dumps(
+        {"version": BUNDLE_VERSION, "task_ids": bundle.task_ids, "fields": description},
+        separators=(",", ":"),
+    )
+    return build_container(entries, metadata)
+
+
+def parse_bundle(buf: Buffer) -> Bundle:
+    """Validate a bundle and describe its columns (views into `buf`, no copies).
+
+    Every malformation raises `WireFormatError`: container errors, a missing or
+    unknown description, invalid or repeated ids, tables that do not match the data,
+    entries no field claims.
+    """
+    with paused_gc():
+        container = parse_container(buf)
+        try:
+            return _parse_bundle(container.tensors, container.metadata)
+        except (InvalidIdError, ShapeError) as exc:
+            raise WireFormatError(str(exc)) from None
+
+
+def _load_json(name: str, text: str, unique_keys: bool = False) -> Any:
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate, which no UTF-8 encoder accepts
+            raise WireFormatError(f"{name!r}: JSON is not valid UTF-8: {exc}") from None
+    try:
+        # The description names each thing once: a repeated key (read as "last one wins" here,
+        # maybe otherwise by another reader) is refused, as the container header does.
+        return json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
+    except WireFormatError as exc:
+        raise WireFormatError(f"{name!r}: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise WireFormatError(f"{name!r}: invalid JSON: {exc}") from None
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise WireFormatError(f"duplicate key {dup!r}")
     return out
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _int_table(tensors: dict[str, RawTensor], name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    raw = tensors.get(name)
+    if raw is None:
+        raise WireFormatError(f"missing table {name!r}")
+    if raw.dtype != "I64":
+        raise WireFormatError(f"table {name!r} must be I64, not {raw.dtype}")
+    if shape is not None and raw.shape != shape:
+        raise WireFormatError(f"table {name!r} has shape {list(raw.shape)}, expected {list(shape)}")
+    table = np.frombuffer(raw.data, dtype="<i8").reshape(raw.shape)
+    if table.size and int(table.min()) < 0:
+        raise WireFormatError(f"table {name!r} holds negative values")
+    return table
 
 
-def _parse_tensor_entry(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
-    # Fast path for a well-formed entry; anything else takes the careful path below,
-    # which says exactly what is wrong. (`type(x) is int` also rules out bool.)
-    if type(info) is dict:
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if (
-            type(dtype) is str
-            and dtype in ITEMSIZE
-            and type(shape) is list
-            and len(shape) <= MAX_DIMS
-            and type(offsets) is list
-            and len(offsets) == 2
-        ):
-            start, end = offsets
-            if type(start) is int and type(end) is int and 0 <= start <= end:
-                count = 1
-                for dim in shape:
-                    if type(dim) is not int or dim < 0:
-                        break
-                    count *= dim
-                else:
-                    if end - start == count * ITEMSIZE[dtype]:
-                        return dtype, tuple(shape), start, end
-    return _parse_tensor_entry_checked(name, info)
+def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bundle:
+    text = metadata.get(BUNDLE_KEY)
+    if text is None:
+        if not tensors and not any(k.startswith(JSON_PREFIX) for k in metadata):
+            return Bundle([], {})  # an empty container is an empty bundle
+        raise WireFormatError(f"not a distbatch bundle: __metadata__ has no {BUNDLE_KEY!r} entry")
+    description = _load_json(BUNDLE_KEY, text, unique_keys=True)
+    if not isinstance(description, dict) or description.get("version") != BUNDLE_VERSION:
+        raise WireFormatError(f"expected a bundle description of version {BUNDLE_VERSION}")
+    task_ids = validate_id_list(description.get("task_ids"))
+    fields = description.get("fields")
+    if not isinstance(fields, dict):
+        raise WireFormatError("the bundle description's 'fields' must be an object")
+    n = len(task_ids)
+    claimed: set[str] = set()
+    json_keys: set[str] = set()
+    columns: dict[str, RawColumn] = {}
+    for name, info in fields.items():
+        _check_column_key(name)
+        if not isinstance(info, dict):
+            raise WireFormatError(f"field {name!r}: description must be an object")
+        rows: np.ndarray | None = None
+        if info.get("rows", False) is True:
+            claimed.add(f"{name}/rows")
+            raw_rows = tensors.get(f"{name}/rows")
+            if raw_rows is not None and len(raw_rows.shape) != 1:
+                raise WireFormatError(f"table '{name}/rows' must be 1-D, has shape {list(raw_rows.shape)}")
+            rows = _int_table(tensors, f"{name}/rows")
+            if rows.size and int(rows.max()) >= n:
+                raise WireFormatError(f"field {name!r}: a row index is past the {n} tasks")
+            if len(np.unique(rows)) != len(rows):
+                raise WireFormatError(f"field {name!r}: rows repeat a task")
+            m = len(rows)
+        elif info.get("rows", False) is not False:
+            raise WireFormatError(f"field {name!r}: 'rows' must be true or false")
+        else:
+            m = n
+        dtype = info.get("dtype")
+        if dtype is None:
+            key = JSON_PREFIX + name
+            if key not in metadata:
+                raise WireFormatError(f"JSON field {name!r} has no {key!r} metadata")
+            values = _load_json(key, metadata[key])
+            if not isinstance(values, list) or len(values) != m:
+                raise WireFormatError(f"JSON field {name!r} must be an array of {m} values")
+            columns[name] = RawColumn(None, values=values, rows=rows, text=metadata[key])
+            json_keys.add(key)
+            continue
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise WireFormatError(f"field {name!r}: unsupported dtype {dtype!r}")
+        data = tensors.get(name)
+        if data is None:
+            raise WireFormatError(f"field {name!r} has no data entry")
+        if data.dtype != dtype:
+            raise WireFormatError(f"field {name!r}: data entry is {data.dtype}, described as {dtype}")
+        claimed.add(name)
+        layout = info.get("layout")
+        if layout == "uniform":
+            if not data.shape or data.shape[0] != m:
+                raise WireFormatError(
+                    f"field {name!r}: uniform data must have {m} rows, has shape {list(data.shape)}"
+                )
+            shapes = RowShapes.uniform(m, data.shape[1:])
+        elif layout == "ragged":
+            claimed.add(f"{name}/lengths")
+            lengths = _int_table(tensors, f"{name}/lengths", (m,))
+            if not data.shape or _exact_sum(lengths) != data.shape[0]:
+                raise WireFormatError(f"field {name!r}: lengths do not add up to the data's first dimension")
+            shapes = RowShapes(m, tail=data.shape[1:], lengths=lengths).normalized()
+        elif layout == "general":
+            claimed.update((f"{name}/ranks", f"{name}/dims"))
+            ranks = _int_table(tensors, f"{name}/ranks", (m,))
+            dims_raw = tensors.get(f"{name}/dims")
+            width = dims_raw.shape[1] if dims_raw is not None and len(dims_raw.shape) == 2 else -1
+            if width < 0:
+                raise WireFormatError(f"field {name!r}: 'dims' must be an (m, width) table")
+            dims = _int_table(tensors, f"{name}/dims", (m, width))
+            shapes = RowShapes.general(ranks, dims)
+            if data.shape != (_exact_sum(shapes.counts()),):
+                raise WireFormatError(f"field {name!r}: general data must be 1-D with one element per value")
+        else:
+            raise WireFormatError(f"field {name!r}: unknown layout {layout!r}")
+        columns[name] = RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows)
+    stray = set(tensors) - claimed
+    if stray:
+        raise WireFormatError(f"entries no field describes: {sorted(stray)[:5]}")
+    stray_json = {k for k in metadata if k.startswith(JSON_PREFIX)} - json_keys
+    if stray_json:
+        raise WireFormatError(f"JSON entries no JSON field describes: {sorted(stray_json)[:5]}")
+    if any(LAYER_MARK in key for key in columns):
+        _check_layers(columns, n)
+    return Bundle(task_ids, columns)
 
 
-def _parse_tensor_entry_checked(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
-    if not isinstance(info, dict):
-        raise WireFormatError(f"header entry {name!r} is not an object")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-        raise WireFormatError(f"{name!r}: unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise WireFormatError(f"{name!r}: shape must be a list of non-negative ints, got {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise WireFormatError(f"{name!r}: bad data_offsets {offsets!r}")
-    expected = math.prod(shape) * ITEMSIZE[dtype]
-    if offsets[1] - offsets[0] != expected:
-        raise WireFormatError(
-            f"{name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
-            f"dtype {dtype} and shape {shape} need {expected}"
-        )
-    return dtype, tuple(shape), offsets[0], offsets[1]
+def _exact_sum(values: np.ndarray) -> int:
+    """The sum of non-negative int64 values, exact: numpy's own sum wraps around past 2**63 - 1,
+    which would let forged tables add up to the data's size."""
+    if values.size and int(values.max()) > _INT64_MAX // values.size:
+        return sum(values.tolist())
+    return int(values.sum())
 
 
-def parse_container(buf: Buffer) -> Container:
-    """Validate a container and split it into raw shards (views into `buf`, no copies).
-
-    Every malformation raises `WireFormatError`: truncation, a header length
-    past the end, bad JSON, unknown dtypes, sizes that do not match shapes,
-    overlapping / out-of-range / gapped offsets, invalid ids.
-    """
-    with paused_gc():
-        return _parse_container(buf)
-
-
-def _parse_container(buf: Buffer) -> Container:
-    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
-    if view.nbytes < 8:
-        raise WireFormatError(f"container truncated: {view.nbytes} bytes, need at least 8")
-    header_len = int.from_bytes(view[:8], "little")
-    if header_len > MAX_HEADER_BYTES:
-        raise WireFormatError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
-    if 8 + header_len > view.nbytes:
-        raise WireFormatError(
-            f"header length {header_len} runs past the end of a {view.nbytes}-byte container"
-        )
-    try:
-        header = json.loads(
-            bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_reject_duplicates
-        )
-    except WireFormatError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise WireFormatError(f"container header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise WireFormatError("container header must be a JSON object")
-    data = view[8 + header_len :]
-    metadata = header.pop(METADATA_KEY, None)
-    if metadata is None:  # absent, or null (which safetensors accepts too)
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise WireFormatError("__metadata__ must map strings to strings")
-
-    try:
-        tensors: dict[ShardKey, RawTensor] = {}
-        spans: list[tuple[int, int, ShardKey]] = []
-        for name, info in header.items():
-            key = parse_wire_name(name)
-            dtype, shape, start, end = _parse_tensor_entry(name, info)
-            spans.append((start, end, key))
-            tensors[key] = RawTensor(dtype, shape, data[start:end])
-        json_texts: dict[ShardKey, str] = {}
-        json_values: dict[ShardKey, Any] = {}
-        for name, text in metadata.items():
-            if "/" not in name:
-                continue  # free-form metadata such as "format"
-            key = parse_wire_name(name)
-            if key in tensors:
-                raise WireFormatError(f"{name!r} is both a tensor and a JSON value")
-            if not text.isascii():
-                _check_utf8(name, text)
-            json_values[key] = _load_json_text(name, text)
-            json_texts[key] = text
-    except InvalidIdError as exc:
-        raise WireFormatError(str(exc)) from None
-
-    spans.sort()
-    position = 0
-    for start, end, key in spans:
-        if start != position:
-            problem = "overlaps the previous tensor" if start < position else "leaves a gap"
-            raise WireFormatError(f"{key.wire_name()!r}: data_offsets start at {start}, {problem}")
-        position = end
-    if position != data.nbytes:
-        raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
-    return Container(tensors, json_texts, spans, data, json_values)
-
-
-def _check_utf8(name: str, text: str) -> None:
-    # A \ud800 escape in the header decodes to a lone surrogate, which no UTF-8 encoder accepts.
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        raise WireFormatError(f"{name!r}: JSON value is not valid UTF-8: {exc}") from None
-
-
-def _load_json_text(name: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise WireFormatError(f"{name!r}: invalid JSON value: {exc}") from None
+def _check_layers(columns: dict[str, RawColumn], n: int) -> None:
+    """The columns of one field (`field`, `field#k`) must hold each task's value at most once."""
+    by_field: dict[str, list[RawColumn]] = {}
+    for key, column in columns.items():
+        by_field.setdefault(column_field(key), []).append(column)
+    for field, cols in by_field.items():
+        if len(cols) > 1:
+            rows = np.concatenate([np.arange(n) if c.rows is None else c.rows for c in cols])
+            if len(np.unique(rows)) != len(rows):
+                raise WireFormatError(f"field {field!r}: two of its columns hold a value for the same task")
 
 
 # --------------------------------------------------------------------------- torch layer
@@ -492,42 +602,6 @@ def value_to_wire(value: Any) -> RawTensor | str:
         raise WireFormatError(f"cannot encode JSON value: {exc}") from None
 
 
-def split_values(
-    shards: Mapping[Any, Any],
-) -> tuple[dict[ShardKey, RawTensor], dict[ShardKey, str]]:
-    """Validate keys and convert values; the raw layer's input."""
-    import torch
-
-    by_dtype: dict[str, list[tuple[ShardKey, Any]]] = {}
-    json_texts: dict[ShardKey, str] = {}
-    for key, value in shards.items():
-        try:
-            shard_key = validate_key(key)
-        except InvalidIdError as exc:
-            raise WireFormatError(str(exc)) from None
-        try:
-            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
-                by_dtype.setdefault(dtype_name(value.dtype), []).append((shard_key, value))
-                continue
-            encoded = value_to_wire(value)
-        except WireFormatError as exc:
-            raise WireFormatError(shard_problem(shard_key, value, exc)) from None
-        if isinstance(encoded, RawTensor):
-            by_dtype.setdefault(encoded.dtype, []).append((shard_key, raw_to_tensor(encoded)))
-        else:
-            json_texts[shard_key] = encoded
-    tensors: dict[ShardKey, RawTensor] = {}
-    for name, items in by_dtype.items():
-        try:
-            tensors.update(_pack_same_dtype(name, items))
-        except RuntimeError as exc:  # e.g. NotImplementedError: a meta tensor has no data to copy
-            for shard_key, tensor in items:
-                if tensor_problem(tensor) is not None:
-                    raise WireFormatError(shard_problem(shard_key, tensor, exc)) from None
-            raise
-    return tensors, json_texts
-
-
 def shard_problem(key: ShardKey, value: Any, exc: Exception) -> str:
     """What is wrong with one shard's value, naming its task and field (and the spot inside JSON)."""
     name = f"task {key.task_id!r}, field {key.field!r}"
@@ -537,44 +611,259 @@ def shard_problem(key: ShardKey, value: Any, exc: Exception) -> str:
     return f"{name}{', at ' + where if where else ''}: {exc}"
 
 
-def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:
-    """Encode `{(task_id, field): value}` as container parts (join them to get the bytes)."""
-    with paused_gc():
-        tensors, json_texts = split_values(shards)
-        return build_container(tensors, json_texts)
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
-def _pack_same_dtype(name: str, items: list[tuple[ShardKey, Any]]) -> dict[ShardKey, RawTensor]:
-    """Tensors of one dtype as `RawTensor`s over one packed buffer (one `cat`, one copy).
+def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> RawColumn:
+    """A JSON field's values, checked (exact round trip) and encoded once as one array.
 
-    Per-tensor byte export cost more than the data for small shards; packing
-    also moves GPU tensors to the host in one transfer per dtype and device.
+    Scalars are checked by type in one pass; only containers are walked.
+    """
+    values = list(values)
+    if not set(map(type, values)) <= _JSON_SCALARS:
+        for i, value in enumerate(values):
+            if type(value) not in _JSON_SCALARS:
+                try:
+                    values[i] = _check_json(value)
+                except WireFormatError as exc:
+                    key = ShardKey(task_ids[i], name) if i < len(task_ids) else ShardKey("?", name)
+                    raise WireFormatError(shard_problem(key, value, exc)) from None
+    try:
+        text = json.dumps(values, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError) as exc:  # e.g. an int longer than sys.get_int_max_str_digits()
+        raise WireFormatError(f"field {name!r}: cannot encode JSON value: {exc}") from None
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(values, separators=(",", ":"))  # lone surrogates travel as \u escapes
+    return RawColumn(None, values=values, text=text)
+
+
+def tensor_column(tensor: torch.Tensor, shapes: RowShapes | None = None) -> RawColumn:
+    """A column from one tensor holding every row's values along dim 0 (one copy at most:
+    to the host, or to make it contiguous).
+
+    Without `shapes`, row i is `tensor[i]` (a fixed-shape field); with them, the rows'
+    values are concatenated in `tensor` (a packed ragged field).
+    """
+    raw = tensor_to_raw(tensor)
+    if shapes is None:
+        if not raw.shape:
+            raise WireFormatError("a 0-d tensor has no rows: give it a leading task dimension")
+        shapes = RowShapes.uniform(raw.shape[0], raw.shape[1:])
+    elif int(shapes.counts().sum()) * ITEMSIZE[raw.dtype] != raw.nbytes:
+        raise WireFormatError("the packed values do not hold the elements the shapes call for")
+    return RawColumn(raw.dtype, shapes, [raw.data] if raw.nbytes else [], raw.nbytes)
+
+
+def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> RawColumn:
+    """A column from one value per task: tensors (any shapes, one dtype) or JSON values.
+
+    Tensors are joined with one `cat` (one copy; on their device, then one copy to the
+    host). The per-task work is attribute reads in comprehensions; a field whose tasks
+    share rank and trailing dims is joined as it is, others are flattened first.
     """
     import torch
 
+    values = list(values)
+    kinds = set(map(type, values))
+    if not any(issubclass(k, torch.Tensor) for k in kinds):
+        if any(k.__module__ == "numpy" and k.__name__ == "ndarray" for k in kinds):
+            return list_column(name, [_from_numpy(v) for v in values], task_ids)
+        return json_column(name, values, task_ids)
+    if not all(issubclass(k, torch.Tensor) for k in kinds):
+        values = [_from_numpy(v) for v in values]
+        bad = next(i for i, v in enumerate(values) if not isinstance(v, torch.Tensor))
+        raise WireFormatError(
+            f"field {name!r} mixes tensors and other values (task {task_ids[bad]!r} holds a "
+            f"{type(values[bad]).__name__}): a field holds tensors or JSON values, not both"
+        )
+    traits = {(v.dtype, v.layout, v.device, v.is_nested, v.is_quantized) for v in values}
+    for trait in traits:
+        dtype, layout, device, nested, quantized = trait
+        if nested or layout != torch.strided or device.type == "meta" or quantized:
+            i = next(i for i, v in enumerate(values) if tensor_problem(v) is not None)
+            raise WireFormatError(f"task {task_ids[i]!r}, field {name!r}: {tensor_problem(values[i])}")
+        if dtype not in _torch_dtype_table()[0]:
+            i = next(i for i, v in enumerate(values) if v.dtype == dtype)
+            raise WireFormatError(f"task {task_ids[i]!r}, field {name!r}: {tensor_problem(values[i])}")
+    dtypes = {t[0] for t in traits}
+    if len(dtypes) > 1:
+        raise WireFormatError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+    sizes = [v.shape for v in values]
+    shapes = RowShapes.from_list(sizes)
     with torch.no_grad():
-        flats = []
-        for _, tensor in items:
-            if tensor.is_conj() or tensor.is_neg():
-                tensor = tensor.resolve_conj().resolve_neg()
-            flats.append(tensor.reshape(-1))
-        by_device: dict[Any, list[int]] = {}
-        for index, flat in enumerate(flats):
-            by_device.setdefault(flat.device, []).append(index)
-        out: dict[ShardKey, RawTensor] = {}
-        for indexes in by_device.values():
-            group = [flats[k] for k in indexes]
-            packed = torch.cat(group) if len(group) > 1 else group[0].contiguous()
-            packed = packed.cpu()
-            buffer = memoryview(packed.view(torch.uint8).numpy()) if packed.numel() else memoryview(b"")
-            itemsize = ITEMSIZE[name]
-            offset = 0
-            for k, flat in zip(indexes, group):
-                nbytes = flat.numel() * itemsize
-                key, tensor = items[k]
-                out[key] = RawTensor(name, tuple(tensor.shape), buffer[offset : offset + nbytes])
-                offset += nbytes
+        if len({t[2] for t in traits}) > 1:
+            values = [v.cpu() for v in values]
+        if shapes.packable() is None or shapes.shape == ():
+            values = [v.reshape(-1) for v in values]  # ranks or trailing dims differ: flat
+        packed = torch.cat(values) if len(values) > 1 else values[0].reshape(-1)
+    return tensor_column(packed, shapes)
+
+
+def _from_numpy(value: Any) -> Any:
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        import torch
+
+        if any(stride < 0 for stride in value.strides):
+            value = value.copy()  # torch.from_numpy refuses negative strides
+        try:
+            return torch.from_numpy(value)
+        except TypeError:
+            raise WireFormatError(f"unsupported numpy dtype {value.dtype}") from None
+    return value
+
+
+def column_tensor(column: RawColumn) -> torch.Tensor:
+    """A tensor column's values as one tensor over its bytes (zero-copy when they are in one
+    writable buffer): `[m, *shape]` for uniform rows, `[sum(lengths), *tail]` for ragged ones,
+    1-D otherwise."""
+    import torch
+
+    shapes = column.shapes
+    assert column.dtype is not None and shapes is not None
+    buffer = column.single_buffer()
+    dtype = torch_dtype(column.dtype)
+    if shapes.shape is not None:
+        shape: tuple[int, ...] = (shapes.n, *shapes.shape)
+    elif shapes.lengths is not None:
+        shape = (int(shapes.lengths.sum()), *(shapes.tail or ()))
+    else:
+        shape = (int(shapes.counts().sum()),)
+    if buffer.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if buffer.readonly:
+        buffer = memoryview(bytearray(buffer))
+    return raw_to_tensor(RawTensor(column.dtype, shape, buffer))
+
+
+def split_rows(values: torch.Tensor, shapes: RowShapes) -> list[torch.Tensor]:
+    """Per-task views of a column's values (no copies)."""
+    import torch
+
+    if shapes.n == 0:
+        return []
+    if shapes.shape is not None:
+        return list(values.reshape(shapes.n, *shapes.shape).unbind(0))
+    if shapes.lengths is not None:
+        rows = values.reshape(int(shapes.lengths.sum()), *(shapes.tail or ()))  # explicit: a tail may be 0
+        return list(torch.split(rows, shapes.lengths.tolist()))
+    flat = values.reshape(-1)
+    pieces = torch.split(flat, shapes.counts().tolist())
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes.tolist())]
+
+
+def decode_column(column: RawColumn) -> Any:
+    """A column as users see it: a stacked tensor when every row has the same shape, else a list
+    of per-task tensors (views); JSON values as a list."""
+    if column.dtype is None:
+        return list(column.values or [])
+    assert column.shapes is not None
+    values = column_tensor(column)
+    if column.shapes.shape is not None:
+        return values.reshape(column.shapes.n, *column.shapes.shape)
+    return split_rows(values, column.shapes)
+
+
+def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | None = None) -> RawColumn:
+    """Rows `start:stop` of a column (byte views, no copies); `rows` is the slice's own row table."""
+    if column.dtype is None:
+        return RawColumn(None, values=(column.values or [])[start:stop], rows=rows)
+    assert column.shapes is not None
+    sizes = column.row_nbytes()
+    first = int(sizes[:start].sum())
+    last = first + int(sizes[start:stop].sum())
+    data = column.single_buffer()[first:last]
+    return RawColumn(column.dtype, column.shapes.take(slice(start, stop)), [data], last - first, rows=rows)
+
+
+def concat_bundles(bundles: Sequence[Bundle]) -> Bundle:
+    """Bundles over the same fields (every field on every task), tasks one after another."""
+    if len(bundles) == 1:
+        return bundles[0]
+    names = list(bundles[0].columns)
+    for bundle in bundles:
+        if list(bundle.columns) != names or any(c.rows is not None for c in bundle.columns.values()):
+            raise WireFormatError(
+                "cannot join these parts: a field holds values of different dtypes for these tasks; "
+                "fetch it in smaller groups of tasks"
+            )
+    columns: dict[str, RawColumn] = {}
+    for name in names:
+        cols = [b.columns[name] for b in bundles]
+        if cols[0].dtype is None:
+            columns[name] = RawColumn(None, values=[v for c in cols for v in c.values or []])
+        else:
+            parts = [p for c in cols for p in c.parts]
+            shapes = RowShapes.concat([c.shapes for c in cols if c.shapes is not None])
+            columns[name] = RawColumn(cols[0].dtype, shapes, parts, parts_size(parts))
+    return Bundle([t for b in bundles for t in b.task_ids], columns)
+
+
+# --------------------------------------------------------------------------- per-shard API
+
+
+def bundle_from_shards(shards: Mapping[Any, Any]) -> Bundle:
+    """`{(task_id, field): value}` as a bundle: tasks in first-seen order, one column per field.
+
+    Values of one field that differ in dtype (or mix tensors and JSON) go to one column per
+    kind: `field`, `field#1`, `field#2`... (see `column_field`).
+    """
+    task_index: dict[str, int] = {}
+    by_column: dict[str, tuple[list[int], list[Any]]] = {}
+    kinds: dict[str, dict[str, int]] = {}
+    for key, value in shards.items():
+        try:
+            task_id, field = validate_key(key)
+        except InvalidIdError as exc:
+            raise WireFormatError(str(exc)) from None
+        row = task_index.setdefault(task_id, len(task_index))
+        field_kinds = kinds.setdefault(field, {})
+        layer = field_kinds.setdefault(_value_kind(value), len(field_kinds))
+        rows, values = by_column.setdefault(f"{field}{LAYER_MARK}{layer}" if layer else field, ([], []))
+        rows.append(row)
+        values.append(value)
+    task_ids = list(task_index)
+    columns: dict[str, RawColumn] = {}
+    for field, (rows, values) in by_column.items():
+        if any(b < a for a, b in zip(rows, rows[1:])):  # keep each column's rows ascending
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            rows, values = [rows[i] for i in order], [values[i] for i in order]
+        ids = [task_ids[r] for r in rows]
+        columns[field] = list_column(column_field(field), values, ids)
+        if rows != list(range(len(task_ids))):
+            columns[field].rows = np.asarray(rows, dtype=np.int64)
+    return Bundle(task_ids, columns)
+
+
+def _value_kind(value: Any) -> str:
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and type(value).__module__.partition(".")[0] in ("torch", "numpy"):
+        return str(dtype)
+    return "json"
+
+
+def bundle_to_shards(bundle: Bundle) -> dict[ShardKey, Any]:
+    """A decoded bundle as `{ShardKey: tensor | JSON value}` (tensors are views)."""
+    out: dict[ShardKey, Any] = {}
+    task_ids = bundle.task_ids
+    for key, column in bundle.columns.items():
+        field = column_field(key)
+        if column.dtype is None:
+            items = column.values or []
+        else:
+            assert column.shapes is not None
+            items = split_rows(column_tensor(column), column.shapes)
+        ids = task_ids if column.rows is None else [task_ids[r] for r in column.rows.tolist()]
+        for task_id, value in zip(ids, items):
+            out[ShardKey(task_id, field)] = value
     return out
+
+
+def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:
+    """Encode `{(task_id, field): value}` as container parts (join them to get the bytes)."""
+    with paused_gc():
+        return build_bundle(bundle_from_shards(shards))
 
 
 def encode_bundle_bytes(shards: Mapping[Any, Any]) -> bytes:
@@ -585,46 +874,9 @@ def encode_bundle_bytes(shards: Mapping[Any, Any]) -> bytes:
 def decode_bundle(buf: Buffer) -> dict[ShardKey, Any]:
     """Decode a container into `{ShardKey: tensor | JSON value}`.
 
-    Tensors share memory with `buf` when it is writable (a `bytearray`); a
-    read-only buffer (`bytes`) is copied once first, so no tensor ever aliases
-    immutable memory.
+    Tensors share memory with `buf` when it is writable (a `bytearray`); a read-only
+    buffer (`bytes`) is copied once first, so no tensor ever aliases immutable memory.
     """
     if memoryview(buf).readonly:
         buf = bytearray(buf)
-    with paused_gc():
-        container = _parse_container(buf)
-        out: dict[ShardKey, Any] = _decode_tensor_runs(container)
-        out.update(container.json_values)
-    return out
-
-
-def _decode_tensor_runs(container: Container) -> dict[ShardKey, Any]:
-    """Tensors of a parsed container, one `frombuffer` per run of same-dtype tensors.
-
-    Per-shard Python work dominated decoding of bundles of many small shards;
-    a run becomes one flat tensor, then `split` (one C call) makes the views.
-    """
-    import torch
-
-    out: dict[ShardKey, Any] = {}
-    layout, tensors = container.layout, container.tensors
-    i = 0
-    while i < len(layout):
-        dtype = tensors[layout[i][2]].dtype
-        j = i
-        while j + 1 < len(layout) and tensors[layout[j + 1][2]].dtype == dtype:
-            j += 1
-        run = layout[i : j + 1]
-        i = j + 1
-        start, end = run[0][0], run[-1][1]
-        itemsize = ITEMSIZE[dtype]
-        if end == start or container.data is None:
-            for _, _, key in run:
-                out[key] = raw_to_tensor(tensors[key])
-            continue
-        flat = raw_to_tensor(RawTensor(dtype, ((end - start) // itemsize,), container.data[start:end]))
-        counts = [(e - s) // itemsize for s, e, _ in run]
-        for (_, _, key), piece in zip(run, torch.split(flat, counts)):
-            shape = tensors[key].shape
-            out[key] = piece if len(shape) == 1 else piece.view(shape)
-    return {key: out[key] for key in tensors}  # the header's order, not the data's
+    return bundle_to_shards(parse_bundle(buf))

@@ -14,97 +14,26 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from distbatch.atomic import write_text_atomically
-from rpc_server.app import (
-    DEFAULT_MAX_JSON_BYTES,
-    DEFAULT_MAX_KEYS_PER_REQUEST,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_MAX_THREADS,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_STAGE_TTL,
-    ServerConfig,
-    create_app,
-)
+from distbatch.worker_flags import build_parser, check_flag_values, parse_flags
+from rpc_server.app import create_app
+from rpc_server.config import ServerConfig
 from rpc_server.errors import EngineLoadError
 from rpc_server.serve import WorkerServer
 
 
-def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
-    """The worker's command line; launchers that host the app in-process (Ray) reuse it."""
-    parser = argparse.ArgumentParser(
-        prog="python -m rpc_server", description=__doc__, exit_on_error=exit_on_error
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--max-bytes", type=int, default=None, help="store capacity in bytes")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
-    parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
-    parser.add_argument(
-        "--max-response-bytes",
-        type=int,
-        default=DEFAULT_MAX_RESPONSE_BYTES,
-        help="refuse (413) a fetch whose response would be larger; clients split below it",
-    )
-    parser.add_argument(
-        "--stage-ttl",
-        type=float,
-        default=DEFAULT_STAGE_TTL,
-        metavar="S",
-        help="drop a multi-request put not committed within S seconds, releasing its capacity",
-    )
-    parser.add_argument(
-        "--max-threads",
-        type=int,
-        default=DEFAULT_MAX_THREADS,
-        help="requests served at once; 4 reserve threads answer /health and abandon notices, others 503 busy",
-    )
-    parser.add_argument(
-        "--read-timeout",
-        type=float,
-        default=DEFAULT_READ_TIMEOUT,
-        metavar="S",
-        help="close a connection that sends nothing for S seconds (idle or stalled)",
-    )
-    parser.add_argument(
-        "--max-idle-seconds",
-        type=float,
-        default=None,
-        metavar="S",
-        help="delete shards nobody put or fetched for S seconds (default: never)",
-    )
-    parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
-    parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
-    parser.add_argument(
-        "--exit-with-parent",
-        type=int,
-        metavar="PID",
-        help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
-    )
-    parser.add_argument("--log-level", default="WARNING")
-    return parser
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The command line (`distbatch.worker_flags`, shared with the launchers that check flags)."""
+    parser = build_parser()
+    parser.description = __doc__
+    return parser.parse_args(argv)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` the parsed flags ask for; ValueError for a value no server runs with."""
-    if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
-        raise ValueError("--max-idle-seconds must be > 0")
-    for flag, value in (
-        ("--stage-ttl", args.stage_ttl),
-        ("--read-timeout", args.read_timeout),
-        ("--max-threads", args.max_threads),
-        ("--max-response-bytes", args.max_response_bytes),
-    ):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0")
+    check_flag_values(args)
     return ServerConfig(
         max_bytes=args.max_bytes,
         max_request_bytes=args.max_request_bytes,
@@ -117,26 +46,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_threads=args.max_threads,
         read_timeout=args.read_timeout,
     )
-
-
-UNSET = object()  # the default `parse_flags` gives the options a caller asks about
-
-
-def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.Namespace:
-    """Parse worker flags; ValueError, never an exit, on bad or unknown ones.
-
-    Options named in `unset` (argparse dests, e.g. "host") default to `UNSET`, so a caller can
-    tell whether they were given at all, abbreviated or not.
-    """
-    parser = build_parser(exit_on_error=False)
-    parser.set_defaults(**dict.fromkeys(unset, UNSET))
-    try:
-        args, unknown = parser.parse_known_args(list(flags))
-    except argparse.ArgumentError as exc:
-        raise ValueError(f"bad worker flag: {exc}") from None
-    if unknown:
-        raise ValueError(f"unknown worker flags: {unknown}")
-    return args
 
 
 def server_config_from_flags(flags: Sequence[str]) -> ServerConfig:

@@ -22,17 +22,14 @@ import torch
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.client import ShardClient, default_client
 from distbatch.errors import WireFormatError
-from distbatch.ids import ShardKey, validate_key
 from distbatch.rpc import decode_call, encode_value
 from distbatch.wire import (
-    RawTensor,
+    Bundle,
     _check_json,
     find_non_json,
-    shard_problem,
     tensor_problem,
-    value_to_wire,
 )
-from rpc_server.app import ApiError
+from rpc_server.context import ApiError
 from rpc_server.errors import (
     BadArgumentsError,
     EngineCallFailed,
@@ -40,7 +37,7 @@ from rpc_server.errors import (
     ShuttingDownError,
     UnknownMethodError,
 )
-from rpc_server.store import ShardStore, StoreCapacityError, StoredShard
+from rpc_server.store import PutReceipt, ShardStore, StoreCapacityError
 
 
 @dataclass
@@ -222,10 +219,10 @@ MAX_ABANDONED_CALLS = 4096  # abandoned call ids remembered (the notice may beat
 @dataclass(slots=True)
 class _ActiveCall:
     """A queued or running call with an id: its future, so that an abandon cancels it while it
-    is queued, and the shard objects it stored so far (see `ShardStore.delete_if_same`)."""
+    is queued, and the puts it made so far (see `ShardStore.delete_put`)."""
 
     future: Future[dict[str, Any]]
-    stored: dict[ShardKey, StoredShard] = field(default_factory=dict)
+    stored: list[PutReceipt] = field(default_factory=list)
 
 
 class EngineHost:
@@ -248,8 +245,8 @@ class EngineHost:
         self._calls_lock = threading.Lock()
         self._active: dict[str, _ActiveCall] = {}  # queued or running
         self._abandoned: OrderedDict[str, None] = OrderedDict()
-        # call id -> (time.monotonic() it finished, the shards it stored), oldest first.
-        self._finished: OrderedDict[str, tuple[float, dict[ShardKey, StoredShard]]] = OrderedDict()
+        # call id -> (time.monotonic() it finished, the puts it made), oldest first.
+        self._finished: OrderedDict[str, tuple[float, list[PutReceipt]]] = OrderedDict()
         self._sweeper: threading.Thread | None = None  # runs while `_finished` holds calls
         self._closed = threading.Event()
         self._engine_thread = threading.local()  # `.call_id`: the call the engine thread runs
@@ -333,20 +330,26 @@ class EngineHost:
         with self._calls_lock:
             active = self._active.get(call_id)
             if active is not None and active.stored:
-                self.context.store.delete_if_same(active.stored)
-                active.stored = {}
+                self._delete_puts(active.stored)
+                active.stored = []
 
-    def _put_for_call(self, shards: dict[ShardKey, StoredShard]) -> None:
-        """Store a call's result shards, unless the call was abandoned; remember them."""
+    def _delete_puts(self, receipts: list[PutReceipt]) -> tuple[int, int]:
+        count = freed = 0
+        for receipt in receipts:
+            c, b = self.context.store.delete_put(receipt)
+            count, freed = count + c, freed + b
+        return count, freed
+
+    def _put_for_call(self, bundle: Bundle) -> None:
+        """Store a call's result, unless the call was abandoned; remember the put."""
         call_id = getattr(self._engine_thread, "call_id", None)
         if call_id is None:
-            self.context.store.put(shards)
+            self.context.store.put(bundle)
             return
         with self._calls_lock:
             if call_id in self._abandoned:
                 return  # `_run_call` reports the abandonment once the engine's code returns
-            self.context.store.put(shards)
-            self._active[call_id].stored.update(shards)
+            self._active[call_id].stored.append(self.context.store.put(bundle))
 
     def abandon(self, call_ids: list[str]) -> dict[str, int]:
         """Drop these calls' results: not run if queued, not kept if running, deleted if finished.
@@ -357,16 +360,16 @@ class EngineHost:
         with self._calls_lock:
             self._forget_finished(time.monotonic())
             for call_id in call_ids:
-                stored: dict[ShardKey, StoredShard] | None = None
+                stored: list[PutReceipt] | None = None
                 if call_id in self._finished:
                     stored = self._finished.pop(call_id)[1]
                 elif (active := self._active.get(call_id)) is not None:
                     active.future.cancel()  # if still queued: never runs, and its request answers now
-                    stored, active.stored = active.stored, {}
+                    stored, active.stored = active.stored, []
                 if stored is not None:
                     calls += 1
                 if stored:
-                    count, nbytes = self.context.store.delete_if_same(stored)
+                    count, nbytes = self._delete_puts(stored)
                     deleted, freed = deleted + count, freed + nbytes
                 self._abandoned[call_id] = None
                 self._abandoned.move_to_end(call_id)
@@ -420,19 +423,10 @@ class EngineHost:
             raise EngineCallFailed(_result_error(name, result, exc)) from exc
 
     def store_local(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
-        """Keep a LOCAL batch's shards in this worker's store; return the REMOTE view."""
-        shards, meta = batch.export_shards(self.context.node)
-        stored: dict[Any, StoredShard] = {}
-        for key, value in shards.items():
-            try:
-                encoded = value_to_wire(value)
-            except WireFormatError as exc:  # say which field of which task
-                raise WireFormatError(shard_problem(ShardKey(*key), value, exc)) from None
-            if isinstance(encoded, RawTensor):
-                stored[key] = StoredShard(encoded.dtype, encoded.shape, bytes(encoded.data))
-            else:
-                stored[key] = StoredShard(None, (), encoded.encode())
-        self._put_for_call({validate_key(k): v for k, v in stored.items()})
+        """Keep a LOCAL batch's columns in this worker's store (one copy per column); return the
+        REMOTE view."""
+        bundle, meta = batch.export_bundle(self.context.node, copy=True)
+        self._put_for_call(bundle)
         return DistributedBatchMemory.from_meta(meta, self.context.client)
 
     def shutdown(self) -> None:

@@ -13,13 +13,16 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from distbatch import wire
-from distbatch.client import CALL_ID_HEADER
 from distbatch.ids import ShardKey, validate_id, validate_key
-from rpc_server.app import ApiError, state
-from rpc_server.store import StoredShard
+from distbatch.protocol import CALL_ID_HEADER
+from rpc_server.context import ApiError, state
 
 data_routes = Blueprint("data", __name__)
 
+STREAM_SLICE_BYTES = 8 << 20
+# Fields (columns) one put or fetch may name: the work per request is per field and task,
+# so both are bounded (tasks by --max-keys-per-request).
+MAX_FIELDS_PER_REQUEST = 4096
 BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
 
 
@@ -66,17 +69,16 @@ def _read_body(limit: int, what: str = "request body") -> bytearray:
     return bytearray().join(chunks)  # also the empty body
 
 
-@contextlib.contextmanager
-def _binary_body(limit: int, what: str = "request body") -> Iterator[bytearray | memoryview]:
-    """The request body for the block's duration, or 413 if it is over `limit` bytes.
+def _receive_body(limit: int, what: str = "request body") -> mmap.mmap | bytearray:
+    """The request body, or 413 if it is over `limit` bytes; the caller owns the buffer.
 
-    With a Content-Length the body is read straight into an anonymous private
-    mapping of that size, with no join: an honest body costs one copy of itself,
-    and one that declares a big length and stalls costs only the pages that
-    arrived (the kernel commits them as they are written). It is unmapped when
-    the block ends, so no view of it may outlive the block (the store copies shard
-    bytes out). Without a Content-Length (chunked), or if the mapping is refused
-    (strict overcommit), it is read as `_read_body` does.
+    With a Content-Length the body is read straight into an anonymous private mapping
+    of that size: an honest body costs one copy of itself (the socket read), one that
+    declares a big length and stalls costs only the pages that arrived (the kernel
+    commits them as they are written). The store keeps a put's columns as views of this
+    very buffer, so it is freed (unmapped) when the last of them goes. Without a
+    Content-Length (chunked), or if the mapping is refused (strict overcommit), it is
+    read as `_read_body` does.
     """
     length = request.content_length
     if length is not None and length > limit:
@@ -86,25 +88,23 @@ def _binary_body(limit: int, what: str = "request body") -> Iterator[bytearray |
     except OSError:
         mapped = None
     if mapped is None:
-        yield _read_body(limit, what)
-        return
+        return _read_body(limit, what)
     try:
         with memoryview(mapped) as view:
             received = _fill(view, what, 0, length)
-            if received < len(view):
-                raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
-            yield view
-    except BaseException as exc:
-        # The exception's frames (a parse error's) may still hold views of the mapping: drop
-        # their locals so it is unmapped now, not whenever the exception is freed.
-        error: BaseException | None = exc
-        while error is not None:
-            traceback.clear_frames(error.__traceback__)
-            error = error.__context__
-        with contextlib.suppress(BufferError):
-            mapped.close()
+        if received < length:  # type: ignore[operator]
+            raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
+    except BaseException:
+        _release(mapped)
         raise
-    mapped.close()  # BufferError here means a view of the body outlived the request: a bug
+    return mapped
+
+
+def _release(body: Any) -> None:
+    """Unmap a refused body now rather than whenever the last reference goes."""
+    if isinstance(body, mmap.mmap):
+        with contextlib.suppress(BufferError):
+            body.close()
 
 
 def _fill(view: memoryview, what: str, received: int, length: int | None) -> int:
@@ -179,31 +179,42 @@ def health() -> Response:
 
 @data_routes.put("/v1/shards")
 def put_shards() -> Response:
+    """Store a bundle (all or nothing); with `?stage=ID[&part=K]`, hold it until commit."""
     if request.mimetype not in BINARY_TYPES:
         raise ApiError(415, "unsupported_media_type", "expected Content-Type: application/octet-stream")
-    with _binary_body(state().config.max_request_bytes) as body:
-        shards = _shards_from_body(body)
+    body = _receive_body(state().config.max_request_bytes)
+    size = len(body)
+    try:
+        bundle = wire.parse_bundle(body)
+        if len(bundle.columns) > MAX_FIELDS_PER_REQUEST:
+            message = f"{len(bundle.columns)} fields in one request, limit {MAX_FIELDS_PER_REQUEST}"
+            raise ApiError(413, "too_many_fields", message)
+        limit = state().config.max_keys_per_request
+        if len(bundle.task_ids) > limit:
+            raise ApiError(
+                413, "too_many_keys", f"{len(bundle.task_ids)} tasks in one request, limit {limit}"
+            )
+    except BaseException as exc:
+        _clear_frames(exc)
+        del body
+        raise
     stage_id = request.args.get("stage")
     if stage_id is not None:
-        staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), shards)
+        part = request.args.get("part", "")
+        if part:
+            validate_id(part, "part")
+        staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), bundle, size, part)
         return jsonify({"staged": staged, "bytes": nbytes})
-    stored, nbytes = state().store.put(shards)
-    return jsonify({"stored": stored, "bytes": nbytes})
+    receipt = state().store.put(bundle, size)
+    return jsonify({"stored": receipt.stored, "bytes": receipt.bytes})
 
 
-def _shards_from_body(body: bytearray | memoryview) -> dict[ShardKey, StoredShard]:
-    """Parse a put body and copy each shard out of it (deleting one shard then frees its memory,
-    and the body can be released); no view of `body` outlives this call."""
-    container = wire.parse_container(body)
-    if len(container) > state().config.max_keys_per_request:
-        raise ApiError(413, "too_many_keys", f"{len(container)} shards in one request")
-    with wire.paused_gc():
-        shards: dict[ShardKey, StoredShard] = {
-            key: StoredShard(raw.dtype, raw.shape, bytes(raw.data)) for key, raw in container.tensors.items()
-        }
-        for key, text in container.json_texts.items():
-            shards[key] = StoredShard(None, (), text.encode())
-    return shards
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of a failed parse's frames, so views of a refused body die with it."""
+    error: BaseException | None = exc
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__context__
 
 
 def _stage_id_from_body() -> str:
@@ -225,33 +236,47 @@ def abort_stage() -> Response:
 
 @data_routes.post("/v1/shards/fetch")
 def fetch_shards() -> Response:
-    """The asked-for shards as one container; 413 `response_too_large` over `max_response_bytes`.
+    """Body `{"task_ids": [...], "fields": [...]}` (a product) or `{"keys": [...]}` -> a bundle.
 
-    The size is checked from the stored shards before anything is built (and
-    again, exactly, with the header, before the body is joined), so one request
-    can never copy the whole store into a response; clients split and retry.
-    The exact size is the header part plus the tensor bytes, both already
-    known: no second pass over the parts.
+    413 `response_too_large` over `max_response_bytes`, checked from the stored sizes
+    before anything is built, so one request can never copy the store into a response
+    (clients split and retry). The response streams the stored bytes as they are (a
+    contiguous run of rows is sent straight from its segment, no copy).
     """
-    keys = _validated_keys(_read_json_body().get("keys"))
-    found = state().store.get(keys)
+    body = _read_json_body()
+    has_product, has_keys = "task_ids" in body, "keys" in body
+    if has_product == has_keys:
+        raise ApiError(400, "bad_request", "give either 'task_ids' and 'fields', or 'keys'")
+    store = state().store
+    if has_product:
+        task_ids = wire.validate_id_list(_key_list(body["task_ids"], "task_ids"))
+        fields = wire.validate_id_list(_key_list(body.get("fields"), "fields"), "field")
+        if len(fields) > MAX_FIELDS_PER_REQUEST:
+            message = f"{len(fields)} fields in one request, limit {MAX_FIELDS_PER_REQUEST}"
+            raise ApiError(413, "too_many_fields", message)
+        bundle = store.fetch(task_ids, fields)
+    else:
+        bundle = store.fetch_keys(_validated_keys(body["keys"]))
     limit = state().config.max_response_bytes
-    stored = sum(shard.nbytes for shard in found)
-    _check_response_size(len(keys), stored, limit)
-    tensors: dict[ShardKey, wire.RawTensor] = {}
-    json_texts: dict[ShardKey, str] = {}
-    json_bytes = 0  # JSON shards travel inside the header, not as data parts
+    shards = bundle.shard_count()
+    stored = sum(c.nbytes for c in bundle.columns.values())
+    _check_response_size(shards, stored, limit)
     with wire.paused_gc():
-        for key, shard in zip(keys, found):
-            if shard.dtype is None:
-                json_texts[key] = shard.data.decode()
-                json_bytes += shard.nbytes
-            else:
-                tensors[key] = wire.RawTensor(shard.dtype, shard.shape, shard.data)
-        parts = wire.build_container(tensors, json_texts)
-        _check_response_size(len(keys), len(parts[0]) + stored - json_bytes, limit)
-        body = wire.join_parts(parts)
-    return Response(body, mimetype=wire.CONTENT_TYPE)
+        parts = wire.build_bundle(bundle)
+    size = wire.parts_size(parts)
+    _check_response_size(shards, size, limit)
+    response = Response(_stream(parts), mimetype=wire.CONTENT_TYPE, direct_passthrough=True)
+    response.content_length = size
+    return response
+
+
+def _stream(parts: list[wire.Buffer]) -> Iterator[bytes]:
+    """The response's parts as `bytes` (what WSGI servers accept), a slice at a time: the copy
+    is transient and bounded, never the whole response at once."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, STREAM_SLICE_BYTES):
+            yield bytes(view[start : start + STREAM_SLICE_BYTES])
 
 
 def _check_response_size(keys: int, size: int, limit: int) -> None:
@@ -279,12 +304,7 @@ def delete_shards() -> Response:
         task_ids = [validate_id(t, "task_id") for t in _key_list(body["task_ids"], "task_ids")]
         if "fields" in body:
             fields = [validate_id(f, "field") for f in _key_list(body["fields"], "fields")]
-            limit = state().config.max_keys_per_request
-            if len(task_ids) * len(fields) > limit:
-                raise ApiError(
-                    413, "too_many_keys", f"{len(task_ids)} tasks x {len(fields)} fields > {limit}"
-                )
-            count, freed = store.delete_keys([ShardKey(t, f) for t in task_ids for f in fields])
+            count, freed = store.delete_product(task_ids, fields)
         else:
             count, freed = store.delete_tasks(task_ids)
     else:
@@ -309,6 +329,11 @@ def metrics() -> Response:
             "distbatch_shards": ("Shards stored.", stats.shards),
             "distbatch_tasks": ("Tasks with at least one stored shard.", stats.tasks),
             "distbatch_stored_bytes": ("Bytes of shard data stored.", stats.bytes),
+            "distbatch_held_bytes": (
+                "Bytes held for shards: live ones plus deleted rows not compacted yet.",
+                stats.held_bytes,
+            ),
+            "distbatch_segments": ("Stored column segments.", stats.segments),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
         },
         {

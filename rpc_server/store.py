@@ -1,34 +1,46 @@
-"""The worker's shard store: thread-safe, all-or-nothing puts, a byte capacity."""
+"""The worker's shard store: columns kept as immutable segments, indexed per task with numpy.
+
+A put's fields each become one *segment*: the rows' bytes in one buffer (the request
+body itself, not a copy), with numpy arrays of byte offsets, sizes and shapes. A task
+is a row number; per field, two arrays say which segment and which row of it hold that
+task's value. Puts, fetches and deletes are array operations over those tables: no
+Python object is made per shard, and no loop runs once per row, except over the runs
+of rows a scattered fetch touches.
+
+Memory: segments of one put share its body buffer. A segment goes when its last row
+is deleted, and the buffer when its last segment goes (the memory returns to the OS:
+bodies are anonymous mappings). A buffer whose live rows fall under half of it is
+compacted: its live rows are copied into buffers of their own. `stats()` reports live
+bytes (what capacity counts) and held bytes (what the process holds).
+"""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from distbatch.ids import ShardKey
+from distbatch.shapes import RowShapes
+from distbatch.wire import LAYER_MARK, Bundle, RawColumn, RawTensor, column_field, parts_size
 
 logger = logging.getLogger("rpc_server")
 
-
-class StoredShard(NamedTuple):
-    """One shard in wire form, so serving it needs no (de)serialisation.
-
-    `dtype` is the safetensors dtype name for a tensor, or None for a JSON value,
-    whose UTF-8 JSON text is then `data`. (A NamedTuple: one is built per shard.)
-    """
-
-    dtype: str | None
-    shape: tuple[int, ...]
-    data: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
+# A 404 lists at most this many missing keys (and says how many there are).
+MAX_MISSING_LISTED = 10_000
+# A buffer this large or larger is compacted once under half of it is live.
+COMPACT_MIN_BYTES = 1 << 20
+# A fetch whose rows form more runs than this, averaging under `GATHER_RUN_BYTES`, copies
+# them into one buffer instead of sending each run as its own part.
+MAX_SEND_RUNS = 64
+GATHER_RUN_BYTES = 64 << 10
 
 
 class StoreCapacityError(Exception):
@@ -40,10 +52,13 @@ class UnknownStageError(Exception):
 
 
 class MissingShardsError(Exception):
-    """Some requested keys are not stored."""
+    """Some requested keys are not stored; `keys` lists them (the first `MAX_MISSING_LISTED`
+    when there are more: `count` says how many)."""
 
-    def __init__(self, keys: list[ShardKey]) -> None:
-        super().__init__(f"{len(keys)} shard(s) not found")
+    def __init__(self, keys: list[ShardKey], count: int | None = None) -> None:
+        self.count = len(keys) if count is None else count
+        more = f", the first {len(keys)} listed" if self.count > len(keys) else ""
+        super().__init__(f"{self.count} shard(s) not found{more}")
         self.keys = keys
 
 
@@ -56,6 +71,8 @@ class StoreStats:
     staged_bytes: int = 0
     evicted_shards: int = 0
     evicted_bytes: int = 0
+    held_bytes: int = 0
+    segments: int = 0
 
     def as_dict(self) -> dict[str, int | None]:
         return {
@@ -65,17 +82,157 @@ class StoreStats:
             "shards": self.shards,
             "tasks": self.tasks,
             "bytes": self.bytes,
+            "live_bytes": self.bytes,
+            "held_bytes": self.held_bytes,
+            "segments": self.segments,
             "capacity": self.capacity,
             "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
         }
 
 
-class ShardStore:
-    """Shards keyed by task id then field; every public method is atomic.
+class PutReceipt(NamedTuple):
+    """What one put stored: counts, and its segments by id (not the data, so holding a
+    receipt holds no memory); `delete_put` deletes the rows still in those segments."""
 
-    With `max_idle_seconds`, the store remembers when each task was last put or
-    fetched (per task, oldest first) so that `evict_idle` can drop tasks nobody
-    touched for that long; without it, nothing is tracked and nothing is evicted.
+    stored: int
+    bytes: int
+    segments: tuple[tuple[str, int], ...]
+
+
+class _Buffer:
+    """One put's body (or a compacted segment's own copy): the memory segments point into."""
+
+    __slots__ = ("size", "live_bytes", "members")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.live_bytes = 0
+        self.members: set[int] = set()  # ids of the segments in it
+
+
+class _Segment:
+    """One field's rows from one put; never mutated once built (compaction makes a new one)."""
+
+    __slots__ = (
+        "id",
+        "field",
+        "dtype",
+        "data",
+        "starts",
+        "sizes",
+        "shapes",
+        "values",
+        "task_rows",
+        "buffer",
+        "live",
+    )
+
+    def __init__(
+        self,
+        seg_id: int,
+        field: str,
+        column: RawColumn,
+        task_rows: np.ndarray,
+        buffer: _Buffer,
+        data: np.ndarray | None = None,
+    ) -> None:
+        self.id = seg_id
+        self.field = field
+        self.dtype = column.dtype
+        self.sizes = column.row_nbytes()
+        self.starts = np.zeros(len(self.sizes), dtype=np.int64)
+        if len(self.sizes) > 1:
+            np.cumsum(self.sizes[:-1], out=self.starts[1:])
+        self.shapes = column.shapes
+        self.values = column.values
+        if data is None and column.dtype is not None:
+            data = np.frombuffer(column.single_buffer(), dtype=np.uint8)
+        self.data = data
+        self.task_rows = task_rows
+        self.buffer = buffer
+        self.live = len(task_rows)  # rows still the value of their task's field
+
+
+class _FieldIndex:
+    """Per task row: the segment (-1: none) and the row in it holding this field's value.
+
+    Sized to the highest row the field has touched (rows past it hold nothing), and
+    dropped by the store once the field holds no value: a field costs memory for the
+    rows it spans, never for every task the store knows.
+    """
+
+    __slots__ = ("seg", "pos", "live")
+
+    def __init__(self) -> None:
+        self.seg = np.full(0, -1, dtype=np.int64)
+        self.pos = np.zeros(0, dtype=np.int64)
+        self.live = 0  # rows holding a value
+
+    def ensure(self, max_row: int) -> None:
+        if max_row < len(self.seg):
+            return
+        extra = max(max_row + 1, 2 * len(self.seg), 64) - len(self.seg)
+        self.seg = np.concatenate([self.seg, np.full(extra, -1, dtype=np.int64)])
+        self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
+
+    def segs_at(self, rows: np.ndarray) -> np.ndarray:
+        """The segment at each of `rows` (-1 for none, rows past the index included)."""
+        if len(rows) and int(rows.max()) < len(self.seg):
+            return self.seg[rows]
+        out = np.full(len(rows), -1, dtype=np.int64)
+        inside = rows < len(self.seg)
+        out[inside] = self.seg[rows[inside]]
+        return out
+
+    def nbytes(self) -> int:
+        return self.seg.nbytes + self.pos.nbytes
+
+
+class _Stage:
+    __slots__ = ("touched", "parts", "nbytes")
+
+    def __init__(self, touched: float) -> None:
+        self.touched = touched
+        self.parts: dict[str, tuple[Bundle, int]] = {}  # part name -> (bundle, its body size)
+        self.nbytes = 0
+
+
+def bundle_from_raw(shards: Mapping[Any, Any]) -> Bundle:
+    """`{(task_id, field): RawTensor | JSON value}` as a bundle (no torch; one step per shard).
+
+    For callers that hold single shards (tests, tools); the data path uses bundles.
+    """
+    task_index: dict[str, int] = {}
+    by_field: dict[str, list[tuple[int, Any]]] = {}
+    for (task_id, field), value in shards.items():
+        row = task_index.setdefault(task_id, len(task_index))
+        by_field.setdefault(field, []).append((row, value))
+    columns: dict[str, RawColumn] = {}
+    for field, items in by_field.items():
+        rows = np.asarray([r for r, _ in items], dtype=np.int64)
+        values = [v for _, v in items]
+        if all(isinstance(v, RawTensor) for v in values):
+            dtypes = {v.dtype for v in values}
+            if len(dtypes) > 1:
+                raise ValueError(f"field {field!r} mixes dtypes {sorted(dtypes)}")
+            parts = [v.data for v in values]
+            column = RawColumn(
+                values[0].dtype, RowShapes.from_list([v.shape for v in values]), parts, parts_size(parts)
+            )
+        else:
+            column = RawColumn(None, values=values)
+        if not np.array_equal(rows, np.arange(len(task_index))):
+            column.rows = rows
+        columns[field] = column
+    return Bundle(list(task_index), columns)
+
+
+class ShardStore:
+    """Columns of shards keyed by task id and field; every public method is atomic.
+
+    With `max_idle_seconds`, the store remembers when each task was last put or fetched
+    so that `evict_idle` can drop tasks nobody touched for that long; without it, nothing
+    is tracked and nothing is evicted.
 
     A staged put untouched for `stage_ttl` seconds (by `clock`) is dropped and its
     reserved capacity released: by a sweeper thread the store runs while it holds
@@ -100,50 +257,259 @@ class ShardStore:
         self.stage_ttl = stage_ttl
         self.max_idle_seconds = max_idle_seconds
         self._clock = clock  # for last-access times and stage expiry (tests pass a fake one)
-        # task id -> clock() of its last put or fetch, least recent first.
-        self._last_access: OrderedDict[str, float] | None = OrderedDict() if max_idle_seconds else None
+        self._lock = threading.Lock()
+        # Task rows: id -> row, row -> id (None: free), free rows, and the high-water mark.
+        self._row_of: dict[str, int] = {}
+        self._ids = np.empty(0, dtype=object)
+        self._free: list[int] = []
+        self._next_row = 0
+        self._access = np.zeros(0, dtype=np.float64)  # clock() of each task's last put / fetch
+        self._fields: dict[str, _FieldIndex] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._seg_ids = itertools.count()
+        self._buffers: dict[int, _Buffer] = {}  # id(buffer) -> buffer, for held bytes
+        self._shards = 0
+        self._bytes = 0
         self._evicted_shards = 0
         self._evicted_bytes = 0
-        self._tasks: dict[str, dict[str, StoredShard]] = {}
-        self._shard_count = 0
-        self._bytes = 0
         # Puts split over several requests are staged, then committed at once.
         # Staged bytes count against capacity so that a commit cannot overflow.
-        self._stages: dict[str, tuple[float, dict[ShardKey, StoredShard]]] = {}
+        self._stages: dict[str, _Stage] = {}
         self._staged_bytes = 0
         self._committed: dict[str, tuple[float, tuple[int, int]]] = {}
-        self._lock = threading.Lock()
         # Runs only while stages exist (started by `stage`, exits when none are left).
         self._stage_sweeper: threading.Thread | None = None
         self._closed = threading.Event()
 
-    def put(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
-        """Store every shard or none; an existing key is replaced (puts are idempotent).
+    # ------------------------------------------------------------------ task rows (lock held)
 
-        Returns (shards stored, bytes stored). Raises `StoreCapacityError`
-        when the store would grow past its capacity.
+    def _lookup(self, task_ids: Sequence[str]) -> np.ndarray:
+        """Rows of `task_ids`, -1 for tasks the store does not hold."""
+        return np.fromiter(
+            map(self._row_of.get, task_ids, itertools.repeat(-1)), dtype=np.int64, count=len(task_ids)
+        )
+
+    def _assign(self, task_ids: Sequence[str], rows: np.ndarray) -> np.ndarray:
+        """Fill in rows for the tasks where `rows` is -1 (new tasks); returns the full rows."""
+        new = np.flatnonzero(rows < 0)
+        if not len(new):
+            return rows
+        count = len(new)
+        reused = self._free[max(0, len(self._free) - count) :]
+        del self._free[len(self._free) - len(reused) :]
+        fresh = count - len(reused)
+        start = self._next_row
+        self._next_row += fresh
+        if self._next_row > len(self._ids):
+            self._grow(max(self._next_row, 2 * len(self._ids), 1024))
+        assigned = np.concatenate(
+            [np.asarray(reused, dtype=np.int64), np.arange(start, start + fresh, dtype=np.int64)]
+        )
+        rows = rows.copy()
+        rows[new] = assigned
+        new_ids = [task_ids[i] for i in new.tolist()]
+        self._row_of.update(zip(new_ids, assigned.tolist()))
+        self._ids[assigned] = new_ids
+        return rows
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - len(self._ids)
+        self._ids = np.concatenate([self._ids, np.full(extra, None, dtype=object)])
+        self._access = np.concatenate([self._access, np.zeros(extra, dtype=np.float64)])
+
+    def _field(self, name: str) -> _FieldIndex:
+        index = self._fields.get(name)
+        if index is None:
+            index = self._fields[name] = _FieldIndex()
+        return index
+
+    def _release_empty(self, rows: np.ndarray) -> None:
+        """Free the task rows among `rows` that hold no field any more (rows already free are skipped)."""
+        rows = np.unique(rows)
+        rows = rows[self._ids[rows] != None]  # noqa: E711 (elementwise)
+        if not len(rows):
+            return
+        held = np.zeros(len(rows), dtype=bool)
+        for index in self._fields.values():
+            held |= index.segs_at(rows) >= 0
+        empty = rows[~held]
+        if not len(empty):
+            return
+        ids = self._ids[empty].tolist()
+        collections.deque(map(self._row_of.pop, ids), maxlen=0)
+        self._ids[empty] = None
+        self._free.extend(empty.tolist())
+
+    def _touch(self, rows: np.ndarray) -> None:
+        if self.max_idle_seconds is not None and len(rows):
+            self._access[rows] = self._clock()
+
+    # ------------------------------------------------------------------ killing rows (lock held)
+
+    def _kill(self, name: str, rows: np.ndarray, only_segment: int | None = None) -> tuple[int, int]:
+        """Drop field `name` of the tasks at `rows` (if they hold it); returns (count, bytes)."""
+        index = self._fields.get(name)
+        if index is None or not len(rows):
+            return 0, 0
+        rows = np.unique(rows)
+        segs = index.segs_at(rows)
+        keep = segs >= 0 if only_segment is None else segs == only_segment
+        if not keep.any():
+            return 0, 0
+        rows, segs = rows[keep], segs[keep]
+        positions = index.pos[rows]
+        index.seg[rows] = -1
+        index.live -= len(rows)
+        if index.live == 0:
+            del self._fields[name]
+        return self._account_dead(segs, positions)
+
+    def _account_dead(self, segs: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
+        """Rows at (`segs`, `positions`) just died: update counts, free segments, then compact
+        buffers left mostly dead (after all the accounting: compaction replaces segments)."""
+        count = freed = 0
+        sparse: dict[int, _Buffer] = {}
+        for seg_id in np.unique(segs).tolist():
+            seg = self._segments[seg_id]
+            dead = positions[segs == seg_id] if len(segs) > 1 else positions
+            nbytes = int(seg.sizes[dead].sum())
+            count += len(dead)
+            freed += nbytes
+            seg.buffer.live_bytes -= nbytes
+            seg.live -= len(dead)
+            if seg.live == 0:
+                self._drop_segment(seg)
+            elif seg.buffer.size >= COMPACT_MIN_BYTES and 2 * seg.buffer.live_bytes < seg.buffer.size:
+                sparse[id(seg.buffer)] = seg.buffer
+        self._shards -= count
+        self._bytes -= freed
+        for key, buffer in sparse.items():
+            if key in self._buffers and buffer.members and 2 * buffer.live_bytes < buffer.size:
+                self._compact_buffer(buffer)
+        return count, freed
+
+    def _segment_live(self, seg: _Segment) -> np.ndarray:
+        """Which of the segment's rows are still the value of their task's field."""
+        index = self._fields.get(seg.field)
+        rows = seg.task_rows
+        if index is None:
+            return np.zeros(len(rows), dtype=bool)
+        live = index.segs_at(rows) == seg.id
+        live[live] &= index.pos[rows[live]] == np.flatnonzero(live)
+        return live
+
+    def _drop_segment(self, seg: _Segment) -> None:
+        del self._segments[seg.id]
+        buffer = seg.buffer
+        buffer.members.discard(seg.id)
+        if not buffer.members:
+            self._buffers.pop(id(buffer), None)
+
+    def _compact_buffer(self, buffer: _Buffer) -> None:
+        """Copy the live rows of every segment in `buffer` into buffers of their own."""
+        for seg in [self._segments[s] for s in sorted(buffer.members)]:
+            live = self._segment_live(seg)
+            keep = np.flatnonzero(live)
+            sizes = seg.sizes[keep]
+            own = _Buffer(int(sizes.sum()))
+            if seg.dtype is not None:
+                assert seg.shapes is not None and seg.data is not None
+                data = _gather_bytes(seg.data, seg.starts[keep], sizes)
+                column = RawColumn(seg.dtype, seg.shapes.take(keep), [data], len(data))
+            else:
+                values = seg.values or []
+                column = RawColumn(None, values=[values[i] for i in keep.tolist()])
+                data = None
+            fresh = _Segment(seg.id, seg.field, column, seg.task_rows[keep], own, data)
+            fresh.sizes = sizes  # keep the accounting exact (JSON sizes are an even split)
+            fresh.starts = (
+                np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(keep) else sizes
+            )
+            self._fields[seg.field].pos[fresh.task_rows] = np.arange(len(keep))
+            own.live_bytes = own.size
+            own.members.add(seg.id)
+            self._buffers[id(own)] = own
+            self._segments[seg.id] = fresh
+            buffer.live_bytes -= own.size
+        self._buffers.pop(id(buffer), None)
+
+    # ------------------------------------------------------------------ putting
+
+    def put(self, bundle: Bundle | Mapping[Any, Any], body_size: int | None = None) -> PutReceipt:
+        """Store every shard of `bundle` or none; existing keys are replaced (puts are idempotent).
+
+        The bundle's tensor bytes are kept as they are (views of the request body: no copy);
+        `body_size` is that body's size, for the held-bytes account. A mapping of single
+        shards (`bundle_from_raw`'s input) is accepted too. Raises `StoreCapacityError` when
+        the store would grow past its capacity.
         """
-        incoming = sum(s.nbytes for s in shards.values())
+        if not isinstance(bundle, Bundle):
+            bundle = bundle_from_raw(bundle)
         with self._lock:
-            replaced = 0
-            new_keys = 0
-            for task_id, field in shards:
-                old = self._tasks.get(task_id, {}).get(field)
-                if old is None:
-                    new_keys += 1
-                else:
-                    replaced += old.nbytes
-            after = self._bytes + incoming - replaced
-            self._check_capacity(after, incoming)
-            self._apply(shards, after, new_keys)
-        return len(shards), incoming
+            incoming, replaced = self._measure(bundle)
+            self._check_capacity(self._bytes + incoming - replaced, incoming)
+            return self._apply(bundle, body_size)
+
+    def _measure(self, bundle: Bundle) -> tuple[int, int]:
+        """(bytes the bundle brings, bytes of the stored values it replaces) (lock held)."""
+        incoming = replaced = 0
+        rows = self._lookup(bundle.task_ids)
+        for key, column in bundle.columns.items():
+            incoming += int(column.row_nbytes().sum())
+            index = self._fields.get(column_field(key))
+            if index is None:
+                continue
+            col_rows = rows if column.rows is None else rows[column.rows]
+            col_rows = col_rows[col_rows >= 0]
+            segs = index.segs_at(col_rows)
+            held = segs >= 0
+            for seg_id in np.unique(segs[held]).tolist():
+                seg = self._segments[seg_id]
+                replaced += int(seg.sizes[index.pos[col_rows[held & (segs == seg_id)]]].sum())
+        return incoming, replaced
+
+    def _apply(self, bundle: Bundle, body_size: int | None) -> PutReceipt:
+        """Store a measured bundle (lock held; capacity already checked)."""
+        rows = self._assign(bundle.task_ids, self._lookup(bundle.task_ids))
+        columns = bundle.columns
+        buffer = _Buffer(0)
+        stored = nbytes = 0
+        segments: list[tuple[str, int]] = []
+        for key, column in columns.items():
+            name = column_field(key)
+            col_rows = rows if column.rows is None else rows[column.rows]
+            if not len(col_rows):
+                continue  # a column of no rows stores nothing
+            self._kill(name, col_rows)
+            seg = _Segment(next(self._seg_ids), name, column, col_rows, buffer)
+            index = self._field(name)
+            index.ensure(int(col_rows.max()))
+            index.seg[col_rows] = seg.id
+            index.pos[col_rows] = np.arange(len(col_rows))
+            index.live += len(col_rows)
+            size = int(seg.sizes.sum())
+            buffer.live_bytes += size
+            buffer.members.add(seg.id)
+            self._segments[seg.id] = seg
+            segments.append((name, seg.id))
+            stored += len(col_rows)
+            nbytes += size
+        # The body is held while a tensor column points into it; JSON values are parsed objects.
+        keeps_body = any(self._segments[seg_id].dtype is not None for _, seg_id in segments)
+        buffer.size = max(body_size or 0, buffer.live_bytes) if keeps_body else buffer.live_bytes
+        if buffer.members:
+            self._buffers[id(buffer)] = buffer
+        self._shards += stored
+        self._bytes += nbytes
+        self._touch(rows)
+        self._release_empty(rows)  # tasks no column covered hold nothing
+        return PutReceipt(stored, nbytes, tuple(segments))
 
     def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
         """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
 
         Before refusing, drop stages expired at `now` (default: the clock): their reservations
-        must not refuse a put. `stage()` passes the time it already expired stages at, so a
-        stage it is extending cannot expire between its accounting and the check.
+        must not refuse a put.
         """
         if self.max_bytes is None or stored_after + self._staged_bytes <= self.max_bytes:
             return
@@ -155,63 +521,76 @@ class ShardStore:
                 f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes{staged}"
             )
 
-    def _apply(self, shards: Mapping[ShardKey, StoredShard], after: int, new_keys: int) -> None:
-        for (task_id, field), shard in shards.items():
-            self._tasks.setdefault(task_id, {})[field] = shard
-        self._bytes = after
-        self._shard_count += new_keys
-        if self._last_access is not None:
-            self._touch({task_id for task_id, _ in shards})
+    # ------------------------------------------------------------------ staging
 
-    def _touch(self, task_ids: Iterable[str]) -> None:
-        """Mark tasks as used now (caller holds the lock; only when tracking is on)."""
-        last_access = self._last_access
-        if last_access is None:  # idle tracking is off
-            return
-        now = self._clock()
-        for task_id in task_ids:
-            last_access[task_id] = now
-            last_access.move_to_end(task_id)
+    def stage(
+        self, stage_id: str, bundle: Bundle | Mapping[Any, Any], body_size: int | None = None, part: str = ""
+    ) -> tuple[int, int]:
+        """Hold a bundle under `stage_id` until `commit`; invisible to fetches until then.
 
-    def _forget(self, task_id: str) -> None:
-        if self._last_access is not None:
-            self._last_access.pop(task_id, None)
-
-    def evict_idle(self) -> tuple[int, int]:
-        """Delete every task not put or fetched for `max_idle_seconds`; returns (shards, bytes).
-
-        Staged puts are not touched (they expire by `stage_ttl`).
+        Re-staging the same `part` (by default: the same tasks and fields) replaces it, so a
+        retried request is safe. Staged bytes
+        are reserved against capacity. Stages untouched for `stage_ttl` seconds are dropped.
         """
-        if self._last_access is None or self.max_idle_seconds is None:
-            return 0, 0
-        count = freed = 0
+        if not isinstance(bundle, Bundle):
+            bundle = bundle_from_raw(bundle)
+        incoming = bundle.nbytes()
         with self._lock:
-            cutoff = self._clock() - self.max_idle_seconds
-            last_access = self._last_access
-            while last_access:
-                task_id, touched = next(iter(last_access.items()))
-                if touched > cutoff:
-                    break  # oldest first: everything after this is fresher
-                del last_access[task_id]
-                fields = self._tasks.pop(task_id, None)
-                if fields:
-                    count += len(fields)
-                    freed += sum(s.nbytes for s in fields.values())
-            self._account_deleted(count, freed)
-            self._evicted_shards += count
-            self._evicted_bytes += freed
-        return count, freed
+            now = self._clock()
+            self._expire_stages(now)  # first: this stage itself may have expired
+            if stage_id in self._committed:
+                raise UnknownStageError(f"stage {stage_id!r} is already committed")
+            stage = self._stages.get(stage_id) or _Stage(now)
+            # Unnamed parts are named by what they hold, so a re-sent request replaces itself.
+            key = part or f"#{hash((tuple(bundle.task_ids), tuple(bundle.columns)))}"
+            released = stage.parts[key][0].nbytes() if key in stage.parts else 0
+            self._check_capacity(self._bytes + incoming - released, incoming, now)
+            stage.parts[key] = (bundle, body_size or incoming)
+            stage.nbytes += incoming - released
+            stage.touched = now
+            self._stages[stage_id] = stage
+            self._staged_bytes += incoming - released
+            self._start_stage_sweeper()
+        return bundle.shard_count(), incoming
+
+    def commit(self, stage_id: str) -> tuple[int, int]:
+        """Store everything staged under `stage_id` at once; idempotent for a while after."""
+        with self._lock:
+            now = self._clock()
+            self._expire_stages(now)
+            if stage_id in self._committed:
+                return self._committed[stage_id][1]
+            stage = self._stages.pop(stage_id, None)
+            if stage is None:
+                raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
+            self._staged_bytes -= stage.nbytes
+            stored = nbytes = 0
+            # Capacity was reserved when staging, and replacing only frees bytes.
+            for bundle, body_size in stage.parts.values():
+                receipt = self._apply(bundle, body_size)
+                stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
+            result = (stored, nbytes)
+            self._committed[stage_id] = (now, result)
+        return result
+
+    def abort(self, stage_id: str) -> int:
+        """Drop a stage; returns how many shards it held (0 if none). Idempotent."""
+        with self._lock:
+            stage = self._stages.pop(stage_id, None)
+            if stage is None:
+                return 0
+            self._staged_bytes -= stage.nbytes
+        return sum(bundle.shard_count() for bundle, _ in stage.parts.values())
 
     def _expire_stages(self, now: float) -> tuple[int, int]:
         """Drop stages untouched for `stage_ttl` (caller holds the lock); returns (stages, bytes) dropped."""
         dropped = released = 0
-        for stage_id, (touched, shards) in list(self._stages.items()):
-            if now - touched > self.stage_ttl:
+        for stage_id, stage in list(self._stages.items()):
+            if now - stage.touched > self.stage_ttl:
                 del self._stages[stage_id]
-                nbytes = sum(s.nbytes for s in shards.values())
-                self._staged_bytes -= nbytes
+                self._staged_bytes -= stage.nbytes
                 dropped += 1
-                released += nbytes
+                released += stage.nbytes
         for stage_id, (done, _) in list(self._committed.items()):
             if now - done > self.stage_ttl:
                 del self._committed[stage_id]
@@ -225,10 +604,7 @@ class ShardStore:
         return dropped, released
 
     def expire_stages(self) -> tuple[int, int]:
-        """Drop every stage untouched for `stage_ttl` seconds; returns (stages, bytes released).
-
-        Each drop is logged as a WARNING (a client died mid-put, or stalled longer than the TTL).
-        """
+        """Drop every stage untouched for `stage_ttl` seconds; returns (stages, bytes released)."""
         with self._lock:
             return self._expire_stages(self._clock())
 
@@ -260,147 +636,250 @@ class ShardStore:
         if sweeper is not None and sweeper is not threading.current_thread():
             sweeper.join(timeout=5)
 
-    def stage(self, stage_id: str, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
-        """Hold shards under `stage_id` until `commit`; invisible to fetches until then.
+    # ------------------------------------------------------------------ fetching
 
-        Re-staging a key replaces it (retries are safe). Staged bytes are
-        reserved against capacity. Stages untouched for `stage_ttl` seconds
-        are dropped (see the class docstring).
+    def fetch(self, task_ids: Sequence[str], fields: Sequence[str]) -> Bundle:
+        """The product `task_ids` x `fields` as a bundle whose columns point into the segments.
+
+        `MissingShardsError` lists every absent key. The bytes are not copied when the rows
+        form a few runs; scattered rows are gathered into one buffer per field.
         """
-        incoming = sum(s.nbytes for s in shards.values())
         with self._lock:
-            now = self._clock()
-            self._expire_stages(now)  # first: this stage itself may have expired
-            if stage_id in self._committed:
-                raise UnknownStageError(f"stage {stage_id!r} is already committed")
-            _, staged = self._stages.get(stage_id, (now, {}))
-            released = sum(staged[k].nbytes for k in shards if k in staged)
-            self._check_capacity(self._bytes + incoming - released, incoming, now)
-            staged.update(shards)
-            self._stages[stage_id] = (now, staged)
-            self._staged_bytes += incoming - released
-            self._start_stage_sweeper()
-        return len(shards), incoming
-
-    def commit(self, stage_id: str) -> tuple[int, int]:
-        """Store everything staged under `stage_id` at once; idempotent for a while after."""
-        with self._lock:
-            now = self._clock()
-            self._expire_stages(now)
-            if stage_id in self._committed:
-                return self._committed[stage_id][1]
-            if stage_id not in self._stages:
-                raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
-            _, staged = self._stages.pop(stage_id)
-            incoming = sum(s.nbytes for s in staged.values())
-            self._staged_bytes -= incoming
-            replaced = new_keys = 0
-            for task_id, field in staged:
-                old = self._tasks.get(task_id, {}).get(field)
-                if old is None:
-                    new_keys += 1
-                else:
-                    replaced += old.nbytes
-            # Capacity was reserved when staging, and replacing only frees bytes.
-            self._apply(staged, self._bytes + incoming - replaced, new_keys)
-            result = (len(staged), incoming)
-            self._committed[stage_id] = (now, result)
-        return result
-
-    def abort(self, stage_id: str) -> int:
-        """Drop a stage; returns how many shards it held (0 if none). Idempotent."""
-        with self._lock:
-            _, staged = self._stages.pop(stage_id, (0.0, {}))
-            self._staged_bytes -= sum(s.nbytes for s in staged.values())
-        return len(staged)
-
-    def get(self, keys: Iterable[ShardKey]) -> list[StoredShard]:
-        """The shards for `keys`, in order; `MissingShardsError` lists any absent."""
-        found: list[StoredShard] = []
-        missing: list[ShardKey] = []
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        with self._lock:
-            for key in keys:
-                shard = self._tasks.get(key[0], {}).get(key[1])
-                if shard is None:
-                    missing.append(key)
-                else:
-                    found.append(shard)
-            if self._last_access is not None and not missing:
-                self._touch({key[0] for key in keys})
+            rows = self._lookup(task_ids)
+            picked: list[tuple[str, np.ndarray, np.ndarray, dict[int, _Segment]]] = []
+            missing: list[ShardKey] = []
+            missing_count = 0
+            for name in fields:
+                index = self._fields.get(name)
+                segs = index.segs_at(np.maximum(rows, 0)) if index is not None else np.full(len(rows), -1)
+                segs = np.where(rows >= 0, segs, -1)
+                absent = np.flatnonzero(segs < 0)
+                if len(absent):
+                    missing_count += len(absent)
+                    room = MAX_MISSING_LISTED - len(missing)
+                    missing += [ShardKey(task_ids[i], name) for i in absent[: max(room, 0)].tolist()]
+                    continue
+                positions = index.pos[rows] if index is not None else segs
+                used = {s: self._segments[s] for s in np.unique(segs).tolist()}
+                picked.append((name, segs, positions, used))
+            if not missing:
+                self._touch(rows)
         if missing:
-            raise MissingShardsError(missing)
-        return found
+            raise MissingShardsError(missing, missing_count)
+        columns: dict[str, RawColumn] = {}
+        for name, segs, positions, used in picked:
+            kinds: dict[str | None, list[int]] = {}
+            for seg_id, seg in used.items():
+                kinds.setdefault(seg.dtype, []).append(seg_id)
+            if len(kinds) == 1:
+                columns[name] = _column_of(segs, positions, used)
+                continue
+            # The field holds different dtypes for these tasks: one column per dtype (`field#k`).
+            for layer, seg_ids in enumerate(kinds.values()):
+                rows_k = np.flatnonzero(np.isin(segs, seg_ids))
+                column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids})
+                column.rows = rows_k
+                columns[f"{name}{LAYER_MARK}{layer}" if layer else name] = column
+        return Bundle(list(task_ids), columns)
 
-    def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
-        """Delete the given shards; absent keys are skipped. Returns (count, bytes freed)."""
-        count = freed = 0
-        with self._lock:
-            for task_id, field in keys:
-                fields = self._tasks.get(task_id)
-                if fields is None or field not in fields:
-                    continue
-                freed += fields.pop(field).nbytes
-                count += 1
-                if not fields:
-                    del self._tasks[task_id]
-                    self._forget(task_id)
-            self._account_deleted(count, freed)
-        return count, freed
+    def fetch_keys(self, keys: Sequence[ShardKey]) -> Bundle:
+        """Explicit keys as a bundle: tasks in first-seen order, each field on the tasks asking for it."""
+        keys = list(dict.fromkeys(keys))  # a key asked for twice is sent once
+        task_ids = list(dict.fromkeys(task_id for task_id, _ in keys))
+        position = {t: i for i, t in enumerate(task_ids)}
+        by_field: dict[str, list[int]] = {}
+        for task_id, field in keys:
+            by_field.setdefault(field, []).append(position[task_id])
+        missing: list[ShardKey] = []
+        missing_count = 0
+        columns: dict[str, RawColumn] = {}
+        for field, task_rows in by_field.items():
+            ids = [task_ids[i] for i in task_rows]
+            try:
+                fetched = self.fetch(ids, [field]).columns
+            except MissingShardsError as exc:
+                missing += exc.keys[: max(MAX_MISSING_LISTED - len(missing), 0)]
+                missing_count += exc.count
+                continue
+            for key, column in fetched.items():
+                rows = np.asarray(task_rows, dtype=np.int64)
+                if column.rows is not None:
+                    rows = rows[column.rows]
+                column.rows = None if np.array_equal(rows, np.arange(len(task_ids))) else rows
+                columns[key] = column
+        if missing:
+            raise MissingShardsError(missing, missing_count)
+        return Bundle(task_ids, columns)
 
-    def delete_if_same(self, shards: Mapping[ShardKey, StoredShard]) -> tuple[int, int]:
-        """Delete each key only while it still holds that very shard object (identity).
+    def get(self, keys: Iterable[ShardKey]) -> Bundle:
+        """Alias of `fetch_keys` (the name the per-shard store had)."""
+        return self.fetch_keys(list(keys))
 
-        For dropping what one put stored (an abandoned engine call) without touching a
-        later put's shards under the same keys. Returns (count, bytes freed).
-        """
-        count = freed = 0
-        with self._lock:
-            tasks = self._tasks
-            for (task_id, field), shard in shards.items():
-                fields = tasks.get(task_id)
-                if fields is None or fields.get(field) is not shard:
-                    continue
-                del fields[field]
-                freed += shard.nbytes
-                count += 1
-                if not fields:
-                    del tasks[task_id]
-                    self._forget(task_id)
-            self._account_deleted(count, freed)
-        return count, freed
+    # ------------------------------------------------------------------ deleting
 
     def delete_tasks(self, task_ids: Iterable[str]) -> tuple[int, int]:
         """Delete every field of the given tasks. Returns (count, bytes freed)."""
+        task_ids = list(task_ids)
+        with self._lock:
+            rows = self._lookup(task_ids)
+            return self._delete_rows(rows[rows >= 0], list(self._fields))
+
+    def delete_product(self, task_ids: Iterable[str], fields: Iterable[str]) -> tuple[int, int]:
+        """Delete `fields` of the given tasks (absent ones are skipped). Returns (count, bytes freed)."""
+        task_ids = list(task_ids)
+        with self._lock:
+            rows = self._lookup(task_ids)
+            return self._delete_rows(rows[rows >= 0], list(dict.fromkeys(fields)))
+
+    def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
+        """Delete the given shards; absent keys are skipped. Returns (count, bytes freed)."""
+        by_field: dict[str, list[str]] = {}
+        for task_id, field in keys:
+            by_field.setdefault(field, []).append(task_id)
         count = freed = 0
         with self._lock:
-            for task_id in task_ids:
-                fields = self._tasks.pop(task_id, None)
-                if fields:
-                    count += len(fields)
-                    freed += sum(s.nbytes for s in fields.values())
-                    self._forget(task_id)
-            self._account_deleted(count, freed)
+            touched: list[np.ndarray] = []
+            for field, task_ids in by_field.items():
+                rows = self._lookup(task_ids)
+                rows = np.unique(rows[rows >= 0])
+                c, b = self._kill(field, rows)
+                count, freed = count + c, freed + b
+                touched.append(rows)
+            if touched:
+                self._release_empty(np.concatenate(touched))
         return count, freed
 
-    def _account_deleted(self, count: int, freed: int) -> None:
-        self._shard_count -= count
-        self._bytes -= freed
+    def _delete_rows(self, rows: np.ndarray, fields: Sequence[str]) -> tuple[int, int]:
+        rows = np.unique(rows)
+        count = freed = 0
+        for name in fields:
+            c, b = self._kill(name, rows)
+            count, freed = count + c, freed + b
+        self._release_empty(rows)
+        return count, freed
+
+    def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
+        """Delete what one put stored, where it is still there (a later put's values under the same
+        keys survive). For dropping an abandoned engine call's result. Returns (count, bytes freed)."""
+        count = freed = 0
+        with self._lock:
+            touched: list[np.ndarray] = []
+            for name, seg_id in receipt.segments:
+                seg = self._segments.get(seg_id)
+                if seg is None:
+                    continue
+                touched.append(seg.task_rows)
+                c, b = self._kill(name, seg.task_rows, only_segment=seg_id)
+                count, freed = count + c, freed + b
+            if touched:
+                self._release_empty(np.concatenate(touched))
+        return count, freed
+
+    def evict_idle(self) -> tuple[int, int]:
+        """Delete every task not put or fetched for `max_idle_seconds`; returns (shards, bytes).
+
+        Staged puts are not touched (they expire by `stage_ttl`).
+        """
+        if self.max_idle_seconds is None:
+            return 0, 0
+        with self._lock:
+            cutoff = self._clock() - self.max_idle_seconds
+            held = np.flatnonzero(self._ids[: self._next_row] != None)  # noqa: E711 (elementwise)
+            idle = held[self._access[held] <= cutoff]
+            count, freed = self._delete_rows(idle, list(self._fields))
+            self._evicted_shards += count
+            self._evicted_bytes += freed
+        return count, freed
+
+    # ------------------------------------------------------------------ reporting
 
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
-                self._shard_count,
-                len(self._tasks),
+                self._shards,
+                len(self._row_of),
                 self._bytes,
                 self.max_bytes,
                 self._staged_bytes,
                 self._evicted_shards,
                 self._evicted_bytes,
+                sum(b.size for b in self._buffers.values()) + sum(i.nbytes() for i in self._fields.values()),
+                len(self._segments),
             )
 
     def __len__(self) -> int:
-        return self._shard_count
+        return self._shards
+
+
+def _gather_bytes(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The byte ranges (`starts`, `sizes`) of `data`, one after another, in a new array."""
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    for start, stop, at in _runs(starts, sizes):
+        out[at : at + stop - start] = data[start:stop]
+    return out
+
+
+def _runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int]]:
+    """Maximal runs of adjacent byte ranges: (start, stop, offset in the output) each."""
+    if not len(starts):
+        return []
+    ends = starts + sizes
+    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    first = np.concatenate([[0], breaks])
+    last = np.concatenate([breaks, [len(starts)]]) - 1
+    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
+    return zip(starts[first].tolist(), ends[last].tolist(), offsets.tolist())
+
+
+def _column_of(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]) -> RawColumn:
+    """One field's rows (in request order) from the segments holding them."""
+    first = next(iter(used.values()))
+    if first.dtype is None:
+        if len(used) == 1:
+            values = list(map((first.values or []).__getitem__, positions.tolist()))
+        else:
+            values = [used[s].values[p] for s, p in zip(segs.tolist(), positions.tolist())]  # type: ignore[index]
+        return RawColumn(None, values=values)
+    if len(used) == 1:
+        shapes = first.shapes.take(positions)  # type: ignore[union-attr]
+        parts = _parts(first, positions)
+    else:
+        # Group rows by segment (stable), take each group's shapes, then restore request order.
+        order = np.argsort(segs, kind="stable")
+        groups = []
+        parts = []
+        bounds = np.flatnonzero(np.diff(segs[order])) + 1
+        for chunk in np.split(order, bounds):
+            seg = used[int(segs[chunk[0]])]
+            groups.append(seg.shapes.take(positions[chunk]))  # type: ignore[union-attr]
+        shapes = RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
+        # Bytes: runs in request order, segment by segment.
+        change = np.flatnonzero(np.diff(segs)) + 1
+        for chunk_rows in np.split(np.arange(len(segs)), change):
+            seg = used[int(segs[chunk_rows[0]])]
+            parts += _parts(seg, positions[chunk_rows])
+        if len(parts) > MAX_SEND_RUNS:
+            joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts])
+            parts = [memoryview(joined)]
+    nbytes = parts_size(parts)
+    return RawColumn(first.dtype, shapes, parts, nbytes)
+
+
+def _parts(seg: _Segment, positions: np.ndarray) -> list[memoryview]:
+    """The bytes of `positions` of `seg`, in order: views for a few runs, one gathered copy for many."""
+    assert seg.data is not None
+    starts, sizes = seg.starts[positions], seg.sizes[positions]
+    runs = list(_runs(starts, sizes))
+    total = int(sizes.sum())
+    if len(runs) <= MAX_SEND_RUNS or total >= len(runs) * GATHER_RUN_BYTES:
+        view = memoryview(seg.data)
+        return [view[start:stop] for start, stop, _ in runs if stop > start]
+    shapes = seg.shapes
+    if shapes is not None and shapes.shape is not None and len(seg.sizes) and int(seg.sizes[0]):
+        width = int(seg.sizes[0])  # equal rows: one C-level take
+        rows = seg.data[: len(seg.sizes) * width].reshape(-1, width)
+        return [memoryview(np.take(rows, positions, axis=0).reshape(-1))]
+    return [memoryview(_gather_bytes(seg.data, starts, sizes))]
 
 
 class IdleSweeper:

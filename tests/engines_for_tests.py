@@ -60,6 +60,17 @@ class EchoEngine:
             task_ids=[f"{prefix}-{i}" for i in range(n)],
         )
 
+    def repack(self, batch: DistributedBatchMemory, field: str = "x") -> DistributedBatchMemory:
+        """A LOCAL batch whose columns come from `batch.packed(field)`: `rows`, each task's slice of
+        the packed values (views into them), and `length`, from `cu_seqlens`; stored here, returned
+        REMOTE (tests/test_packed.py)."""
+        values, cu = batch.packed(field)
+        bounds = cu.tolist()
+        rows = [values[start:stop] for start, stop in zip(bounds, bounds[1:])]
+        return DistributedBatchMemory.from_dict(
+            {"rows": rows, "length": (cu[1:] - cu[:-1]).to(torch.int64)}, task_ids=batch.task_ids
+        )
+
     def passthrough(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
         return batch
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from rpc_server.store import StoredShard
+from distbatch.wire import RawTensor
 
 
-def shard(n: int) -> StoredShard:
-    """An `n`-byte uint8 shard."""
-    return StoredShard("U8", (n,), b"\x00" * n)
+def shard(n: int) -> RawTensor:
+    """An `n`-byte uint8 shard (`ShardStore.put` / `stage` take a mapping of these)."""
+    return RawTensor("U8", (n,), b"\x00" * n)
 
 
 class FakeClock:

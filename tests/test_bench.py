@@ -1,17 +1,39 @@
-"""The benchmark at a tiny size: its accounting and checksums, never its timings."""
+"""The benchmark at a tiny size: its accounting, checksums and outputs, never its timings."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from distbatch.bench.__main__ import main
-from distbatch.bench.workloads import WORKLOADS, make_columns, payload_bytes
+import pytest
+from ray_support import import_ray
+
+from bench import baselines, scaling, transferqueue
+from bench.__main__ import main, parse_args
+from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_written(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > len(PNG_SIGNATURE), path
+    assert path.read_bytes()[: len(PNG_SIGNATURE)] == PNG_SIGNATURE
 
 
 def test_tiny_bench_accounts_for_every_byte(tmp_path: Path) -> None:
     results = main(
-        ["--workloads", "tiny", "--repeats", "2", "--no-ray", "--no-pipeline", "--out", str(tmp_path)]
+        [
+            "--workloads",
+            "tiny",
+            "--repeats",
+            "2",
+            "--no-ray",
+            "--no-pipeline",
+            "--peers",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
     )
     tiny = results["workloads"]["tiny"]
     columns = make_columns(WORKLOADS["tiny"], 0)
@@ -28,5 +50,91 @@ def test_tiny_bench_accounts_for_every_byte(tmp_path: Path) -> None:
         assert len(tiny["baselines"][name]["seconds"]) == 2
     assert tiny["distbatch"]["gather_one_field"]["bytes"] == sum(t.nbytes for t in columns["input_ids"])
     assert 0 < tiny["ratios"]["metadata_fraction"] < 1
+    assert "peers" not in tiny and "scaling" not in results
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["workloads"]["tiny"]["distbatch"]["stored_bytes"] == payload + json_bytes
+
+
+def test_dense_variant_is_the_same_fields_padded() -> None:
+    workload = WORKLOADS["grpo"]
+    assert workload.dense_shape == (5_120, 1_536)
+    dense = make_dense_columns(WORKLOADS["tiny"], 0)
+    tasks, width = WORKLOADS["tiny"].dense_shape
+    assert set(dense) == set(make_columns(WORKLOADS["tiny"], 0))
+    assert dense["input_ids"].shape == dense["advantages"].shape == (tasks, width)
+    assert payload_bytes(dense) == tasks * width * (4 + 4 + 2) + tasks * 4
+
+
+def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(tmp_path: Path) -> None:
+    """The dense comparison is wired into the same run; TransferQueue skipped here (--no-tq)."""
+    results = main(
+        ["--workloads", "tiny", "--repeats", "1", "--no-ray", "--no-pipeline", "--no-tq"]
+        + ["--peers", "tiny", "--out", str(tmp_path)]
+    )
+    peers = results["workloads"]["tiny"]["peers"]
+    dense = peers["distbatch_dense"]
+    assert dense["put"]["bytes"] == peers["dense_payload_bytes"] == dense["gather_all"]["bytes"]
+    assert dense["left_bytes"] == 0
+    assert peers["transferqueue"] == {"skipped": "--no-tq"}
+
+
+def test_transferqueue_simple_storage_puts_and_gets_the_same_batches(tmp_path: Path) -> None:
+    reason = transferqueue.available()
+    if reason:
+        pytest.skip(reason)
+    result = transferqueue.run("tiny", 0, 1, 2, timeout=240, log_path=tmp_path / "tq.log")
+    assert "error" not in result, result
+    assert result["backend"] == "SimpleStorage" and result["units"] == 2
+    for kind, columns in (("dense", make_dense_columns), ("ragged", make_columns)):
+        figures = result[kind]
+        assert "error" not in figures, figures
+        assert figures["checked"] and figures["keys_left_after_clear"] == 0
+        assert (
+            figures["put"]["bytes"] == figures["get"]["bytes"] == payload_bytes(columns(WORKLOADS["tiny"], 0))
+        )
+
+
+def test_ray_object_store_times_the_ragged_and_padded_dense_batch() -> None:
+    import_ray()
+    times = baselines.ray_roundtrips("tiny", 0, 1, ("ragged", "dense"))
+    assert set(times) == {"ragged", "dense"} and all(len(t) == 1 for t in times.values())
+
+
+def test_scaling_run_checks_every_op_and_plots(tmp_path: Path) -> None:
+    results = main(
+        ["--workloads", "scaling", "--scaling-sizes", "16,48,96", "--max-tasks", "48", "--repeats", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    run = results["scaling"]
+    assert [row["tasks"] for row in run["rows"]] == [16, 48]  # 96 is over --max-tasks
+    assert run["fields"] == 8 and run["left_shards"] == 0
+    for row in run["rows"]:
+        assert set(row["median_s"]) == set(scaling.OPS)
+        assert 0 < row["pickled_bytes"] and 0 < row["meta_json_bytes"]
+    assert results["workloads"] == {}
+    _png_written(tmp_path / "scaling.png")
+    assert not (tmp_path / "bench.png").exists()  # no transfer workload ran
+    assert json.loads((tmp_path / "results.json").read_text())["scaling"]["rows"][1]["tasks"] == 48
+
+
+def test_scaling_plot_is_a_png(tmp_path: Path) -> None:
+    rows = [
+        {
+            "tasks": n,
+            "median_s": {op: n * 1e-5 for op in scaling.OPS},
+            "min_s": {op: n * 0.9e-5 for op in scaling.OPS},
+            "max_s": {op: n * 1.1e-5 for op in scaling.OPS},
+        }
+        for n in (1_000, 3_000)
+    ]
+    result = {"fields": 8, "workers": 2, "ops": list(scaling.OPS), "rows": rows}
+    assert scaling.plot(result, tmp_path / "s.png") == tmp_path / "s.png"
+    _png_written(tmp_path / "s.png")
+
+
+def test_cli_rejects_unknown_workloads_and_a_cap_below_every_size() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--workloads", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--workloads", "scaling", "--max-tasks", "10"])
+    assert parse_args(["--max-tasks", "3000"]).scaling_sizes == [1_000, 3_000]

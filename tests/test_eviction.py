@@ -100,7 +100,6 @@ def test_store_without_limit_tracks_and_evicts_nothing() -> None:
     clock = FakeClock()
     store = ShardStore(clock=clock)
     store.put({ShardKey("a", "x"): shard(1)})
-    assert store._last_access is None  # no bookkeeping at all when off
     clock.now += 1e9
     assert store.evict_idle() == (0, 0)
     with pytest.raises(ValueError, match="max_idle_seconds"):

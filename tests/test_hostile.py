@@ -2,9 +2,10 @@
 
 One module-scoped `python -m rpc_server` (bearer token on, small request / JSON
 bounds so oversize cases are cheap) holds known reference data. Hypothesis
-throws mutated safetensors containers, random JSON and non-JSON bodies, wrong
-content types, oversized and chunked bodies, path-like ids, wrong methods,
-unknown paths and bad tokens at it. Every answer must be a 4xx with a JSON
+throws mutated bundles (byte flips, broken containers, broken descriptions and
+tables, invalid ids), random JSON and non-JSON bodies, wrong content types,
+oversized and chunked bodies, path-like ids, wrong methods, unknown paths and
+bad tokens at it. Every answer must be a 4xx with a JSON
 `{"error", "message"}` body (never a 5xx, never a dropped connection), and after
 every example the reference shards are byte-for-byte unchanged and the store's
 shard count and byte total are what they were.
@@ -16,6 +17,7 @@ import http.client
 import json
 import os
 import pickle
+import re
 import string
 import time
 import urllib.parse
@@ -23,16 +25,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 import torch
+from bundle_support import MALFORMED_BUNDLES, bundle_keys, describe, forge
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from distbatch.errors import WireFormatError
 from distbatch.ids import ID_PATTERN
 from distbatch.launch import WorkerProcess, spawn_worker
-from distbatch.wire import ITEMSIZE, encode_bundle_bytes, parse_container
+from distbatch.wire import ITEMSIZE, decode_bundle, encode_bundle_bytes, parse_bundle
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -65,6 +69,7 @@ ROUTES = {
     ("POST", "/v1/shards/commit"),
     ("POST", "/v1/shards/abort"),
 }
+LAYER_COLUMN = re.compile(r"[A-Za-z0-9._:@=+-]{1,200}#[1-9][0-9]{0,3}")
 JSON_PATHS = ["/v1/shards/fetch", "/v1/shards/delete", "/v1/shards/commit", "/v1/shards/abort", "/v1/call/go"]
 
 
@@ -201,9 +206,12 @@ def invalid_containers(draw: st.DrawFn) -> bytes:
                 "overlap",
                 "out-of-range",
                 "dtype",
-                "bad-name",
+                "bad-id",
                 "bad-shape",
                 "header",
+                "known-malformed",
+                "lengths",
+                "rows",
             ]
         )
     )
@@ -234,14 +242,44 @@ def invalid_containers(draw: st.DrawFn) -> bytes:
         )
         assume(dtype not in ITEMSIZE)
         return container({"f1/a": {"dtype": dtype, "shape": [1], "data_offsets": [0, 1]}}, b"\x00")
-    if kind == "bad-name":
+    if kind == "bad-id":
+        # An invalid task id in the description, or an invalid field name (tensor or JSON field).
         bad = draw(bad_ids)
-        name = draw(st.sampled_from([f"{bad}/field", f"task/{bad}", bad]))
-        assume(name != bad or "/" not in bad)  # "x/y" alone would be a valid name
-        if draw(st.booleans()):
-            return container({name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\x00")
-        assume("/" in name)  # metadata names without a separator are free-form and ignored
-        return container({"__metadata__": {name: "1"}})
+        where = draw(st.sampled_from(["task", "tensor-field", "json-field"]))
+        # `x#1` is no id, but a valid column name: the second column of field `x`.
+        assume(where == "task" or LAYER_COLUMN.fullmatch(bad) is None)
+        task_ids = ["f1", bad] if where == "task" else ["f1"]
+        field = bad if where != "task" else "c0"
+        if where == "json-field":
+            meta = {"distbatch": describe(task_ids, {field: {"dtype": None}}), f"json/{field}": "[1]"}
+            return container({"__metadata__": meta})
+        meta = {"distbatch": describe(task_ids, {field: {"dtype": "U8", "layout": "uniform"}})}
+        rows = len(task_ids)
+        return container(
+            {"__metadata__": meta, field: {"dtype": "U8", "shape": [rows], "data_offsets": [0, rows]}},
+            b"\x00" * rows,
+        )
+    if kind == "known-malformed":
+        return MALFORMED_BUNDLES[draw(st.sampled_from(sorted(MALFORMED_BUNDLES)))]
+    if kind == "lengths":
+        # A ragged field whose lengths are negative or do not add up to the data (numpy's sums wrap).
+        lengths = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=2, max_size=2))
+        first = draw(st.integers(0, 6))
+        assume(min(lengths) < 0 or sum(lengths) != first)
+        return forge(
+            ["f1", "f2"],
+            {"c0": {"dtype": "U8", "layout": "ragged"}},
+            {"c0": np.zeros(first, dtype=np.uint8), "c0/lengths": lengths},
+        )
+    if kind == "rows":
+        # A partial field whose rows are negative, past the two tasks, or repeated.
+        rows = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=3))
+        assume(min(rows) < 0 or max(rows) >= 2 or len(set(rows)) < len(rows))
+        return forge(
+            ["f1", "f2"],
+            {"c0": {"dtype": "U8", "layout": "uniform", "rows": True}},
+            {"c0": np.zeros(len(rows), dtype=np.uint8), "c0/rows": rows},
+        )
     if kind == "bad-shape":
         shape = draw(st.one_of(st.lists(st.integers(-3, 3), max_size=4), json_values))
         ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
@@ -265,7 +303,7 @@ def invalid_containers(draw: st.DrawFn) -> bytes:
         )
     )
     try:
-        parse_container(container(header))
+        parse_bundle(container(header))
     except WireFormatError:
         return container(header)
     assume(False)
@@ -282,6 +320,8 @@ def body_of(draw_value: Any) -> bytes:
 @FUZZ
 @given(body=invalid_containers())
 def test_invalid_containers_are_refused(target: Target, body: bytes) -> None:
+    with pytest.raises(WireFormatError):
+        parse_bundle(body)  # malformed by construction: the library refuses it too
     assert_json_4xx(target.put(body), 400, 413)
     target.assert_intact()
 
@@ -301,15 +341,28 @@ def test_mutated_containers_are_refused_or_stored_whole(
         body[position % len(body)] = value
     response = target.put(bytes(body))
     try:
-        parsed = parse_container(bytes(body))
+        parsed = parse_bundle(bytes(body))
     except WireFormatError:
         assert_json_4xx(response, 400)
     else:
         assert response.status_code == 200, response.text
-        keys = [list(k) for k in [*parsed.tensors, *parsed.json_texts]]
+        keys = [list(k) for k in bundle_keys(parsed)]
         assert not any(tuple(k) in REFERENCE for k in keys)
         assert response.json()["stored"] == len(keys)
         if keys:
+            # Stored whole: every shard comes back as the body had it.
+            fetched = target.post("/v1/shards/fetch", json.dumps({"keys": keys}))
+            assert fetched.status_code == 200, fetched.text
+            sent, got = decode_bundle(bytes(body)), decode_bundle(fetched.content)
+            assert set(got) == set(sent)
+            for key, value in sent.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[key].dtype == value.dtype and got[key].shape == value.shape
+                    assert bytes(got[key].reshape(-1).view(torch.uint8).numpy()) == bytes(
+                        value.reshape(-1).view(torch.uint8).numpy()
+                    )
+                else:
+                    assert json.dumps(got[key]) == json.dumps(value)
             cleanup = target.post("/v1/shards/delete", json.dumps({"keys": keys}))
             assert cleanup.status_code == 200, cleanup.text
     target.assert_intact()
@@ -320,35 +373,61 @@ def test_mutated_containers_are_refused_or_stored_whole(
 def test_random_bytes_put(target: Target, body: bytes) -> None:
     response = target.put(body)
     try:
-        parsed = parse_container(body)
+        parsed = parse_bundle(body)
     except WireFormatError:
         assert_json_4xx(response, 400)
     else:  # e.g. b"\x02\0\0\0\0\0\0\0{}": a valid, empty bundle
-        assert response.status_code == 200 and len(parsed) == 0, response.text
+        assert response.status_code == 200 and parsed.shard_count() == 0, response.text
     target.assert_intact()
+
+
+def _json_field_bundle(text: str, task_id: str = "f1") -> bytes:
+    """A one-task bundle whose JSON field `u` has the array text `text` (header JSON-escaped, so
+    a lone surrogate in `text` arrives as a \\udxxx escape in the header: valid bytes)."""
+    meta = {"distbatch": describe([task_id], {"u": {"dtype": None}}), "json/u": text}
+    return container({"__metadata__": meta})
 
 
 def test_lone_surrogate_json_shard_is_400_not_500(target: Target) -> None:
     """Regression: a JSON shard whose text holds a lone surrogate (a \\ud800 escape in the
     header) passed validation, then failed to UTF-8-encode in the view: a 500."""
-    text = json.dumps("\ud800", ensure_ascii=False)
-    body = assert_json_4xx(target.put(container({"__metadata__": {"f1/a": text}})), 400)
+    text = json.dumps(["\ud800"], ensure_ascii=False)
+    body = assert_json_4xx(target.put(_json_field_bundle(text)), 400)
     assert body["error"] == "bad_container"
+    # The same in the description (a task id), where it is no id anyway.
+    raw = {"__metadata__": {"distbatch": describe(["f1\ud800"], {"u": {"dtype": None}}), "json/u": "[1]"}}
+    assert assert_json_4xx(target.put(container(raw)), 400)["error"] == "bad_container"
+    target.assert_intact()
+
+
+def test_escaped_lone_surrogate_is_a_valid_json_value(target: Target) -> None:
+    """Escaped inside the field's own JSON text (`"\\ud800"`, what our encoder sends), a lone
+    surrogate is a valid JSON string: stored, served back the same, counted, deleted; no 500."""
+    value = ["a\ud800", {"\udfff": "é"}]
+    response = target.put(_json_field_bundle(json.dumps([value])))
+    assert response.status_code == 200, response.text
+    assert response.json()["stored"] == 1
+    fetched = target.post("/v1/shards/fetch", json.dumps({"task_ids": ["f1"], "fields": ["u"]}))
+    assert fetched.status_code == 200, fetched.text
+    assert decode_bundle(fetched.content) == {("f1", "u"): value}
+    assert target.post("/v1/shards/delete", json.dumps({"task_ids": ["f1"]})).json()["deleted"] == 1
     target.assert_intact()
 
 
 @FUZZ
 @given(
     text=st.text(alphabet=st.characters(categories=["Cs"]) | st.characters(), max_size=8).map(
-        lambda s: json.dumps(s, ensure_ascii=False)
+        lambda s: json.dumps([s], ensure_ascii=False)
     )
 )
 def test_arbitrary_unicode_json_shards(target: Target, text: str) -> None:
-    response = target.put(container({"__metadata__": {"f1/u": text}}))
+    response = target.put(_json_field_bundle(text))
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
         assert_json_4xx(response, 400)
     else:
         assert response.status_code == 200, response.text
+        fetched = target.post("/v1/shards/fetch", json.dumps({"keys": [["f1", "u"]]}))
+        assert decode_bundle(fetched.content) == {("f1", "u"): json.loads(text)[0]}
         assert target.post("/v1/shards/delete", json.dumps({"task_ids": ["f1"]})).json()["deleted"] == 1
     target.assert_intact()
 

@@ -141,7 +141,8 @@ def test_runtime_env_reaches_the_engine() -> None:
     runtime_env = {"env_vars": {"DISTBATCH_TEST_MARK": "from-runtime-env"}}
     with WorkerGroup.ray(1, ECHO, env=ENV, runtime_env=runtime_env) as g:
         assert g.call_on(0, "environ", "DISTBATCH_TEST_MARK") == "from-runtime-env"
-        assert g.call_on(0, "environ", "PYTHONPATH") == ENV["PYTHONPATH"]  # `env` still applies
+        # `env` still applies: its PYTHONPATH first, then the actor's import path (as for local workers).
+        assert g.call_on(0, "environ", "PYTHONPATH").split(os.pathsep)[0] == ENV["PYTHONPATH"]
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import bundle_support
+import numpy as np
 import pytest
 import requests
 import safetensors.torch
 import torch
+from bundle_support import GOOD_VALUES, MALFORMED_BUNDLES, describe, forge
 
 from distbatch.launch import WorkerProcess, read_first_line
 from distbatch.wire import decode_bundle, encode_bundle_bytes
@@ -336,17 +339,80 @@ def test_put_overwrite_is_idempotent(plain: WorkerProcess) -> None:
 
 
 def test_put_accepts_safetensors_package_containers(plain: WorkerProcess) -> None:
-    tensors = {"st-1/a": torch.randn(3, 4), "st-1/b": torch.arange(6, dtype=torch.int16).reshape(2, 3)}
-    body = safetensors.torch.save(tensors)
+    """A bundle written by `safetensors.torch.save` (uniform, ragged, general and partial fields,
+    bf16 among them, and a JSON field) is stored as sent and served back, by product or by keys;
+    what the worker serves loads with the safetensors package, bf16 still bf16."""
+    tasks = ["st-1", "st-2", "st-3"]
+    a = torch.randn(3, 4)
+    b = [torch.arange(n * 3, dtype=torch.int16).reshape(n, 3) for n in (2, 0, 1)]
+    c = [torch.randn(shape).to(torch.bfloat16) for shape in [(2, 2), (), (5,)]]
+    d = torch.tensor([[1.5, -0.0]], dtype=torch.float64)
+    tensors = {
+        "a": a,
+        "b": torch.cat(b),
+        "b/lengths": torch.tensor([2, 0, 1]),
+        "c": torch.cat([v.reshape(-1) for v in c]),
+        "c/ranks": torch.tensor([2, 0, 1]),
+        "c/dims": torch.tensor([[2, 2], [0, 0], [5, 0]]),
+        "d": d,
+        "d/rows": torch.tensor([2]),
+    }
+    fields = {
+        "a": {"dtype": "F32", "layout": "uniform"},
+        "b": {"dtype": "I16", "layout": "ragged"},
+        "c": {"dtype": "BF16", "layout": "general"},
+        "d": {"dtype": "F64", "layout": "uniform", "rows": True},
+        "uid": {"dtype": None},
+    }
+    metadata = {"format": "pt", "distbatch": describe(tasks, fields), "json/uid": '["u1", {"k": [1]}, null]'}
+    body = safetensors.torch.save(tensors, metadata=metadata)
+    before = stats(plain)
     response = put_raw(plain, body, {"Content-Type": "application/x-safetensors"})
     assert response.status_code == 200, response.text
-    fetched = fetch(plain, [["st-1", "a"], ["st-1", "b"]])
-    assert fetched.status_code == 200
-    # and what we serve loads with the safetensors package
-    loaded = safetensors.torch.load(fetched.content)
-    assert set(loaded) == set(tensors)
-    for name, tensor in tensors.items():
-        assert same_tensor(tensor, loaded[name])
+    assert response.json()["stored"] == 3 + 3 + 3 + 1 + 3
+    expected: dict[tuple[str, str], Any] = {("st-3", "d"): d[0]}
+    for i, task in enumerate(tasks):
+        expected[(task, "a")] = a[i]
+        expected[(task, "b")] = b[i]
+        expected[(task, "c")] = c[i]
+    expected.update({("st-1", "uid"): "u1", ("st-2", "uid"): {"k": [1]}, ("st-3", "uid"): None})
+    after = stats(plain)
+    assert after["shards"] - before["shards"] == len(expected)
+    assert after["tasks"] - before["tasks"] == 3
+
+    def check(served: dict[Any, Any]) -> None:
+        assert set(served) == set(expected)
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert same_tensor(value.contiguous(), served[key]), key
+            else:
+                assert served[key] == value, key
+
+    check(fetch_ok(plain, [list(k) for k in expected]))
+    by_product = post_json(plain, "/v1/shards/fetch", {"task_ids": tasks, "fields": ["a", "b", "c", "uid"]})
+    assert by_product.status_code == 200, by_product.text
+    assert set(decode_bundle(by_product.content)) == {k for k in expected if k[1] != "d"}
+    # What we serve loads with the safetensors package: each field's values end to end.
+    loaded = safetensors.torch.load(by_product.content)
+    assert same_tensor(a, loaded["a"])
+    assert same_tensor(torch.cat(b), loaded["b"]) and loaded["b/lengths"].tolist() == [2, 0, 1]
+    assert loaded["c"].dtype == torch.bfloat16 and same_tensor(tensors["c"], loaded["c"])
+    served_meta = json.loads(split_header(by_product.content)["__metadata__"]["json/uid"])
+    assert served_meta == ["u1", {"k": [1]}, None]
+    # The forged bundle with every part of the format (numpy-written) is accepted too.
+    assert put_raw(plain, bundle_support.GOOD).status_code == 200
+    served = fetch_ok(plain, [list(k) for k in GOOD_VALUES])
+    for key, value in GOOD_VALUES.items():
+        if isinstance(value, np.ndarray):
+            assert same_tensor(torch.from_numpy(value), served[key]), key
+        else:
+            assert served[key] == value, key
+    assert post_json(plain, "/v1/shards/delete", {"task_ids": [*tasks, "t0", "t1", "t2"]}).status_code == 200
+    assert stats(plain) == before
+
+
+def split_header(buf: bytes) -> dict[str, Any]:
+    return json.loads(buf[8 : 8 + int.from_bytes(buf[:8], "little")])
 
 
 def test_fetch_empty_and_duplicate_keys(plain: WorkerProcess) -> None:
@@ -505,19 +571,58 @@ def test_longest_valid_id_is_accepted(plain: WorkerProcess) -> None:
 
 @pytest.mark.parametrize("bad", BAD_IDS)
 def test_put_rejects_invalid_ids_in_container_names(plain: WorkerProcess, bad: str) -> None:
+    """Ids live in the bundle's description (task ids) and in its column names (fields: the data
+    entry, its tables, `json/<field>`): an invalid one anywhere refuses the whole put."""
     before = stats(plain)
-    tensor_names = [f"{bad}/field", f"ok-task/{bad}"]
-    for name in tensor_names:
-        header = {name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}
-        assert_json_error(put_raw(plain, container(header, b"\x01")), 400, "bad_container")
-        json_header = {"__metadata__": {"format": "pt", name: "1"}}
-        assert_json_error(put_raw(plain, container(json_header)), 400, "bad_container")
-    # one bad name spoils the whole bundle
-    header = {
-        "good-1/x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-        f"{bad}/x": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]},
-    }
-    assert_json_error(put_raw(plain, container(header, b"\x01\x02")), 400)
+    u8 = {"dtype": "U8", "layout": "uniform"}
+    bodies = [
+        # an invalid task id, for a tensor field and for a JSON field
+        container(
+            {
+                "__metadata__": {"distbatch": describe([bad], {"x": u8})},
+                "x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            },
+            b"\x01",
+        ),
+        container({"__metadata__": {"distbatch": describe([bad], {"j": {"dtype": None}}), "json/j": "[1]"}}),
+        # an invalid field name: a tensor field (its data entry), a ragged one (its table too), a JSON one
+        container(
+            {
+                "__metadata__": {"distbatch": describe(["ok-task"], {bad: u8})},
+                bad: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            },
+            b"\x01",
+        ),
+        container(
+            {
+                "__metadata__": {
+                    "distbatch": describe(["ok-task"], {bad: {"dtype": "U8", "layout": "ragged"}})
+                },
+                bad: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                f"{bad}/lengths": {"dtype": "I64", "shape": [1], "data_offsets": [1, 9]},
+            },
+            b"\x01" + (1).to_bytes(8, "little"),
+        ),
+        container(
+            {
+                "__metadata__": {
+                    "distbatch": describe(["ok-task"], {bad: {"dtype": None}}),
+                    f"json/{bad}": "[1]",
+                }
+            }
+        ),
+    ]
+    for body in bodies:
+        assert_json_error(put_raw(plain, body), 400, "bad_container")
+    # one bad id spoils the whole bundle: good tasks and fields in it are not stored either
+    spoiled = forge(
+        ["good-1", bad, "good-2"],
+        {"x": u8, "j": {"dtype": None}},
+        {"x": np.arange(3, dtype=np.uint8)},
+        {"j": [1, 2, 3]},
+    )
+    assert_json_error(put_raw(plain, spoiled), 400, "bad_container")
+    assert fetch(plain, [["good-1", "x"]]).status_code == 404
     assert stats(plain) == before
 
 
@@ -583,11 +688,12 @@ MALFORMED_CONTAINERS: dict[str, bytes] = {
     ),
     "metadata-not-strings": container({"__metadata__": {"m/x": 5}}),
     "metadata-not-object": container({"__metadata__": [1]}),
-    "json-shard-invalid": container({"__metadata__": {"m/x": "{oops"}}),
-    "tensor-and-json-same-name": container(
-        {"__metadata__": {"m/x": "1"}, "m/x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\x00"
-    ),
     "deep-json-header": container(b"[" * 100_000 + b"]" * 100_000),
+    "shape-too-large-to-index": container(
+        {"m/x": {"dtype": "U8", "shape": [2**62, 4, 0], "data_offsets": [0, 0]}}
+    ),
+    # valid containers that are no valid bundle: one broken rule of the bundle format each
+    **{f"bundle-{label}": body for label, body in MALFORMED_BUNDLES.items()},
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distbatch.bench.soak import bundle_checksum, main, value_nbytes
+from bench.soak import bundle_checksum, main, value_nbytes
 
 
 def _check_invariants(result: dict, ops: int) -> None:

@@ -5,7 +5,8 @@
   single-controller RPC often ships data);
 - base64 in JSON: tensors as base64 strings inside JSON, bf16 upcast to fp32
   (AReaL's RTensor transport);
-- Ray's object store, when `ray` is installed.
+- Ray's object store, when `ray` is installed: the ragged batch as lists of per-task tensors,
+  and the dense variant (one [tasks, width] tensor per field: Ray's best case).
 
 Benchmark-only code: the pickle baseline unpickles bytes that this very
 benchmark produced on loopback. Nothing in distbatch's own network path
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from distbatch.bench.workloads import WORKLOADS, make_columns
+from bench.workloads import WORKLOADS, make_columns, make_dense_columns
 
 _CHUNK = 1 << 20
 
@@ -155,8 +156,13 @@ def ray_available() -> bool:
     return True
 
 
-def ray_roundtrip(workload: str, seed: int, repeats: int) -> list[float]:
-    """Seconds for `ray.get` in this process of the batch another process `ray.put`."""
+def ray_roundtrips(
+    workload: str, seed: int, repeats: int, kinds: tuple[str, ...] = ("ragged",)
+) -> dict[str, list[float]]:
+    """Per kind ("ragged", "dense"): seconds for `ray.get` here of the batch an actor `ray.put`.
+
+    One local Ray session serves every kind, so Ray starts once per workload.
+    """
     import ray
 
     from distbatch.ray_group import init_local_ray
@@ -166,21 +172,26 @@ def ray_roundtrip(workload: str, seed: int, repeats: int) -> list[float]:
 
         @ray.remote
         class Producer:
-            def __init__(self) -> None:
-                self.columns = make_columns(WORKLOADS[workload], seed)
+            def __init__(self, kind: str) -> None:
+                make = make_dense_columns if kind == "dense" else make_columns
+                self.columns = make(WORKLOADS[workload], seed)
 
             def put(self) -> Any:
                 return [ray.put(self.columns)]
 
-        producer = Producer.remote()
-        times = []
-        for _ in range(repeats):
-            (ref,) = ray.get(producer.put.remote())
-            started = time.perf_counter()
-            ray.get(ref)
-            times.append(time.perf_counter() - started)
-            del ref
-        return times
+        out: dict[str, list[float]] = {}
+        for kind in kinds:
+            producer = Producer.remote(kind)
+            times = []
+            for _ in range(repeats):
+                (ref,) = ray.get(producer.put.remote())
+                started = time.perf_counter()
+                ray.get(ref)
+                times.append(time.perf_counter() - started)
+                del ref
+            out[kind] = times
+            ray.kill(producer)
+        return out
     finally:
         ray.shutdown()
 

@@ -1,4 +1,4 @@
-"""`python -m distbatch.bench.soak`: many client threads hammering real workers, every byte checked.
+"""`python -m bench.soak`: many client threads hammering real workers, every byte checked.
 
 Starts `--workers` worker processes on loopback and runs `--clients` threads
 that together do exactly `--ops` random operations:
@@ -477,7 +477,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
-        prog="python -m distbatch.bench.soak",
+        prog="python -m bench.soak",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

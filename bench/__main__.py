@@ -1,0 +1,508 @@
+"""`python -m bench`: distbatch vs raw TCP, pickle-over-HTTP, base64-JSON, Ray and TransferQueue, in one run.
+
+Every number is a median over `--repeats` runs (min and max kept), and every
+comparison is a ratio against a baseline measured in the same run on the same
+machine. For the `--peers` workloads (grpo by default) the peers also move a dense
+variant of the batch ([tasks, width] tensors, e.g. 5,120 x 1,536): Ray's object store
+(its best case) and TransferQueue's SimpleStorage, next to distbatch on the same batch.
+The `scaling` workload times put, one-field gather, clear, chunk_balanced(8) and a pickle
+round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it).
+
+Results go to `<out>/results.json` and, with matplotlib, `<out>/bench.png` and
+`<out>/scaling.png`; TransferQueue's child process logs to `<out>/transferqueue-<workload>.log`.
+Run it from the repository root (`scripts/bench` does): `bench` is not an installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench import baselines, scaling, transferqueue
+from bench.measure import check_columns, stats, timed
+from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
+from distbatch import DistributedBatchMemory, ShardClient
+from distbatch.launch import spawn_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALING = "scaling"
+
+
+def bench_distbatch(
+    name: str, columns: dict[str, Any], workers: int, repeats: int, bar: tqdm
+) -> dict[str, Any]:
+    """Put / gather throughput of distbatch with `workers` worker processes on loopback."""
+    nbytes = payload_bytes(columns)
+    local = DistributedBatchMemory.from_dict(columns)
+    shares = local.chunk(workers)
+    procs = spawn_workers(workers)
+    client = ShardClient()
+    out: dict[str, Any] = {}
+    try:
+        nodes = [p.node for p in procs]
+        put_times: list[float] = []
+        batch = DistributedBatchMemory()
+        with ThreadPoolExecutor(workers) as pool:
+            for r in range(repeats):
+                seconds, parts = timed(
+                    lambda: list(pool.map(lambda sn: sn[0].to_remote(sn[1], client), zip(shares, nodes)))
+                )
+                put_times.append(seconds)
+                batch = DistributedBatchMemory.concat(parts)
+                if r < repeats - 1:
+                    batch.clear()
+                bar.update()
+        out["put"] = stats(put_times, nbytes)
+        stored = sum(client.stats(n)["bytes"] for n in nodes)
+        out["stored_bytes"] = stored
+        meta = batch.meta
+        if meta is None:
+            raise RuntimeError("the benchmark batch is not REMOTE after the put")
+
+        def fresh() -> DistributedBatchMemory:
+            return DistributedBatchMemory.from_meta(meta, client)  # no cached columns
+
+        gathered: dict[str, Any] = {}
+        gather_times = []
+        for _ in range(repeats):
+            seconds, gathered = timed(lambda: fresh().get_data())
+            gather_times.append(seconds)
+            bar.update()
+        check_columns(gathered, columns)
+        out["gather_all"] = stats(gather_times, nbytes)
+
+        field_bytes = column_bytes(columns["input_ids"])
+        one = [timed(lambda: fresh()["input_ids"])[0] for _ in range(repeats)]
+        out["gather_one_field"] = stats(one, field_bytes)
+        chunk = fresh().chunk_balanced(4, group_size=WORKLOADS[name].group, length_field="input_ids")[0]
+        chunk_bytes = chunk.meta.total_bytes() if chunk.meta is not None else 0
+        dp = [
+            timed(lambda: DistributedBatchMemory.from_meta(chunk.meta, client).to_local())[0]
+            for _ in range(repeats)
+        ]
+        out["gather_dp_chunk"] = stats(dp, chunk_bytes)
+        meta_json = len(batch.to_json())
+        out["metadata"] = {
+            "json_bytes": meta_json,
+            "bytes_per_task": meta_json / len(batch),
+            "bytes_per_shard": meta_json / (len(batch) * len(batch.fields)),
+            "fraction_of_payload": meta_json / nbytes,
+        }
+        out["cleared_shards"] = batch.clear()
+        out["left_bytes"] = sum(client.stats(n)["bytes"] for n in nodes)
+    finally:
+        client.close()
+        for p in procs:
+            p.stop()
+    return out
+
+
+def bench_baselines(name: str, seed: int, nbytes: int, repeats: int, bar: tqdm) -> dict[str, Any]:
+    """Raw TCP, pickle over HTTP and base64 JSON, served by a child process (`bench.baselines`)."""
+    command = [sys.executable, "-m", "bench.baselines", "--workload", name, "--seed", str(seed)]
+    server = subprocess.Popen(
+        [*command, "--raw-bytes", str(nbytes)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    out: dict[str, Any] = {}
+    try:
+        if server.stdout is None:
+            raise RuntimeError("baseline server has no stdout pipe")
+        raw_node, http_node = server.stdout.readline().split()
+        buffer = bytearray(nbytes)
+        out["raw_tcp"] = stats(
+            [baselines.raw_fetch(raw_node, nbytes, buffer) for _ in range(repeats)], nbytes
+        )
+        bar.update()
+        pickle_times, b64_times = [], []
+        for _ in range(repeats):
+            pickle_times.append(baselines.pickle_fetch(http_node)[0])
+            b64_times.append(baselines.b64json_fetch(http_node)[0])
+            bar.update()
+        out["pickle_http"] = stats(pickle_times, nbytes)
+        out["base64_json"] = stats(b64_times, nbytes)
+    finally:
+        server.terminate()
+        server.wait()
+    return out
+
+
+def bench_peers(
+    name: str, seed: int, workers: int, repeats: int, use_tq: bool, timeout: float, out_dir: Path, bar: tqdm
+) -> dict[str, Any]:
+    """distbatch on the dense variant, then TransferQueue's SimpleStorage on the dense and ragged batch."""
+    columns = make_dense_columns(WORKLOADS[name], seed)
+    out: dict[str, Any] = {
+        "dense_shape": list(WORKLOADS[name].dense_shape),
+        "dense_payload_bytes": payload_bytes(columns),
+    }
+    bar.set_postfix_str(f"{name} dense")
+    out["distbatch_dense"] = bench_distbatch(name, columns, workers, repeats, bar)
+    del columns
+    bar.set_postfix_str(f"{name} TransferQueue")
+    skip = transferqueue.available() if use_tq else "--no-tq"
+    if skip:
+        out["transferqueue"] = {"skipped": skip}
+    else:
+        log = out_dir / f"transferqueue-{name}.log"
+        out["transferqueue"] = transferqueue.run(name, seed, repeats, workers, timeout, log)
+    bar.update()
+    return out
+
+
+def bench_pipeline(name: str, steps: int) -> dict[str, Any] | None:
+    """Median step time of the main job, distributed vs centralised (needs the repo's examples/)."""
+    example = ROOT / "examples" / "grpo_pipeline.py"
+    if not example.exists():
+        return None
+    sys.path.insert(0, str(example.parent))
+    import grpo_pipeline
+
+    workload = WORKLOADS[name]
+    argv = [
+        "--prompts",
+        str(max(workload.tasks // workload.group, 1)),
+        "--n",
+        str(workload.group),
+        "--mean-len",
+        str(workload.mean_len),
+        "--max-len",
+        str(workload.max_len),
+        "--steps",
+        str(steps),
+    ]
+    out = {}
+    for mode, centralised in (("distributed", False), ("centralised", True)):
+        report = grpo_pipeline.run_pipeline(
+            grpo_pipeline.parse_args(argv), centralised=centralised, quiet=True
+        )
+        out[mode] = {
+            "step_seconds": [s.seconds for s in report.steps],
+            "median_s": statistics.median(s.seconds for s in report.steps),
+            "controller_bytes": [s.controller_bytes for s in report.steps],
+            "worker_bytes": [s.worker_bytes for s in report.steps],
+        }
+    return out
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    ours = result["distbatch"]["gather_all"]["gbps"]
+    base = result["baselines"]
+    out = {
+        "gather_vs_raw_tcp": ours / base["raw_tcp"]["gbps"],
+        "gather_vs_base64_json": ours / base["base64_json"]["gbps"],
+        "gather_vs_pickle_http": ours / base["pickle_http"]["gbps"],
+        "metadata_fraction": result["distbatch"]["metadata"]["fraction_of_payload"],
+    }
+    if "ray_object_store" in base:
+        out["gather_vs_ray"] = ours / base["ray_object_store"]["gbps"]
+    out.update(peer_ratios(result))
+    pipeline = result.get("pipeline")
+    if pipeline:
+        out["centralised_over_distributed_step"] = (
+            pipeline["centralised"]["median_s"] / pipeline["distributed"]["median_s"]
+        )
+    return out
+
+
+def _ok(stat: Any) -> bool:
+    return isinstance(stat, dict) and "put" in stat and "get" in stat
+
+
+def peer_ratios(result: dict[str, Any]) -> dict[str, float]:
+    """distbatch GB/s over the peer's on the same batch (> 1: distbatch is faster)."""
+    peers = result.get("peers")
+    if not peers:
+        return {}
+    out: dict[str, float] = {}
+    tq = peers.get("transferqueue", {})
+    ragged, dense = result["distbatch"], peers["distbatch_dense"]
+    for kind, ours in (("ragged", ragged), ("dense", dense)):
+        theirs = tq.get(kind)
+        if _ok(theirs):
+            out[f"{kind}_put_vs_transferqueue"] = ours["put"]["gbps"] / theirs["put"]["gbps"]
+            out[f"{kind}_gather_vs_transferqueue"] = ours["gather_all"]["gbps"] / theirs["get"]["gbps"]
+    if "ray_object_store" in result["baselines"]:
+        out["ragged_gather_vs_ray"] = (
+            ragged["gather_all"]["gbps"] / result["baselines"]["ray_object_store"]["gbps"]
+        )
+    if "ray_dense" in peers:
+        out["dense_gather_vs_ray"] = dense["gather_all"]["gbps"] / peers["ray_dense"]["gbps"]
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(results["workloads"])
+    if not names:
+        return None
+    series = [
+        ("raw TCP (ceiling)", lambda r: r["baselines"]["raw_tcp"]),
+        ("distbatch gather", lambda r: r["distbatch"]["gather_all"]),
+        ("distbatch put", lambda r: r["distbatch"]["put"]),
+        ("pickle / HTTP", lambda r: r["baselines"]["pickle_http"]),
+        ("base64 JSON", lambda r: r["baselines"]["base64_json"]),
+        ("Ray object store", lambda r: r["baselines"].get("ray_object_store")),
+        ("TransferQueue get", lambda r: _tq_get(r, "ragged")),
+    ]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(series)
+    for k, (label, pick) in enumerate(series):
+        xs, ys, lo, hi = [], [], [], []
+        for i, name in enumerate(names):
+            stat = pick(results["workloads"][name])
+            if stat is None:
+                continue
+            xs.append(i + k * width)
+            ys.append(stat["gbps"])
+            lo.append(stat["gbps"] - stat["gbps_range"][0])
+            hi.append(stat["gbps_range"][1] - stat["gbps"])
+        if xs:
+            ax.bar(xs, ys, width, yerr=[lo, hi], label=label, capsize=2)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_yscale("log")  # ratios between transports span two orders of magnitude
+    ax.set_ylabel("GB/s, log scale (median, min-max)")
+    ax.set_title(f"Moving one RL batch on loopback — {results['machine']['cpus']} cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _tq_get(result: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    theirs = (result.get("peers") or {}).get("transferqueue", {}).get(kind)
+    return theirs["get"] if _ok(theirs) else None
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of task counts: {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"task counts must be >= 1: {text!r}")
+    return sizes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    choices = [*sorted(WORKLOADS), SCALING]
+    parser.add_argument(
+        "--workloads",
+        default="small,grpo,long,scaling",
+        help=f"comma list of {choices} (default: %(default)s)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (and TransferQueue units)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--no-ray", action="store_true", help="skip Ray even if installed")
+    parser.add_argument("--no-tq", action="store_true", help="skip TransferQueue even if installed")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the main job's step times")
+    parser.add_argument("--pipeline-steps", type=int, default=3)
+    parser.add_argument(
+        "--peers",
+        default="grpo",
+        help="comma list of workloads that also run the dense variant and TransferQueue ('' for none; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=900.0, help="seconds for TransferQueue's child process"
+    )
+    parser.add_argument(
+        "--scaling-sizes",
+        type=_sizes,
+        default=list(scaling.SIZES),
+        help="comma list of task counts for the scaling run (default: 1000,3000,10000,30000,100000)",
+    )
+    parser.add_argument(
+        "--max-tasks", type=int, default=None, help="largest scaling size to run (smoke checks)"
+    )
+    args = parser.parse_args(argv)
+    args.names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    for n in args.names:
+        if n not in choices:
+            parser.error(f"unknown workload {n!r} (choose from {choices})")
+    args.peer_names = {n.strip() for n in args.peers.split(",") if n.strip()}
+    for n in args.peer_names:
+        if n not in WORKLOADS:
+            parser.error(f"unknown --peers workload {n!r}")
+    if args.max_tasks is not None:
+        args.scaling_sizes = [s for s in args.scaling_sizes if s <= args.max_tasks]
+        if not args.scaling_sizes:
+            parser.error(f"--max-tasks {args.max_tasks} is below every scaling size")
+    if args.workers < 1 or args.repeats < 1:
+        parser.error("--workers and --repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    names = [n for n in args.names if n != SCALING]
+    settings = {k: v for k, v in vars(args).items() if k not in ("names", "peer_names")}
+    results: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "settings": settings | {"out": str(args.out)},
+        "workloads": {},
+    }
+    use_ray = not args.no_ray and baselines.ray_available()
+    args.out.mkdir(parents=True, exist_ok=True)
+    r = args.repeats
+    steps = {n: 2 * r + (r + 1) + use_ray + 1 + (2 * r + 1 if n in args.peer_names else 0) for n in names}
+    with tqdm(total=sum(steps.values()), desc="bench", unit="step", disable=not names) as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            peer = name in args.peer_names
+            columns = make_columns(WORKLOADS[name], args.seed)
+            nbytes = payload_bytes(columns)
+            result: dict[str, Any] = {"tasks": WORKLOADS[name].tasks, "payload_bytes": nbytes}
+            result["distbatch"] = bench_distbatch(name, columns, args.workers, args.repeats, bar)
+            del columns
+            result["baselines"] = bench_baselines(name, args.seed, nbytes, args.repeats, bar)
+            if peer:
+                result["peers"] = bench_peers(
+                    name,
+                    args.seed,
+                    args.workers,
+                    args.repeats,
+                    not args.no_tq,
+                    args.peer_timeout,
+                    args.out,
+                    bar,
+                )
+            if use_ray:
+                bar.set_postfix_str(f"{name} Ray")
+                kinds = ("ragged", "dense") if peer else ("ragged",)
+                ray_times = baselines.ray_roundtrips(name, args.seed, args.repeats, kinds)
+                result["baselines"]["ray_object_store"] = stats(ray_times["ragged"], nbytes)
+                if peer:
+                    result["peers"]["ray_dense"] = stats(
+                        ray_times["dense"], result["peers"]["dense_payload_bytes"]
+                    )
+                bar.update()
+            if not args.no_pipeline:
+                bar.set_postfix_str(f"{name} main job")
+                result["pipeline"] = bench_pipeline(name, args.pipeline_steps)
+            bar.update()
+            result["ratios"] = ratios(result)
+            results["workloads"][name] = result
+    if SCALING in args.names:
+        results[SCALING] = scaling.run_scaling(args.scaling_sizes, args.workers, args.repeats, args.seed)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    pngs = [plot(results, args.out / "bench.png")]
+    if SCALING in results:
+        pngs.append(scaling.plot(results[SCALING], args.out / "scaling.png"))
+    print(summary(results))
+    shown = ", ".join(str(p) for p in pngs if p)
+    print(f"\nresults: {args.out / 'results.json'}" + (f", plots: {shown}" if shown else ""))
+    return results
+
+
+def summary(results: dict[str, Any]) -> str:
+    lines = [
+        f"machine: {results['machine']['cpus']} cores, Python {results['machine']['python']}, "
+        f"torch {results['machine']['torch']}",
+    ]
+    if results["workloads"]:
+        lines.append(
+            f"{'workload':<8} {'payload':>9} {'raw TCP':>9} {'put':>8} {'gather':>8} {'1 field':>8} "
+            f"{'dp chunk':>9} {'pickle':>8} {'b64json':>8} {'ray':>8}   gather/raw  gather/b64  meta"
+        )
+    for name, r in results["workloads"].items():
+        d, b, q = r["distbatch"], r["baselines"], r["ratios"]
+        ray = b.get("ray_object_store")
+        lines.append(
+            f"{name:<8} {r['payload_bytes'] / 1e6:>7.0f}MB {b['raw_tcp']['gbps']:>8.2f}  "
+            f"{d['put']['gbps']:>7.2f} {d['gather_all']['gbps']:>8.2f} {d['gather_one_field']['gbps']:>8.2f} "
+            f"{d['gather_dp_chunk']['gbps']:>9.2f} {b['pickle_http']['gbps']:>8.2f} "
+            f"{b['base64_json']['gbps']:>8.2f} "
+            f"{(ray['gbps'] if ray else float('nan')):>8.2f}   {q['gather_vs_raw_tcp']:>9.2f}x "
+            f"{q['gather_vs_base64_json']:>9.2f}x  {q['metadata_fraction']:.3%}"
+        )
+        p = r.get("pipeline")
+        if p:
+            lines.append(
+                f"{'':<8} main job step: distributed {p['distributed']['median_s']:.2f}s, "
+                f"centralised {p['centralised']['median_s']:.2f}s "
+                f"({q['centralised_over_distributed_step']:.2f}x)"
+            )
+    if results["workloads"]:
+        lines.append("(GB/s, medians; ratios are distbatch gather-all over the baseline, same run)")
+    for name, r in results["workloads"].items():
+        if r.get("peers"):
+            lines.append(peer_summary(name, r))
+    if SCALING in results:
+        lines.append(scaling.table(results[SCALING]))
+    return "\n".join(lines)
+
+
+def peer_summary(name: str, r: dict[str, Any]) -> str:
+    """distbatch next to Ray and TransferQueue on the same ragged and dense batches."""
+    peers, q = r["peers"], r["ratios"]
+    tq = peers.get("transferqueue", {})
+    tasks, width = peers["dense_shape"]
+    lines = [
+        f"peers, {name} (GB/s, medians; ratio = distbatch over the peer, > 1: distbatch faster):",
+        f"  {'batch':<22} {'distbatch put':>13} {'get':>6} {'TQ put':>7} {'get':>6} {'Ray get':>8}"
+        f"   {'put/TQ':>7} {'get/TQ':>7} {'get/Ray':>8}",
+    ]
+    rows = [
+        (
+            "ragged",
+            f"ragged {tasks:,} x ~{WORKLOADS[name].mean_len:,}",
+            r["distbatch"],
+            r["baselines"].get("ray_object_store"),
+        ),
+        ("dense", f"dense {tasks:,} x {width:,}", peers["distbatch_dense"], peers.get("ray_dense")),
+    ]
+    nan = float("nan")
+    for kind, label, ours, ray in rows:
+        theirs = tq.get(kind)
+        ok = _ok(theirs)
+        lines.append(
+            f"  {label:<22} {ours['put']['gbps']:>13.3f} {ours['gather_all']['gbps']:>6.3f} "
+            f"{theirs['put']['gbps'] if ok else nan:>7.3f} {theirs['get']['gbps'] if ok else nan:>6.3f} "
+            f"{ray['gbps'] if ray else nan:>8.3f}   {q.get(f'{kind}_put_vs_transferqueue', nan):>6.2f}x "
+            f"{q.get(f'{kind}_gather_vs_transferqueue', nan):>6.2f}x "
+            f"{q.get(f'{kind}_gather_vs_ray', nan):>7.2f}x"
+        )
+    for kind in ("skipped", "error"):
+        if kind in tq:
+            lines.append(f"  TransferQueue {kind}: {tq[kind]}")
+    for kind in ("dense", "ragged"):
+        if isinstance(tq.get(kind), dict) and "error" in tq[kind]:
+            lines.append(f"  TransferQueue {kind} failed: {tq[kind]['error']}")
+    if "version" in tq:
+        lines.append(
+            f"  (TransferQueue {tq['version']} {tq['backend']}, {tq['units']} storage units; "
+            "its gets return dense fields as jagged nested tensors)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

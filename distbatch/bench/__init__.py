@@ -1,1 +1,0 @@
-"""Benchmarks: distbatch against the transports users compare it with, measured in one run."""

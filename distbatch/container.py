@@ -1,0 +1,214 @@
+"""The safetensors container: named raw tensors plus string metadata, no torch needed.
+
+Layout (the safetensors spec): 8-byte little-endian header length, a UTF-8 JSON
+header, then the raw tensor bytes with no holes. `build_container` lays one out as
+a list of buffers (header first, then each entry's parts, never joined), so a
+worker can stream stored bytes straight into a response; `parse_container`
+validates one and hands out zero-copy views of its entries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from distbatch.errors import WireFormatError
+
+Buffer = bytes | bytearray | memoryview
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_DIMS = 64
+MAX_INDEX = 2**63 - 1  # the most elements (zero dims counted as 1) a tensor's shape may span
+METADATA_KEY = "__metadata__"
+CONTENT_TYPE = "application/octet-stream"
+
+# safetensors dtype name -> bytes per element. The names are the spec's, so a
+# container we write loads with the `safetensors` package and vice versa.
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+    "C128": 16,  # not in the spec; our extension so complex128 is not lost
+}
+
+# Where the tensor data starts in a container we build: a multiple of every element size.
+DATA_ALIGNMENT = max(ITEMSIZE.values())
+
+
+class RawTensor(NamedTuple):
+    """A tensor as the container sees it: dtype name, shape and C-contiguous bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: Buffer
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class Entry(NamedTuple):
+    """One tensor to write: its bytes may come as several parts (gathered runs of rows)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: Sequence[Buffer]
+
+
+@dataclass(slots=True)
+class Container:
+    """A parsed container: entries as `RawTensor` views into the buffer, and the metadata."""
+
+    tensors: dict[str, RawTensor]
+    metadata: dict[str, str]
+
+
+def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> list[Buffer]:
+    """Lay out a container; returns its parts, header first (send them in order, or join them).
+
+    Entries are ordered by element size, largest first, and the header is padded so the
+    data starts at a multiple of the largest element size: every tensor then starts
+    aligned to its element size, which keeps zero-copy decoding aligned without breaking
+    the spec's rule that the byte buffer has no holes.
+    """
+    header: dict[str, Any] = {METADATA_KEY: dict(metadata)}
+    parts: list[Buffer] = [b""]
+    offset = 0
+    for entry in sorted(entries, key=lambda e: -ITEMSIZE[e.dtype]):
+        nbytes = math.prod(entry.shape) * ITEMSIZE[entry.dtype]
+        header[entry.name] = {
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        for part in entry.parts:
+            if len(part):
+                parts.append(part)
+        offset += nbytes
+    try:
+        header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise WireFormatError(f"JSON value is not valid UTF-8: {exc}") from None
+    header_bytes += b" " * (-(8 + len(header_bytes)) % DATA_ALIGNMENT)
+    parts[0] = len(header_bytes).to_bytes(8, "little") + header_bytes
+    return parts
+
+
+def parts_size(parts: Sequence[Buffer]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def join_parts(parts: Sequence[Buffer]) -> bytes:
+    return b"".join(parts)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise WireFormatError(f"duplicate key {dup!r} in container header")
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_entry(name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    if not isinstance(info, dict):
+        raise WireFormatError(f"header entry {name!r} is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise WireFormatError(f"{name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireFormatError(f"{name!r}: shape must be a list of non-negative ints, got {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise WireFormatError(f"{name!r}: bad data_offsets {offsets!r}")
+    if math.prod(max(d, 1) for d in shape) > MAX_INDEX:
+        # torch (strides) and safetensors (sizes) compute in 64 bits: such a shape, even with a
+        # zero dimension and no bytes, is no tensor either can make.
+        raise WireFormatError(f"{name!r}: shape {shape} is too large to index with 64-bit integers")
+    expected = math.prod(shape) * ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise WireFormatError(
+            f"{name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+            f"dtype {dtype} and shape {shape} need {expected}"
+        )
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def parse_container(buf: Buffer) -> Container:
+    """Validate a container and split it into entries (views into `buf`, no copies).
+
+    Every malformation raises `WireFormatError`: truncation, a header length past
+    the end, bad JSON, unknown dtypes, sizes that do not match shapes,
+    overlapping / out-of-range / gapped offsets, non-string metadata.
+    """
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if view.nbytes < 8:
+        raise WireFormatError(f"container truncated: {view.nbytes} bytes, need at least 8")
+    header_len = int.from_bytes(view[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise WireFormatError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
+    if 8 + header_len > view.nbytes:
+        raise WireFormatError(
+            f"header length {header_len} runs past the end of a {view.nbytes}-byte container"
+        )
+    try:
+        header = json.loads(
+            bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_reject_duplicates
+        )
+    except WireFormatError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireFormatError(f"container header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireFormatError("container header must be a JSON object")
+    data = view[8 + header_len :]
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is None:  # absent, or null (which safetensors accepts too)
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise WireFormatError("__metadata__ must map strings to strings")
+    tensors: dict[str, RawTensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        dtype, shape, start, end = _parse_entry(name, info)
+        spans.append((start, end, name))
+        tensors[name] = RawTensor(dtype, shape, data[start:end])
+    spans.sort()
+    position = 0
+    for start, end, name in spans:
+        if start != position:
+            problem = "overlaps the previous tensor" if start < position else "leaves a gap"
+            raise WireFormatError(f"{name!r}: data_offsets start at {start}, {problem}")
+        position = end
+    if position != data.nbytes:
+        raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
+    return Container(tensors, metadata)

@@ -1,0 +1,126 @@
+"""The worker's command line (`python -m rpc_server`): its flags, their defaults and checks.
+
+In the library, not the server, because launchers check a worker's flags before they start
+anything (`WorkerGroup.ray` refuses bad ones before placing an actor), and the library never
+imports `rpc_server`. Pure argparse: no server, store or engine is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from distbatch.http_server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+
+__all__ = [
+    "DEFAULT_MAX_JSON_BYTES",
+    "DEFAULT_MAX_KEYS_PER_REQUEST",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_MAX_THREADS",
+    "DEFAULT_READ_TIMEOUT",
+    "DEFAULT_STAGE_TTL",
+    "UNSET",
+    "build_parser",
+    "check_flag_values",
+    "parse_flags",
+]
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 30
+DEFAULT_MAX_JSON_BYTES = 64 << 20
+DEFAULT_MAX_KEYS_PER_REQUEST = 200_000
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
+DEFAULT_STAGE_TTL = 600.0
+
+DESCRIPTION = "Run one distbatch worker; prints its `host:port` as the first stdout line."
+
+
+def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The worker's command line, for `python -m rpc_server` and for launchers that check flags."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rpc_server", description=DESCRIPTION, exit_on_error=exit_on_error
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--max-bytes", type=int, default=None, help="store capacity in bytes")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
+    parser.add_argument("--max-keys-per-request", type=int, default=DEFAULT_MAX_KEYS_PER_REQUEST)
+    parser.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        help="refuse (413) a fetch whose response would be larger; clients split below it",
+    )
+    parser.add_argument(
+        "--stage-ttl",
+        type=float,
+        default=DEFAULT_STAGE_TTL,
+        metavar="S",
+        help="drop a multi-request put not committed within S seconds, releasing its capacity",
+    )
+    parser.add_argument(
+        "--max-threads",
+        type=int,
+        default=DEFAULT_MAX_THREADS,
+        help="requests served at once; 4 reserve threads answer /health and abandon notices, others 503 busy",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        metavar="S",
+        help="close a connection that sends nothing for S seconds (idle or stalled)",
+    )
+    parser.add_argument(
+        "--max-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="delete shards nobody put or fetched for S seconds (default: never)",
+    )
+    parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
+    parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
+    parser.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
+    )
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """ValueError for a parsed value no worker runs with (argparse only checks types)."""
+    if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
+        raise ValueError("--max-idle-seconds must be > 0")
+    for flag, value in (
+        ("--stage-ttl", args.stage_ttl),
+        ("--read-timeout", args.read_timeout),
+        ("--max-threads", args.max_threads),
+        ("--max-response-bytes", args.max_response_bytes),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0")
+
+
+UNSET = object()  # the default `parse_flags` gives the options a caller asks about
+
+
+def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.Namespace:
+    """Parse worker flags; ValueError, never an exit, on bad or unknown ones.
+
+    Options named in `unset` (argparse dests, e.g. "host") default to `UNSET`, so a caller can
+    tell whether they were given at all, abbreviated or not.
+    """
+    parser = build_parser(exit_on_error=False)
+    parser.set_defaults(**dict.fromkeys(unset, UNSET))
+    try:
+        args, unknown = parser.parse_known_args(list(flags))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"bad worker flag: {exc}") from None
+    if unknown:
+        raise ValueError(f"unknown worker flags: {unknown}")
+    return args

@@ -1,0 +1,54 @@
+"""`ServerConfig`: everything a worker server can be told (the CLI fills it from flags and env).
+
+Its defaults are the worker command line's (`distbatch.worker_flags`), so a flag left out and
+a config built in Python mean the same server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distbatch.auth import token_from_env
+from distbatch.worker_flags import (
+    DEFAULT_MAX_JSON_BYTES,
+    DEFAULT_MAX_KEYS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_THREADS,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_STAGE_TTL,
+)
+
+__all__ = [
+    "DEFAULT_MAX_JSON_BYTES",
+    "DEFAULT_MAX_KEYS_PER_REQUEST",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_MAX_THREADS",
+    "DEFAULT_READ_TIMEOUT",
+    "DEFAULT_STAGE_TTL",
+    "ServerConfig",
+]
+
+
+@dataclass
+class ServerConfig:
+    """Everything a worker server can be told; the CLI fills it from flags and env."""
+
+    max_bytes: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_keys_per_request: int = DEFAULT_MAX_KEYS_PER_REQUEST
+    token: str | None = field(default_factory=token_from_env)
+    node: str = "unbound"
+    engine: str | None = None
+    # Delete tasks nobody put or fetched for this many seconds (None: never).
+    max_idle_seconds: float | None = None
+    # A fetch whose response would be larger is refused (413); clients split below it.
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    # A staged (multi-request) put not committed within this many seconds is dropped.
+    stage_ttl: float = DEFAULT_STAGE_TTL
+    # Requests served at once (one thread each); further connections wait to be accepted.
+    max_threads: int = DEFAULT_MAX_THREADS
+    # Seconds a connection may sit without sending a byte (idle keep-alive, stalled upload).
+    read_timeout: float = DEFAULT_READ_TIMEOUT
