@@ -25,7 +25,7 @@ from distbatch.balance import balanced_group_partitions
 from distbatch.client import DeleteResult, ShardClient, _cut_points, default_client, validate_node
 from distbatch.errors import BatchStatusError, ClearError, NodeError, WireFormatError
 from distbatch.ids import validate_id
-from distbatch.meta import BatchMeta, FieldMeta
+from distbatch.meta import BatchMeta, FieldMeta, pick
 from distbatch.shapes import RowShapes
 
 Column = torch.Tensor | list[Any]
@@ -65,7 +65,7 @@ def _take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
     if isinstance(col, torch.Tensor):
         return col[torch.from_numpy(rows)]
     # Re-normalize: the picked tasks of a ragged column may all share one shape.
-    return _normalize_column("", _pick_ids(col, rows))
+    return _normalize_column("", pick(col, rows))
 
 
 def _column_items(col: Column) -> list[Any]:
@@ -125,15 +125,6 @@ def new_task_ids(count: int) -> list[str]:
     """Fresh task ids, unique across processes and runs."""
     prefix = uuid.uuid4().hex[:12]
     return [f"{prefix}-{i}" for i in range(count)]
-
-
-def _pick_ids(task_ids: Sequence[Any], rows: np.ndarray) -> list[Any]:
-    """`[task_ids[i] for i in rows]`, in C."""
-    if len(rows) == 0:
-        return []
-    if len(rows) == 1:
-        return [task_ids[int(rows[0])]]
-    return list(operator.itemgetter(*rows.tolist())(task_ids))
 
 
 def _reorder(items: list[Any], order: np.ndarray) -> list[Any]:
@@ -209,7 +200,6 @@ class _Gathered:
         """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
         if self.json is not None:
             return list(self.json)
-        assert self.shapes is not None
         if self.shapes.shape is not None:
             return self.flat().view(self.shapes.n, *self.shapes.shape)
         return [
@@ -221,7 +211,6 @@ class _Gathered:
     def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.json is not None:
             raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
-        assert self.shapes is not None
         return _pack(name, self.flat(), self.shapes)
 
 
@@ -444,7 +433,7 @@ class DistributedBatchMemory:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self._meta is None:
             data = {name: _take_column(col, indices) for name, col in (self._data or {}).items()}
-            return self._make_local(_pick_ids(self._task_ids, indices), data)
+            return self._make_local(pick(self._task_ids, indices), data)
         with self._lock:
             cache = {name: _take_column(col, indices) for name, col in self._cache.items()}
         return self._make_remote(self._meta.take(indices), self._client, cache)
@@ -530,14 +519,13 @@ class DistributedBatchMemory:
                 cuts = _cut_points(per_task, client.max_bytes_per_request, client.max_keys_per_request)
                 for a, b in zip(cuts, cuts[1:]):
                     chunk = rows[a:b]
-                    requests.append((node, _pick_ids(self._task_ids, chunk), fields))
+                    requests.append((node, pick(self._task_ids, chunk), fields))
                     placed.append(chunk)
         return requests, placed
 
     def _progress_bar(self, names: Sequence[str]) -> Any:
         """A tqdm bar for a big gather when a person is watching (stderr is a terminal), else None."""
         meta = self._meta
-        assert meta is not None
         total = meta.select_fields(names).total_bytes()
         if total < self.progress_min_bytes or not sys.stderr.isatty():
             return None
@@ -702,9 +690,8 @@ class DistributedBatchMemory:
         return _cleared(plan, outcome)
 
     def _clear_plan(self) -> dict[str, list[tuple[list[str], list[str]]]]:
-        assert self._meta is not None
         return {
-            node: [(_pick_ids(self._task_ids, rows), names) for rows, names in products]
+            node: [(pick(self._task_ids, rows), names) for rows, names in products]
             for node, products in self._meta.plan(list(self._meta.fields)).items()
         }
 

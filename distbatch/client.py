@@ -1047,17 +1047,9 @@ class ShardClient:
     async def _delete_each(
         self, keys_by_node: dict[str, list[ShardKey]]
     ) -> dict[str, DeleteResult | NodeError]:
-        nodes = list(keys_by_node)
-        results = await asyncio.gather(
-            *(self._delete_keys_compact(node, keys_by_node[node]) for node in nodes), return_exceptions=True
+        return await _each_node(
+            {node: self._delete_keys_compact(node, keys) for node, keys in keys_by_node.items()}
         )
-        out: dict[str, DeleteResult | NodeError] = {}
-        for node, result in zip(nodes, results):
-            if isinstance(result, (NodeError, DeleteResult)):
-                out[node] = result
-            else:
-                raise result  # not a node's answer: a bug or a cancellation
-        return out
 
     def delete_each(self, keys_by_node: Mapping[str, Iterable[Any]]) -> dict[str, DeleteResult | NodeError]:
         """Like `delete_many`, but reports each node's outcome instead of raising the first error.
@@ -1077,17 +1069,9 @@ class ShardClient:
     async def _delete_products_each(
         self, plan: dict[str, list[tuple[list[str], list[str]]]]
     ) -> dict[str, DeleteResult | NodeError]:
-        nodes = list(plan)
-        results = await asyncio.gather(
-            *(self._delete_products(node, plan[node]) for node in nodes), return_exceptions=True
+        return await _each_node(
+            {node: self._delete_products(node, products) for node, products in plan.items()}
         )
-        out: dict[str, DeleteResult | NodeError] = {}
-        for node, result in zip(nodes, results):
-            if isinstance(result, (NodeError, DeleteResult)):
-                out[node] = result
-            else:
-                raise result  # not a node's answer: a bug or a cancellation
-        return out
 
     def _check_product_plan(
         self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
@@ -1331,3 +1315,18 @@ class _Answered(Exception):
     def __init__(self, error: NodeError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+async def _each_node(
+    deletes: dict[str, Coroutine[Any, Any, DeleteResult]],
+) -> dict[str, DeleteResult | NodeError]:
+    """Run one delete per node concurrently; each node's result or `NodeError`, by node."""
+    nodes = list(deletes)
+    results = await asyncio.gather(*deletes.values(), return_exceptions=True)
+    out: dict[str, DeleteResult | NodeError] = {}
+    for node, result in zip(nodes, results):
+        if isinstance(result, (NodeError, DeleteResult)):
+            out[node] = result
+        else:
+            raise result  # not a node's answer: a bug or a cancellation
+    return out

@@ -122,12 +122,13 @@ def join_parts(parts: Sequence[Buffer]) -> bytes:
     return b"".join(parts)
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]], where: str = "container header") -> dict[str, Any]:
+    """A `json.loads` object hook that refuses an object naming a key twice (`WireFormatError`)."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise WireFormatError(f"duplicate key {dup!r} in container header")
+        raise WireFormatError(f"duplicate key {dup!r} in {where}")
     return out
 
 
@@ -181,9 +182,7 @@ def parse_container(buf: Buffer) -> Container:
             f"header length {header_len} runs past the end of a {view.nbytes}-byte container"
         )
     try:
-        header = json.loads(
-            bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_reject_duplicates
-        )
+        header = json.loads(bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=unique_keys)
     except WireFormatError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

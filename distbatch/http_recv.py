@@ -143,7 +143,6 @@ async def request_into_buffer(
         lines += [f"{name}: {value}" for name, value in headers.items()]
         transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
         await protocol.done
-        assert protocol.body is not None
         return protocol.status, protocol.headers, protocol.body
     finally:
         transport.close()

@@ -152,7 +152,6 @@ class RowShapes:
                 return RowShapes(n, shape=(first, *self.tail)) if n else RowShapes(0, shape=())
             return self
         ranks, dims = self.ranks, self.dims
-        assert ranks is not None and dims is not None
         if n == 0:
             return RowShapes(0, shape=())
         if bool(np.all(ranks == ranks[0])) and bool(np.all(dims == dims[0])):
@@ -177,7 +176,6 @@ class RowShapes:
             if width > 1:
                 dims[:, 1:] = self.tail
             return np.full(n, width, dtype=np.int64), dims
-        assert self.ranks is not None and self.dims is not None
         return self.ranks, self.dims
 
     # ------------------------------------------------------------------ queries
@@ -193,7 +191,6 @@ class RowShapes:
             return self.shape
         if self.lengths is not None:
             return (int(self.lengths[i]), *(self.tail or ()))
-        assert self.ranks is not None and self.dims is not None
         return tuple(int(d) for d in self.dims[i, : int(self.ranks[i])])
 
     def tolist(self) -> list[tuple[int, ...]]:
@@ -202,7 +199,6 @@ class RowShapes:
         if self.lengths is not None:
             tail = tuple(self.tail or ())
             return [(length, *tail) for length in self.lengths.tolist()]
-        assert self.ranks is not None and self.dims is not None
         return [tuple(row[:rank]) for row, rank in zip(self.dims.tolist(), self.ranks.tolist())]
 
     def counts(self) -> np.ndarray:
@@ -211,7 +207,6 @@ class RowShapes:
             return np.full(self.n, math.prod(self.shape), dtype=np.int64)
         if self.lengths is not None:
             return self.lengths * math.prod(self.tail or ())
-        assert self.ranks is not None and self.dims is not None
         width = self.dims.shape[1]
         masked = np.where(np.arange(width)[None, :] < self.ranks[:, None], self.dims, 1)
         return masked.prod(axis=1, dtype=np.int64) if width else np.ones(self.n, dtype=np.int64)
@@ -222,7 +217,6 @@ class RowShapes:
             return np.full(self.n, self.shape[0] if self.shape else 1, dtype=np.int64)
         if self.lengths is not None:
             return self.lengths
-        assert self.ranks is not None and self.dims is not None
         if self.dims.shape[1] == 0:
             return np.ones(self.n, dtype=np.int64)
         return np.where(self.ranks > 0, self.dims[:, 0], 1)
@@ -274,7 +268,6 @@ class RowShapes:
             return RowShapes(n, shape=self.shape)
         if self.lengths is not None:
             return RowShapes(n, tail=self.tail, lengths=self.lengths[rows]).normalized()
-        assert self.ranks is not None and self.dims is not None
         return RowShapes(n, ranks=self.ranks[rows], dims=self.dims[rows]).normalized()
 
     @staticmethod

@@ -45,6 +45,7 @@ from distbatch.container import (
     join_parts,
     parse_container,
     parts_size,
+    unique_keys,
 )
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.gc_pause import paused_gc
@@ -162,7 +163,6 @@ class RawColumn:
     def count(self) -> int:
         if self.dtype is None:
             return len(self.values or ())
-        assert self.shapes is not None
         return self.shapes.n
 
     @property
@@ -172,7 +172,6 @@ class RawColumn:
     def row_nbytes(self) -> np.ndarray:
         """Bytes per row (int64); for JSON, the array text's length split evenly over the rows."""
         if self.dtype is not None:
-            assert self.shapes is not None
             return self.shapes.counts() * ITEMSIZE[self.dtype]
         n = self.count
         # The array's text less its brackets and commas: each value's own text, exactly when
@@ -245,7 +244,6 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             description[name] = info
             continue
         shapes = column.shapes
-        assert shapes is not None
         info["layout"] = shapes.kind
         if shapes.shape is not None:
             data_shape: tuple[int, ...] = (shapes.n, *shapes.shape)
@@ -253,7 +251,6 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             data_shape = (int(shapes.lengths.sum()), *(shapes.tail or ()))
             entries.append(Entry(f"{name}/lengths", "I64", (shapes.n,), [_table(shapes.lengths)]))
         else:
-            assert shapes.ranks is not None and shapes.dims is not None
             data_shape = (int(shapes.counts().sum()),)
             entries.append(Entry(f"{name}/ranks", "I64", (shapes.n,), [_table(shapes.ranks)]))
             entries.append(Entry(f"{name}/dims", "I64", shapes.dims.shape, [_table(shapes.dims)]))
@@ -298,12 +295,7 @@ def _load_json(name: str, text: str, unique_keys: bool = False) -> Any:
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise WireFormatError(f"duplicate key {dup!r}")
-    return out
+    return unique_keys(pairs, "the bundle description")
 
 
 def _int_table(tensors: dict[str, RawTensor], name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -721,7 +713,6 @@ def column_tensor(column: RawColumn) -> torch.Tensor:
     import torch
 
     shapes = column.shapes
-    assert column.dtype is not None and shapes is not None
     buffer = column.single_buffer()
     dtype = torch_dtype(column.dtype)
     if shapes.shape is not None:
@@ -758,7 +749,6 @@ def decode_column(column: RawColumn) -> Any:
     of per-task tensors (views); JSON values as a list."""
     if column.dtype is None:
         return list(column.values or [])
-    assert column.shapes is not None
     values = column_tensor(column)
     if column.shapes.shape is not None:
         return values.reshape(column.shapes.n, *column.shapes.shape)
@@ -769,7 +759,6 @@ def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | No
     """Rows `start:stop` of a column (byte views, no copies); `rows` is the slice's own row table."""
     if column.dtype is None:
         return RawColumn(None, values=(column.values or [])[start:stop], rows=rows)
-    assert column.shapes is not None
     sizes = column.row_nbytes()
     first = int(sizes[:start].sum())
     last = first + int(sizes[start:stop].sum())
@@ -852,7 +841,6 @@ def bundle_to_shards(bundle: Bundle) -> dict[ShardKey, Any]:
         if column.dtype is None:
             items = column.values or []
         else:
-            assert column.shapes is not None
             items = split_rows(column_tensor(column), column.shapes)
         ids = task_ids if column.rows is None else [task_ids[r] for r in column.rows.tolist()]
         for task_id, value in zip(ids, items):

@@ -413,7 +413,6 @@ class ShardStore:
             sizes = seg.sizes[keep]
             own = _Buffer(int(sizes.sum()))
             if seg.dtype is not None:
-                assert seg.shapes is not None and seg.data is not None
                 data = _gather_bytes(seg.data, seg.starts[keep], sizes)
                 column = RawColumn(seg.dtype, seg.shapes.take(keep), [data], len(data))
             else:
@@ -867,7 +866,6 @@ def _column_of(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment
 
 def _parts(seg: _Segment, positions: np.ndarray) -> list[memoryview]:
     """The bytes of `positions` of `seg`, in order: views for a few runs, one gathered copy for many."""
-    assert seg.data is not None
     starts, sizes = seg.starts[positions], seg.sizes[positions]
     runs = list(_runs(starts, sizes))
     total = int(sizes.sum())
