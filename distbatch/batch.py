@@ -637,7 +637,7 @@ class DistributedBatchMemory:
                 except WireFormatError as exc:
                     raise WireFormatError(f"field {name!r}: {exc}") from None
             else:
-                column = wire.list_column(name, col, self._task_ids)
+                column = wire.list_column(name, col, self._task_ids, copy=copy)
             columns[name] = column
             shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
             fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from distbatch.container import (
     ITEMSIZE,
     MAX_DIMS,
     MAX_HEADER_BYTES,
+    METADATA_KEY,
     Buffer,
     Entry,
     RawTensor,
@@ -91,6 +93,11 @@ def column_field(key: str) -> str:
 def _check_column_key(key: str) -> None:
     field, mark, layer = key.partition(LAYER_MARK)
     validate_id(field, "field")
+    if field == METADATA_KEY:
+        raise WireFormatError(
+            f"a field cannot be named {METADATA_KEY!r}: safetensors reserves that name for the header's "
+            "metadata, where a tensor field's entry would land"
+        )
     if mark and _LAYER.fullmatch(layer) is None:
         raise WireFormatError(f"bad column name {key!r}: expected 'field' or 'field#k'")
 
@@ -235,6 +242,8 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
     metadata: dict[str, str] = {"format": "pt"}
     entries: list[Entry] = []
     for name, column in bundle.columns.items():
+        if column_field(name) == METADATA_KEY:
+            _check_column_key(name)  # refused, saying why
         info: dict[str, Any] = {"dtype": column.dtype}
         if column.rows is not None:
             info["rows"] = True
@@ -609,19 +618,27 @@ _JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
 def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> RawColumn:
     """A JSON field's values, checked (exact round trip) and encoded once as one array.
 
-    Scalars are checked by type in one pass; only containers are walked.
+    Scalars are checked by type in one pass. Containers are first encoded and decoded as a
+    whole (C code) and compared with the originals: only values that do not come back equal
+    (tuples, non-string keys) or that cannot be encoded are walked value by value, and the
+    nesting depth is read off the text with numpy, so a column of small dicts costs no
+    Python loop per task.
     """
     values = list(values)
+    text: str | None = None
     if not set(map(type, values)) <= _JSON_SCALARS:
-        for i, value in enumerate(values):
-            if type(value) not in _JSON_SCALARS:
-                try:
-                    values[i] = _check_json(value)
-                except WireFormatError as exc:
-                    key = ShardKey(task_ids[i], name) if i < len(task_ids) else ShardKey("?", name)
-                    raise WireFormatError(shard_problem(key, value, exc)) from None
+        text = _dump_if_exact(values)
+        if text is None:
+            for i, value in enumerate(values):
+                if type(value) not in _JSON_SCALARS:
+                    try:
+                        values[i] = _check_json(value)
+                    except WireFormatError as exc:
+                        key = ShardKey(task_ids[i], name) if i < len(task_ids) else ShardKey("?", name)
+                        raise WireFormatError(shard_problem(key, value, exc)) from None
     try:
-        text = json.dumps(values, separators=(",", ":"), ensure_ascii=False)
+        if text is None:
+            text = json.dumps(values, separators=(",", ":"), ensure_ascii=False)
     except (ValueError, RecursionError) as exc:  # e.g. an int longer than sys.get_int_max_str_digits()
         raise WireFormatError(f"field {name!r}: cannot encode JSON value: {exc}") from None
     try:
@@ -629,6 +646,27 @@ def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
     except UnicodeEncodeError:
         text = json.dumps(values, separators=(",", ":"))  # lone surrogates travel as \u escapes
     return RawColumn(None, values=values, text=text)
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _dump_if_exact(values: list[Any]) -> str | None:
+    """The values' JSON text if they encode, decode back equal and nest at most `MAX_JSON_DEPTH`
+    deep; None when any value needs the careful walk (which says what is wrong)."""
+    try:
+        text = json.dumps(values, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+        if json.loads(text) != values:
+            return None
+    except (TypeError, ValueError, RecursionError):
+        return None
+    skeleton = np.frombuffer(_JSON_STRING.sub("", text).encode(), dtype=np.uint8)
+    steps = (skeleton == ord("[")).astype(np.int16) + (skeleton == ord("{"))
+    steps -= (skeleton == ord("]")).astype(np.int16) + (skeleton == ord("}"))
+    if len(steps) and int(np.cumsum(steps, dtype=np.int64).max()) > MAX_JSON_DEPTH + 1:  # +1: the array
+        return None
+    return text
 
 
 def tensor_column(tensor: torch.Tensor, shapes: RowShapes | None = None) -> RawColumn:
@@ -648,12 +686,14 @@ def tensor_column(tensor: torch.Tensor, shapes: RowShapes | None = None) -> RawC
     return RawColumn(raw.dtype, shapes, [raw.data] if raw.nbytes else [], raw.nbytes)
 
 
-def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> RawColumn:
+def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str], copy: bool = False) -> RawColumn:
     """A column from one value per task: tensors (any shapes, one dtype) or JSON values.
 
     Tensors are joined with one `cat` (one copy; on their device, then one copy to the
     host). The per-task work is attribute reads in comprehensions; a field whose tasks
-    share rank and trailing dims is joined as it is, others are flattened first.
+    share rank and trailing dims is joined as it is, others are flattened first. 1-D views
+    laid end to end in one storage are taken as one view (no copy) unless `copy` (for a
+    store that keeps the column while its owner may write to the tensors).
     """
     import torch
 
@@ -661,7 +701,7 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
     kinds = set(map(type, values))
     if not any(issubclass(k, torch.Tensor) for k in kinds):
         if any(k.__module__ == "numpy" and k.__name__ == "ndarray" for k in kinds):
-            return list_column(name, [_from_numpy(v) for v in values], task_ids)
+            return list_column(name, [_from_numpy(v) for v in values], task_ids, copy)
         return json_column(name, values, task_ids)
     if not all(issubclass(k, torch.Tensor) for k in kinds):
         values = [_from_numpy(v) for v in values]
@@ -670,6 +710,9 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
             f"field {name!r} mixes tensors and other values (task {task_ids[bad]!r} holds a "
             f"{type(values[bad]).__name__}): a field holds tensors or JSON values, not both"
         )
+    fast = _pack_fast(values, copy)
+    if fast is not None:
+        return tensor_column(*fast)
     traits = {(v.dtype, v.layout, v.device, v.is_nested, v.is_quantized) for v in values}
     for trait in traits:
         dtype, layout, device, nested, quantized = trait
@@ -691,6 +734,57 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
             values = [v.reshape(-1) for v in values]  # ranks or trailing dims differ: flat
         packed = torch.cat(values) if len(values) > 1 else values[0].reshape(-1)
     return tensor_column(packed, shapes)
+
+
+def _pack_fast(values: list[torch.Tensor], copy: bool = False) -> tuple[torch.Tensor, RowShapes] | None:
+    """The common case, without reading each tensor's shape (torch's slowest attribute): 1-D
+    CPU tensors of one storable dtype. Views laid end to end in one storage (what `split`
+    makes, and what a gather hands out) are taken as one view, no copy; others are joined
+    with one `cat`. None: use the careful path (it names any task whose value is wrong)."""
+    import torch
+
+    if set(map(torch.Tensor.dim, values)) != {1}:
+        return None
+    dtypes = set(map(_DTYPE_OF, values))
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _torch_dtype_table()[0]:
+        return None
+    first = values[0]
+    if first.layout != torch.strided or first.device.type != "cpu" or first.is_nested or first.is_quantized:
+        return None
+    n = len(values)
+    lengths = np.fromiter(map(torch.Tensor.numel, values), dtype=np.int64, count=n)
+    shapes = RowShapes.ragged(lengths)
+    itemsize = first.element_size()
+    pointers = np.fromiter(map(torch.Tensor.data_ptr, values), dtype=np.int64, count=n)
+    base = first._base if first._base is not None else first
+    end_to_end = (
+        bool(np.array_equal(pointers[1:], pointers[:-1] + lengths[:-1] * itemsize))
+        and all(map(torch.Tensor.is_contiguous, values))
+        and not any(map(torch.Tensor.is_conj, values))
+        and not any(map(torch.Tensor.is_neg, values))
+        and not base.is_conj()
+        and not base.is_neg()
+        and all(v._base is base or v is base for v in values)
+        and base.layout == torch.strided
+    )
+    with torch.no_grad():
+        if end_to_end and base.is_contiguous():
+            start = (int(pointers[0]) - base.data_ptr()) // itemsize
+            total = int(lengths.sum())
+            if (
+                start >= 0
+                and start + total <= base.numel()
+                and base.data_ptr() + start * itemsize == pointers[0]
+            ):
+                view = base.detach().reshape(-1)[start : start + total]
+                return (view.clone() if copy else view), shapes
+        try:
+            packed = torch.cat(values) if n > 1 else first.detach().reshape(-1)
+        except (RuntimeError, NotImplementedError):  # mixed devices or layouts: the careful path says which
+            return None
+        if packed.layout != torch.strided or packed.device.type != "cpu" or packed.is_quantized:
+            return None
+        return packed, shapes
 
 
 def _from_numpy(value: Any) -> Any:

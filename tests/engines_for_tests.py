@@ -71,6 +71,20 @@ class EchoEngine:
             {"rows": rows, "length": (cu[1:] - cu[:-1]).to(torch.int64)}, task_ids=batch.task_ids
         )
 
+    def split_views(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
+        """A LOCAL batch whose `views` column is `split` views of one tensor this engine keeps
+        (task i: i + 1 values counting on from the previous task's), to scribble on later."""
+        lengths = [i + 1 for i in range(len(batch))]
+        self._kept = torch.arange(sum(lengths), dtype=torch.int32)
+        return DistributedBatchMemory.from_dict(
+            {"views": list(self._kept.split(lengths))}, task_ids=batch.task_ids
+        )
+
+    def scribble(self) -> bool:
+        """Overwrite the tensor `split_views` returned views of (after its result was stored)."""
+        self._kept.fill_(-1)
+        return True
+
     def passthrough(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
         return batch
 

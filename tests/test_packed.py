@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from distbatch import DistributedBatchMemory, EngineError, ShardClient, WorkerGroup
+from distbatch import DistributedBatchMemory, EngineError, ShardClient, WorkerGroup, wire
 from distbatch.batch import BatchStatus
 from distbatch.errors import ShardNotFoundError
 
@@ -418,3 +418,35 @@ def test_acall_matches_call_with_batches(group: WorkerGroup, client: ShardClient
         asyncio.run(group.acall_on(0, "fail", message="bang"))
     with pytest.raises(ValueError):
         asyncio.run(group.acall("columns", chunks[:1]))
+
+
+def test_split_views_travel_as_one_view_and_the_store_copies_them() -> None:
+    """A list of `split` views of one tensor is packed without a copy on its way out (one view
+    of the base), and with one copy when a store will keep it (`copy=True`)."""
+    base = torch.arange(10, dtype=torch.int64)
+    views = list(base.split([1, 2, 3, 4]))
+    column = wire.list_column("x", views, ["a", "b", "c", "d"])
+    shared = wire.column_tensor(column)
+    assert torch.equal(shared, base) and shared.data_ptr() == base.data_ptr()
+    kept = wire.column_tensor(wire.list_column("x", views, ["a", "b", "c", "d"], copy=True))
+    assert torch.equal(kept, base) and kept.data_ptr() != base.data_ptr()
+    # Not end to end (a gap, a reordering): joined with one cat, values in task order.
+    for picked in ([views[0], views[2]], [views[1], views[0]]):
+        joined = wire.column_tensor(wire.list_column("x", picked, ["a", "b"]))
+        assert torch.equal(joined, torch.cat(picked)) and joined.data_ptr() != base.data_ptr()
+
+
+def test_stored_split_views_do_not_alias_the_engines_tensor(
+    group: WorkerGroup, client: ShardClient, pushed: list[DBM]
+) -> None:
+    """An engine returns views of a tensor it keeps, then writes to that tensor: what the worker
+    stored is unchanged (the store copied the column once)."""
+    batch = DBM.from_dict({"x": torch.zeros(4)}).to_remote(group.nodes[0], client)
+    pushed.append(batch)
+    result = group.call_on(0, "split_views", batch)
+    pushed.append(result)
+    assert group.call_on(0, "scribble") is True
+    fresh = DBM.from_meta(result.meta, client)
+    values, cu = fresh.packed("views")
+    assert cu.tolist() == [0, 1, 3, 6, 10]
+    assert torch.equal(values, torch.arange(10, dtype=torch.int32))
