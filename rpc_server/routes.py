@@ -166,6 +166,14 @@ def _key_list(value: Any, name: str) -> list[Any]:
     return value
 
 
+def _distinct_ids(values: list[Any], what: str) -> list[str]:
+    """Valid ids, a repeated one kept once (deletes are idempotent), checked in one regex pass."""
+    if set(map(type, values)) - {str}:
+        for value in values:
+            validate_id(value, what)  # names the first id that is not a string
+    return wire.validate_id_list(list(dict.fromkeys(values)), what)
+
+
 def _validated_keys(value: Any) -> list[ShardKey]:
     return [validate_key(k) for k in _key_list(value, "keys")]
 
@@ -301,9 +309,9 @@ def delete_shards() -> Response:
         raise ApiError(400, "bad_request", "'fields' goes with 'task_ids'")
     store = state().store
     if has_tasks:
-        task_ids = [validate_id(t, "task_id") for t in _key_list(body["task_ids"], "task_ids")]
+        task_ids = _distinct_ids(_key_list(body["task_ids"], "task_ids"), "task_id")
         if "fields" in body:
-            fields = [validate_id(f, "field") for f in _key_list(body["fields"], "fields")]
+            fields = _distinct_ids(_key_list(body["fields"], "fields"), "field")
             count, freed = store.delete_product(task_ids, fields)
         else:
             count, freed = store.delete_tasks(task_ids)

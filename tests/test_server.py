@@ -905,3 +905,27 @@ def test_unknown_route_is_json_404(plain: WorkerProcess, path: str) -> None:
 def test_wrong_method_is_json_405(plain: WorkerProcess, method: str, path: str) -> None:
     response = HTTP.request(method, url(plain, path), timeout=10)
     assert_json_error(response, 405, "method_not_allowed")
+
+
+def test_delete_ids_repeated_or_not_strings(plain: WorkerProcess) -> None:
+    """A task id or field named twice is deleted once; an id that is not a string (even an
+    unhashable one) is a 400 naming it, and deletes nothing."""
+    shards = {
+        ("rep-1", "a"): torch.zeros(4, dtype=torch.int32),
+        ("rep-1", "b"): torch.zeros(2, dtype=torch.int32),
+    }
+    assert put(plain, shards).status_code == 200
+    before = stats(plain)
+    for body in (
+        {"task_ids": [{"a": 1}]},
+        {"task_ids": ["rep-1", ["x"]]},
+        {"task_ids": ["rep-1"], "fields": [{}]},
+    ):
+        response = post_json(plain, "/v1/shards/delete", body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"] == "invalid_id"
+    assert stats(plain)["shards"] == before["shards"]
+    response = post_json(plain, "/v1/shards/delete", {"task_ids": ["rep-1", "rep-1"], "fields": ["a", "a"]})
+    assert response.json() == {"deleted": 1, "bytes_freed": 16}
+    response = post_json(plain, "/v1/shards/delete", {"task_ids": ["rep-1", "rep-1"]})
+    assert response.json() == {"deleted": 1, "bytes_freed": 8}
