@@ -52,7 +52,7 @@ from distbatch.container import (
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.gc_pause import paused_gc
 from distbatch.ids import ShardKey, validate_id, validate_key
-from distbatch.shapes import RowShapes, ShapeError
+from distbatch.shapes import RowShapes, ShapeError, unique_ints
 
 if TYPE_CHECKING:
     import torch
@@ -351,7 +351,7 @@ def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bu
             rows = _int_table(tensors, f"{name}/rows")
             if rows.size and int(rows.max()) >= n:
                 raise WireFormatError(f"field {name!r}: a row index is past the {n} tasks")
-            if len(np.unique(rows)) != len(rows):
+            if len(unique_ints(rows)) != len(rows):
                 raise WireFormatError(f"field {name!r}: rows repeat a task")
             m = len(rows)
         elif info.get("rows", False) is not False:
@@ -431,7 +431,7 @@ def _check_layers(columns: dict[str, RawColumn], n: int) -> None:
     for field, cols in by_field.items():
         if len(cols) > 1:
             rows = np.concatenate([np.arange(n) if c.rows is None else c.rows for c in cols])
-            if len(np.unique(rows)) != len(rows):
+            if len(unique_ints(rows)) != len(rows):
                 raise WireFormatError(f"field {field!r}: two of its columns hold a value for the same task")
 
 

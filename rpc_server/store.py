@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from distbatch.ids import ShardKey
-from distbatch.shapes import RowShapes
+from distbatch.shapes import RowShapes, unique_ints
 from distbatch.wire import LAYER_MARK, Bundle, RawColumn, RawTensor, column_field, parts_size
 
 logger = logging.getLogger("rpc_server")
@@ -325,7 +325,7 @@ class ShardStore:
 
     def _release_empty(self, rows: np.ndarray) -> None:
         """Free the task rows among `rows` that hold no field any more (rows already free are skipped)."""
-        rows = np.unique(rows)
+        rows = unique_ints(rows)
         rows = rows[self._ids[rows] != None]  # noqa: E711 (elementwise)
         if not len(rows):
             return
@@ -351,7 +351,7 @@ class ShardStore:
         index = self._fields.get(name)
         if index is None or not len(rows):
             return 0, 0
-        rows = np.unique(rows)
+        rows = unique_ints(rows)
         segs = index.segs_at(rows)
         keep = segs >= 0 if only_segment is None else segs == only_segment
         if not keep.any():
@@ -369,7 +369,7 @@ class ShardStore:
         buffers left mostly dead (after all the accounting: compaction replaces segments)."""
         count = freed = 0
         sparse: dict[int, _Buffer] = {}
-        for seg_id in np.unique(segs).tolist():
+        for seg_id in unique_ints(segs).tolist():
             seg = self._segments[seg_id]
             dead = positions[segs == seg_id] if len(segs) > 1 else positions
             nbytes = int(seg.sizes[dead].sum())
@@ -462,7 +462,7 @@ class ShardStore:
             col_rows = col_rows[col_rows >= 0]
             segs = index.segs_at(col_rows)
             held = segs >= 0
-            for seg_id in np.unique(segs[held]).tolist():
+            for seg_id in unique_ints(segs[held]).tolist():
                 seg = self._segments[seg_id]
                 replaced += int(seg.sizes[index.pos[col_rows[held & (segs == seg_id)]]].sum())
         return incoming, replaced
@@ -659,7 +659,7 @@ class ShardStore:
                     missing += [ShardKey(task_ids[i], name) for i in absent[: max(room, 0)].tolist()]
                     continue
                 positions = index.pos[rows] if index is not None else segs
-                used = {s: self._segments[s] for s in np.unique(segs).tolist()}
+                used = {s: self._segments[s] for s in unique_ints(segs).tolist()}
                 picked.append((name, segs, positions, used))
             if not missing:
                 self._touch(rows)
@@ -740,7 +740,7 @@ class ShardStore:
             touched: list[np.ndarray] = []
             for field, task_ids in by_field.items():
                 rows = self._lookup(task_ids)
-                rows = np.unique(rows[rows >= 0])
+                rows = unique_ints(rows[rows >= 0])
                 c, b = self._kill(field, rows)
                 count, freed = count + c, freed + b
                 touched.append(rows)
@@ -749,7 +749,7 @@ class ShardStore:
         return count, freed
 
     def _delete_rows(self, rows: np.ndarray, fields: Sequence[str]) -> tuple[int, int]:
-        rows = np.unique(rows)
+        rows = unique_ints(rows)
         count = freed = 0
         for name in fields:
             c, b = self._kill(name, rows)

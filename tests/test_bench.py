@@ -138,3 +138,14 @@ def test_cli_rejects_unknown_workloads_and_a_cap_below_every_size() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "scaling", "--max-tasks", "10"])
     assert parse_args(["--max-tasks", "3000"]).scaling_sizes == [1_000, 3_000]
+
+
+def test_rss_cycles_give_the_memory_back() -> None:
+    """`python -m bench.rss` in small: every clear brings the store's held bytes to 0, and the
+    worker's RSS after the last clear is far below its RSS while it held a put."""
+    from bench import rss
+
+    result = rss.run(cycles=3, mib=64, tasks=4)
+    assert result["held_bytes_after"] == 0
+    assert len(result["after_put_mib"]) == len(result["after_clear_mib"]) == 3
+    assert result["after_clear_mib"][-1] < result["after_put_mib"][-1] - 32  # the 64 MiB went back

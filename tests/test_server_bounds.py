@@ -102,7 +102,7 @@ def test_stalled_big_uploads_cost_little_memory(start_worker: StartWorker) -> No
         threads, rss = proc_status(worker.pid, "Threads"), proc_status(worker.pid, "VmRSS")
         with stalled_puts(worker, 100, GIB):
             wait_for(
-                lambda: proc_status(worker.pid, "Threads") >= threads + 100, 20, "100 connections served"
+                lambda: proc_status(worker.pid, "Threads") >= threads + 100, 60, "100 connections served"
             )
             time.sleep(0.5)  # let every handler reach its read of the body
             grown = proc_status(worker.pid, "VmRSS") - rss
