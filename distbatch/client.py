@@ -616,8 +616,14 @@ class ShardClient:
         end, each worker's `/health` is probed; one that has not answered for `liveness_timeout`
         seconds fails the call with `WorkerUnavailableError` (None: no probes).
         """
+        return self._run(self._checked_calls(calls, timeout, liveness_timeout))
+
+    def _checked_calls(
+        self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None, liveness_timeout: float | None
+    ) -> Coroutine[Any, Any, list[Any]]:
+        """`_call_many` of `calls`, their nodes and the liveness timeout checked here, in the caller."""
         checked = [(validate_node(n), m, b) for n, m, b in calls]
-        return self._run(self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout)))
+        return self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout))
 
     async def acall_many(
         self,
@@ -627,10 +633,7 @@ class ShardClient:
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> list[Any]:
         """`call_many` awaited from any event loop (it runs on the client's own)."""
-        checked = [(validate_node(n), m, b) for n, m, b in calls]
-        return await self._on_loop(
-            self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout))
-        )
+        return await self._on_loop(self._checked_calls(calls, timeout, liveness_timeout))
 
     def call_raw(
         self,
@@ -642,8 +645,7 @@ class ShardClient:
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> Any:
         """POST an encoded engine call (see `distbatch.rpc`) and return the decoded JSON reply."""
-        call = [(validate_node(node), method, body)]
-        return self._run(self._call_many(call, timeout, check_liveness_timeout(liveness_timeout)))[0]
+        return self._run(self._checked_calls([(node, method, body)], timeout, liveness_timeout))[0]
 
     async def acall_raw(
         self,
@@ -654,9 +656,9 @@ class ShardClient:
         *,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> Any:
-        call = [(validate_node(node), method, body)]
-        liveness = check_liveness_timeout(liveness_timeout)
-        return (await self._on_loop(self._call_many(call, timeout, liveness)))[0]
+        return (await self._on_loop(self._checked_calls([(node, method, body)], timeout, liveness_timeout)))[
+            0
+        ]
 
     # ------------------------------------------------------------------ put
 

@@ -11,16 +11,7 @@ from distbatch.auth import bearer_ok
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.http_errors import error_response, register_json_errors
 from distbatch.meta import MetaFormatError
-from rpc_server.config import (
-    DEFAULT_MAX_JSON_BYTES,
-    DEFAULT_MAX_KEYS_PER_REQUEST,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_MAX_THREADS,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_STAGE_TTL,
-    ServerConfig,
-)
+from rpc_server.config import ServerConfig
 from rpc_server.context import ApiError, ServerState, state
 from rpc_server.errors import BadArgumentsError, EngineCallFailed, ShuttingDownError, UnknownMethodError
 from rpc_server.metrics import Metrics
@@ -36,13 +27,6 @@ from rpc_server.store import (
 # Names that lived here before `config`, `context` and `distbatch.http_errors` took them;
 # kept importable from this module for existing code.
 __all__ = [
-    "DEFAULT_MAX_JSON_BYTES",
-    "DEFAULT_MAX_KEYS_PER_REQUEST",
-    "DEFAULT_MAX_REQUEST_BYTES",
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "DEFAULT_MAX_THREADS",
-    "DEFAULT_READ_TIMEOUT",
-    "DEFAULT_STAGE_TTL",
     "ApiError",
     "ServerConfig",
     "ServerState",

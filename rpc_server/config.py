@@ -19,16 +19,7 @@ from distbatch.worker_flags import (
     DEFAULT_STAGE_TTL,
 )
 
-__all__ = [
-    "DEFAULT_MAX_JSON_BYTES",
-    "DEFAULT_MAX_KEYS_PER_REQUEST",
-    "DEFAULT_MAX_REQUEST_BYTES",
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "DEFAULT_MAX_THREADS",
-    "DEFAULT_READ_TIMEOUT",
-    "DEFAULT_STAGE_TTL",
-    "ServerConfig",
-]
+__all__ = ["ServerConfig"]
 
 
 @dataclass

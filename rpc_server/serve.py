@@ -17,7 +17,8 @@ from distbatch.http_server import (
     advertised_host,
     format_node,
 )
-from rpc_server.config import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT, ServerConfig
+from distbatch.worker_flags import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+from rpc_server.config import ServerConfig
 
 __all__ = [
     "RESERVE_REQUESTS",
