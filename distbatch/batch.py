@@ -246,7 +246,9 @@ class DistributedBatchMemory:
         self._task_ids: list[str] = []
         self._data: dict[str, Column] | None = None
         self._meta: BatchMeta | None = None
-        self._cache: dict[str, Column] = {}
+        # Gathered fields of a REMOTE batch: a column, or a `_Gathered` not yet split into
+        # per-task views (what `packed` and `afetch` leave; `_cached_column` splits it once).
+        self._cache: dict[str, Column | _Gathered] = {}
         self._client: ShardClient | None = None
         self._lock = threading.Lock()
 
@@ -262,7 +264,7 @@ class DistributedBatchMemory:
 
     @classmethod
     def _make_remote(
-        cls, meta: BatchMeta, client: ShardClient | None, cache: dict[str, Column] | None = None
+        cls, meta: BatchMeta, client: ShardClient | None, cache: dict[str, Column | _Gathered] | None = None
     ) -> DistributedBatchMemory:
         batch = cls()
         if len(meta):
@@ -414,8 +416,18 @@ class DistributedBatchMemory:
         with self._lock:
             if name not in self._cache:
                 self._cache.update(self._gather([name]))
-            col = self._cache[name]
+            col = self._cached_column(name)
         return col if isinstance(col, torch.Tensor) else list(col)
+
+    def _cached_column(self, name: str) -> Column:
+        """A cached field as a column, splitting a gathered one into per-task views once."""
+        value = self._cache[name]
+        if isinstance(value, _Gathered):
+            value = self._cache[name] = value.column()
+        return value
+
+    def _cached_columns(self) -> dict[str, Column]:
+        return {name: self._cached_column(name) for name in list(self._cache)}
 
     def _row(self, index: int) -> dict[str, Any]:
         n = len(self)
@@ -427,7 +439,9 @@ class DistributedBatchMemory:
         missing = [f for f in self.fields if f not in self._cache]
         fetched = self._meta.take([index])
         one = DistributedBatchMemory._make_remote(fetched, self._client)._gather(missing) if missing else {}
-        return {f: one[f][0] if f in one else self._cache[f][index] for f in self.fields}
+        with self._lock:
+            cached = {f: self._cached_column(f)[index] for f in self.fields if f not in one}
+        return {f: one[f][0] if f in one else cached[f] for f in self.fields}
 
     def _take(self, indices: Sequence[int] | np.ndarray) -> DistributedBatchMemory:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -435,7 +449,7 @@ class DistributedBatchMemory:
             data = {name: _take_column(col, indices) for name, col in (self._data or {}).items()}
             return self._make_local(pick(self._task_ids, indices), data)
         with self._lock:
-            cache = {name: _take_column(col, indices) for name, col in self._cache.items()}
+            cache = {name: _take_column(col, indices) for name, col in self._cached_columns().items()}
         return self._make_remote(self._meta.take(indices), self._client, cache)
 
     def __setitem__(self, name: str, value: Any) -> None:
@@ -563,7 +577,7 @@ class DistributedBatchMemory:
             gathered = await self._agather_columns(missing)
             with self._lock:
                 for name, value in gathered.items():
-                    self._cache.setdefault(name, value.column())
+                    self._cache.setdefault(name, value)
         return self
 
     async def ato_local(self) -> DistributedBatchMemory:
@@ -580,7 +594,7 @@ class DistributedBatchMemory:
         with self._lock:
             missing = [f for f in self.fields if f not in self._cache]
             self._cache.update(self._gather(missing))
-            data = {f: self._cache[f] for f in self.fields}
+            data = {f: self._cached_column(f) for f in self.fields}
         return self._make_local(list(self._task_ids), data)
 
     def packed(
@@ -598,10 +612,10 @@ class DistributedBatchMemory:
             with self._lock:
                 cached = self._cache.get(field)
                 if cached is None:
-                    gathered = self._gather_columns([field])[field]
-                    self._cache[field] = gathered.column()
-                    values, cu = gathered.packed(field)
-                    return _to_device(values, cu, device)
+                    cached = self._cache[field] = self._gather_columns([field])[field]
+            if isinstance(cached, _Gathered):
+                values, cu = cached.packed(field)
+                return _to_device(values, cu, device)
             col: Column = cached
         else:
             col = (self._data or {})[field]
@@ -798,7 +812,9 @@ class DistributedBatchMemory:
         other_meta = other._meta if other._meta is not None else BatchMeta([], [])
         meta = BatchMeta.merge(list(self._task_ids), [(self._meta, None), (other_meta, rows)], order)
         cache = {n: c for n, c in self._cache.items() if n not in other.fields}
-        for name, col in other._cache.items():
+        with other._lock:
+            others = dict(other._cache) if rows is None else other._cached_columns()
+        for name, col in others.items():
             cache[name] = col if rows is None else _take_column(col, rows)
         return self._make_remote(meta, self._client or other._client, cache)
 
@@ -837,7 +853,7 @@ class DistributedBatchMemory:
             cache = {}
             for name in names:
                 if all(name in b._cache for b in parts):
-                    cache[name] = _concat_columns(name, [b._cache[name] for b in parts])
+                    cache[name] = _concat_columns(name, [b._cached_column(name) for b in parts])
             return DistributedBatchMemory._make_remote(meta, parts[0]._client, cache)
         data = {name: _concat_columns(name, [b._data[name] for b in parts]) for name in names}  # type: ignore[index]
         return DistributedBatchMemory._make_local(task_ids, data)

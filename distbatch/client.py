@@ -41,7 +41,7 @@ from distbatch.errors import (
     WorkerUnavailableError,
 )
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
-from distbatch.protocol import CALL_ID_HEADER
+from distbatch.protocol import CALL_ID_HEADER, CLIENT_KEEPALIVE_SECONDS
 
 T = TypeVar("T")
 
@@ -191,6 +191,7 @@ class _Runtime:
         # Liveness probes get a session (and connections) of their own: never a slot a data
         # request needs, never queued behind them.
         self.probe_session: aiohttp.ClientSession | None = None
+        self.fresh_session: aiohttp.ClientSession | None = None
         # Best-effort cleanup (abandon notices) that outlives the call that started it.
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -224,7 +225,7 @@ class _Runtime:
 
     def close(self) -> None:
         if self.loop_thread.pid == os.getpid():
-            self.loop_thread.stop([self.session, self.probe_session], self.background)
+            self.loop_thread.stop([self.session, self.probe_session, self.fresh_session], self.background)
 
 
 class ShardClient:
@@ -322,13 +323,30 @@ class ShardClient:
         if runtime.session is None:
             # The runtime's slots bound connections (per node and in total); the connector's own
             # limit is only a backstop for both budgets together.
+            # Connections are reused for less time than the server keeps them idle, so no request
+            # goes out on a connection the server is closing for idleness.
             connector = aiohttp.TCPConnector(
-                limit=2 * self.max_connections, limit_per_host=0, ttl_dns_cache=300
+                limit=2 * self.max_connections,
+                limit_per_host=0,
+                ttl_dns_cache=300,
+                keepalive_timeout=CLIENT_KEEPALIVE_SECONDS,
             )
             runtime.session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, trust_env=False
             )
         return runtime.session
+
+    def _fresh_session(self, runtime: _Runtime) -> aiohttp.ClientSession:
+        """A session whose every request opens its own connection, for requests that are not
+        retried (engine calls): a server may close an idle kept-alive connection (its thread
+        wanted elsewhere) just as a request goes out on it, which only a retry could mend."""
+        if runtime.fresh_session is None:
+            runtime.fresh_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=300),
+                auto_decompress=False,
+                trust_env=False,
+            )
+        return runtime.fresh_session
 
     # ------------------------------------------------------------------ transport
 
@@ -380,7 +398,7 @@ class ShardClient:
             headers["Content-Length"] = str(size)
         url = f"http://{node}{path}"
         runtime = runtime or self._get_runtime()
-        session = self._session(runtime)
+        session = self._session(runtime) if idempotent else self._fresh_session(runtime)
         attempt = waited = 0  # attempts that count against `retries`; all retries (for the backoff)
         while True:
             remaining = None if deadline is None else deadline - loop.time()

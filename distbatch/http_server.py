@@ -1,8 +1,14 @@
-"""A threaded WSGI server for a Flask app: bounded threads, read timeouts, reserve threads.
+"""A threaded WSGI server for a Flask app: keep-alive, bounded threads, read timeouts, reserve threads.
 
 Generic HTTP machinery the worker (`rpc_server.serve.WorkerServer`) and the controller's HTTP
 face (`distbatch.controller_http`) share; it knows nothing of shards or engines. The bounds it
 enforces are constructor arguments, so each server picks its own.
+
+It is werkzeug's threaded server with our own request loop (`_TimedRequestHandler.run_wsgi`).
+Werkzeug's answers `Connection: close` to every request and accepts only `bytes` from the
+app; ours keeps HTTP/1.1 connections open between requests (the unread rest of a request
+body is drained, or the connection closed when that rest is big) and sends any buffer the
+app yields (`memoryview`s of stored segments) straight to the socket, without a copy.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import contextlib
 import io
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -19,10 +26,19 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 from flask import Flask
+from werkzeug.exceptions import InternalServerError
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+from distbatch.protocol import SERVER_IDLE_SECONDS
 
 DEFAULT_MAX_THREADS = 256
 DEFAULT_READ_TIMEOUT = 60.0
+# How long a kept-alive connection may wait for its next request before the server closes it
+# (clients stop reusing one sooner: `protocol.CLIENT_KEEPALIVE_SECONDS`).
+DEFAULT_IDLE_TIMEOUT = SERVER_IDLE_SECONDS
+# The WSGI environ key that tells an app this server sends any buffer the app yields (a
+# `memoryview` too), not only the `bytes` PEP 3333 asks for.
+SENDS_BUFFERS = "distbatch.sends_buffers"
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
@@ -60,9 +76,16 @@ RESERVE_GRACE_SECONDS = 0.05
 # A reserve connection's socket timeout (bounded by the read timeout): what it serves is small,
 # so one that dawdles is dropped soon instead of holding a reserve thread.
 RESERVE_READ_TIMEOUT = 2.0
-# Seconds a refused connection's unread body is drained before closing (see `_refuse_busy`).
-BUSY_LINGER_SECONDS = 2.0
+# A connection closed with request bytes unread is reset, and the client may lose the response
+# with it; so the server closes its write side and reads the rest, giving up once nothing has
+# arrived for `LINGER_SECONDS`, or after `LINGER_MAX_SECONDS` or `LINGER_MAX_BYTES` (`_linger`).
+LINGER_SECONDS = 2.0
+LINGER_MAX_SECONDS = 10.0
+LINGER_MAX_BYTES = 10 << 30
 BUSY_RETRY_AFTER = 1
+# An answered request whose body was not read whole keeps its connection when at most this
+# much is left (read and dropped); with more left the connection is closed (`_linger`).
+DRAIN_MAX_BYTES = 4 << 20
 
 
 class _SlicedWriter(io.BufferedIOBase):
@@ -97,13 +120,44 @@ def _path_of(target: str) -> str:
         return ""
 
 
-class _TimedRequestHandler(WSGIRequestHandler):
-    """Werkzeug's handler with a socket timeout (`timeout`, set per server) and sliced sends.
+class _CountingReader(io.RawIOBase):
+    """A connection's input stream that counts the body bytes read from it (`left`), so the
+    handler knows how much of a request body the app left unread."""
 
-    The timeout covers each socket operation: an idle connection, a stalled
-    upload or a peer that stops reading is closed after it; a request whose
-    handler computes for minutes is not, since no socket operation happens meanwhile.
+    def __init__(self, stream: Any, length: int) -> None:
+        self._stream = stream
+        self.left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as view, view.cast("B") as flat:
+            if not self.left:
+                return 0
+            with flat[: self.left] as target:
+                n = self._stream.readinto(target) or 0
+        self.left -= n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.left if size is None or size < 0 else min(size, self.left)
+        data = self._stream.read(size) if size else b""
+        self.left -= len(data)
+        return data
+
+
+class _TimedRequestHandler(WSGIRequestHandler):
+    """Serves one connection: HTTP/1.1 keep-alive, a socket timeout, sends of any buffer.
+
+    The timeout (`timeout`, set per server) covers each socket operation: a stalled
+    upload or a peer that stops reading is closed after it; a request whose handler
+    computes for minutes is not, since no socket operation happens meanwhile. Between
+    requests a connection waits at most `idle_timeout`, and less when the server needs
+    its thread for a waiting connection (`_BoundedThreadingServer.wait_for_request`).
     """
+
+    idle_timeout = DEFAULT_IDLE_TIMEOUT
 
     def setup(self) -> None:
         super().setup()
@@ -113,21 +167,73 @@ class _TimedRequestHandler(WSGIRequestHandler):
         if self.on_reserve:
             self.connection.settimeout(min(self.timeout or RESERVE_READ_TIMEOUT, RESERVE_READ_TIMEOUT))
 
+    def handle(self) -> None:
+        """Serve requests until the client closes, asks to close, or idles past `idle_timeout`."""
+        try:
+            self.close_connection = True
+            self.handle_one_request()
+            while not self.close_connection and self._next_request_arrives():
+                self.handle_one_request()
+        except (ConnectionError, TimeoutError) as exc:
+            self.connection_dropped(exc)
+
+    def _next_request_arrives(self) -> bool:
+        """Whether another request starts on this connection (False: close it)."""
+        server = self.server
+        if not isinstance(server, _BoundedThreadingServer):
+            return True
+        # Bytes the client sent ahead (pipelined) may already sit in the read buffer, where
+        # the socket's readiness does not show them: peek without blocking first.
+        self.connection.settimeout(0)
+        try:
+            ahead = self.rfile.peek(1)
+        finally:
+            self.connection.settimeout(self.timeout)
+        return bool(ahead) or server.wait_for_request(self.connection, self.idle_timeout)
+
     def run_wsgi(self) -> None:
         if self.on_reserve:
             self.close_connection = True  # one request per reserve connection
             if (self.command, _path_of(self.path)) not in getattr(self.server, "reserve_requests", ()):
                 self._refuse_busy()
                 return
-        super().run_wsgi()
+        if self.headers.get("Expect", "").lower().strip(" \t") == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.environ = environ = self.make_environ()
+        environ[SENDS_BUFFERS] = True
+        declared = self.headers.get("Content-Length", "")
+        body: _CountingReader | None = None
+        if environ["wsgi.input"] is self.rfile and declared.isdigit():
+            body = environ["wsgi.input"] = _CountingReader(self.rfile, int(declared))
+        else:
+            # Chunked or unsized: where the body ends is the app's business, so nothing
+            # more is read from this connection.
+            self.close_connection = True
+        response = _Response(self, environ, body)
+        try:
+            response.run(self.server.app)
+        except (ConnectionError, TimeoutError) as exc:
+            self.close_connection = True
+            self.connection_dropped(exc, environ)
+            return
+        except Exception as exc:  # the app failed outside Flask's own error handling
+            self.close_connection = True
+            if response.head_sent:
+                return  # a response is half sent: closing the connection is all that is left
+            with contextlib.suppress(Exception):
+                _Response(self, environ, body).run(InternalServerError())
+            self.server.log("error", f"Error on request {self.command} {self.path}: {exc!r}")
+            return
+        left = 0 if body is None else body.left
+        if left and response.body_stalled:
+            return  # nothing to linger for: the client stopped sending
+        if left and self.close_connection:
+            self._linger()
+        elif left:
+            _discard(body, left)
 
     def _refuse_busy(self) -> None:
-        """Answer 503 `busy` without running anything, then drain what the client still sends.
-
-        Closing a socket with unread bytes resets the connection, and a client still
-        sending its body could lose the 503 with it; so the write side is closed and the
-        rest read and dropped until the client closes, for at most `BUSY_LINGER_SECONDS`.
-        """
+        """Answer 503 `busy` without running anything, then drain what the client still sends."""
         threads = getattr(self.server, "max_threads", "all")
         body = json.dumps(
             {
@@ -143,18 +249,121 @@ class _TimedRequestHandler(WSGIRequestHandler):
         ).encode()
         with contextlib.suppress(OSError):  # the client went away: nothing to tell it
             self.wfile.write(head + body)
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close the write side, then read and drop what the client still sends (bounded).
+
+        Closing a socket with unread bytes resets the connection, and a client still
+        sending its body could lose the response with it.
+        """
+        with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + BUSY_LINGER_SECONDS
-            while (left := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(left)
-                if not self.connection.recv(1 << 16):
+            deadline = time.monotonic() + LINGER_MAX_SECONDS
+            dropped = 0
+            scratch = bytearray(1 << 20)
+            while dropped < LINGER_MAX_BYTES and (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(min(LINGER_SECONDS, left))
+                if not (n := self.rfile.readinto(scratch)):
                     break
+                dropped += n
+
+
+def _discard(body: _CountingReader, left: int) -> None:
+    """Read and drop the `left` body bytes an answered request did not read."""
+    scratch = bytearray(min(left, 1 << 20))
+    while body.left and body.readinto(scratch):
+        pass
+
+
+class _Response:
+    """Runs the app for one request and writes its response, keeping the connection when it can.
+
+    Werkzeug's own `run_wsgi` closes every connection and asserts `bytes`; this one sends
+    each buffer the app yields as it is, chunked only when the app gave no length.
+    """
+
+    def __init__(self, handler: _TimedRequestHandler, environ: dict[str, Any], body: _CountingReader | None):
+        self.handler = handler
+        self.environ = environ
+        self.body = body
+        self.status: str | None = None
+        self.headers: list[tuple[str, str]] = []
+        self.head_sent = False
+        self.chunked = False
+        self.body_stalled = False
+
+    def start_response(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        if exc_info and self.head_sent:
+            raise exc_info[1].with_traceback(exc_info[2])
+        self.status, self.headers = status, headers
+        return self.write
+
+    def run(self, app: Any) -> None:
+        chunks = app(self.environ, self.start_response)
+        try:
+            for chunk in chunks:
+                self.write(chunk)
+            if not self.head_sent:
+                self.write(b"")
+            if self.chunked:
+                self.handler.wfile.write(b"0\r\n\r\n")
+        finally:
+            if hasattr(chunks, "close"):
+                chunks.close()
+
+    def write(self, data: Any) -> None:
+        if not self.head_sent:
+            self._send_head()
+        wfile = self.handler.wfile
+        with memoryview(data) as view:
+            if not view.nbytes:
+                return
+            if self.chunked:
+                wfile.write(b"%x\r\n" % view.nbytes)
+            wfile.write(view)
+            if self.chunked:
+                wfile.write(b"\r\n")
+
+    def _send_head(self) -> None:
+        handler = self.handler
+        if self.status is None:
+            raise RuntimeError("the app wrote before start_response")
+        code_text, _, reason = self.status.partition(" ")
+        code = int(code_text)
+        names = {name.lower() for name, _ in self.headers}
+        left = 0 if self.body is None else self.body.left
+        server = handler.server
+        # 408: the body stalled for the read timeout, so this connection carries no more requests.
+        self.body_stalled = code == 408
+        if (
+            left > DRAIN_MAX_BYTES
+            or self.body_stalled
+            or (isinstance(server, _BoundedThreadingServer) and server.stopping)
+        ):
+            handler.close_connection = True
+        handler.send_response(code, reason)
+        for name, value in self.headers:
+            handler.send_header(name, value)
+        bodiless = self.environ["REQUEST_METHOD"] == "HEAD" or 100 <= code < 200 or code in (204, 304)
+        if "content-length" not in names and not bodiless:
+            self.chunked = True
+            handler.send_header("Transfer-Encoding", "chunked")
+        if handler.close_connection:
+            handler.send_header("Connection", "close")
+        elif handler.request_version == "HTTP/1.0":
+            handler.send_header("Connection", "keep-alive")
+        handler.end_headers()
+        self.head_sent = True
 
 
 class _BoundedThreadingServer(ThreadedWSGIServer):
     """A threaded WSGI server that runs at most `max_threads` connections at once, plus
     `reserve_threads` for the small `reserve_requests` (liveness probes and the like).
 
+    A kept-alive connection holds its thread while it waits for its next request;
+    when a new connection finds every normal thread taken, one such idle connection is
+    asked to close (`wait_for_request`), so idle clients never lock out a new one.
     When every normal thread has been busy for `RESERVE_GRACE_SECONDS`, the next
     connection goes to a free reserve thread (see `_TimedRequestHandler.run_wsgi`);
     with those busy too the serve loop stops accepting, so new connections wait in
@@ -182,6 +391,12 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self._on_reserve: set[socket.socket] = set()
         self._slots_changed = threading.Condition()
         self._stopping = threading.Event()
+        # Idle kept-alive connections wait on their socket and on `_wake`: one byte is sent to
+        # `_wake` per idle connection asked to close (`_yields_asked`), one more at shutdown.
+        self._idle = 0
+        self._yields_asked = 0
+        self._wake, self._wake_sender = socket.socketpair()
+        self._wake.setblocking(False)
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
         super().__init__(host, port, app, handler)
 
@@ -189,18 +404,26 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         """Wait for a thread slot (called with a connection pending); True if a reserve one."""
         with self._slots_changed:
             grace_ends = time.monotonic() + RESERVE_GRACE_SECONDS
+            yielding = False  # an idle connection was asked to free its thread for this one
             while True:
                 if self._busy < self.max_threads:
                     self._busy += 1
                     return False
                 now = time.monotonic()
-                if self._reserve_busy < self.reserve_threads and (self._saturated or now >= grace_ends):
+                if self._idle and not self._yields_asked:
+                    # An idle kept-alive connection frees its thread for this one: worth the wait.
+                    self._yields_asked += 1
+                    self._wake_sender.send(b"y")
+                    grace_ends = max(grace_ends, now + RESERVE_GRACE_SECONDS)
+                    yielding = True
+                saturated = self._saturated and not yielding
+                if self._reserve_busy < self.reserve_threads and (saturated or now >= grace_ends):
                     self._reserve_busy += 1
                     self._saturated = True
                     return True
                 if self._stopping.is_set():
                     raise OSError("server is shutting down")  # socketserver skips this round
-                wait = SLOT_POLL_SECONDS if self._saturated or now >= grace_ends else grace_ends - now
+                wait = SLOT_POLL_SECONDS if saturated or now >= grace_ends else grace_ends - now
                 self._slots_changed.wait(min(wait, SLOT_POLL_SECONDS))
 
     def _release_slot(self, reserve: bool) -> None:
@@ -211,6 +434,45 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
                 self._busy -= 1
                 self._saturated = False
             self._slots_changed.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def wait_for_request(self, connection: socket.socket, idle_timeout: float) -> bool:
+        """Wait until `connection` has bytes to read (True), or until it should be closed (False):
+        idle for `idle_timeout`, its thread wanted by a waiting connection, or the server stopping."""
+        deadline = time.monotonic() + idle_timeout
+        poller = select.poll()
+        poller.register(connection, select.POLLIN)
+        poller.register(self._wake, select.POLLIN)
+        with self._slots_changed:
+            self._idle += 1
+            self._slots_changed.notify_all()  # a connection waiting for a thread may ask this one
+        try:
+            while not self._stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                ready = {fd for fd, _ in poller.poll(left * 1000)}
+                if connection.fileno() in ready:
+                    return True
+                if self._wake.fileno() in ready and self._claim_yield():
+                    return False
+            return False
+        finally:
+            with self._slots_changed:
+                self._idle -= 1
+
+    def _claim_yield(self) -> bool:
+        """Take one asked-for yield, if one is still unclaimed (another idle connection may have)."""
+        with self._slots_changed:
+            if not self._yields_asked:
+                return False
+            self._yields_asked -= 1
+            with contextlib.suppress(BlockingIOError):
+                self._wake.recv(1)
+            return True
 
     def on_reserve(self, connection: socket.socket) -> bool:
         """Whether this accepted connection runs on a reserve thread."""
@@ -242,14 +504,26 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
 
     def shutdown(self) -> None:
         self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_sender.send(b"s")  # idle connections close
         super().shutdown()
+
+    def server_close(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_sender.send(b"s")
+        super().server_close()
+        self._wake_sender.close()
+        self._wake.close()
 
 
 class HttpServer:
     """A threaded WSGI server around a Flask app, bound at construction (port 0 allowed).
 
-    At most `max_threads` requests are served at once (more connections wait to be
-    accepted); a connection that moves no byte for `read_timeout` seconds is closed.
+    At most `max_threads` connections are served at once (more wait to be accepted);
+    one that moves no byte for `read_timeout` seconds within a request is closed, and
+    one kept alive is closed after `idle_timeout` seconds without a request (sooner
+    when a new connection needs its thread).
     `reserve_threads` more answer the `reserve_requests` (method, path) while all of
     those are busy and refuse anything else with 503 `busy`, so a busy server never
     looks dead to a liveness probe.
@@ -268,15 +542,20 @@ class HttpServer:
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         reserve_threads: int = RESERVE_THREADS,
         reserve_requests: Collection[tuple[str, str]] = HEALTH_REQUESTS,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ) -> None:
-        if not max_threads >= 1 or not read_timeout > 0 or reserve_threads < 0:
-            raise ValueError("max_threads must be >= 1, read_timeout > 0 and reserve_threads >= 0")
+        if not max_threads >= 1 or not read_timeout > 0 or reserve_threads < 0 or not idle_timeout > 0:
+            raise ValueError(
+                "max_threads must be >= 1, read_timeout and idle_timeout > 0, reserve_threads >= 0"
+            )
         self.max_threads = max_threads
         self.read_timeout = read_timeout
         # Werkzeug logs every request at INFO; keep the hot path quiet.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         # A class per server: werkzeug sets attributes on the handler class it is given.
-        handler = type("RequestHandler", (_TimedRequestHandler,), {"timeout": read_timeout})
+        handler = type(
+            "RequestHandler", (_TimedRequestHandler,), {"timeout": read_timeout, "idle_timeout": idle_timeout}
+        )
         self._server = _BoundedThreadingServer(
             host, port, app, handler, max_threads, reserve_threads, reserve_requests
         )

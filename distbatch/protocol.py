@@ -3,3 +3,8 @@ so the worker's data path can use them without importing the client (and aiohttp
 
 CALL_ID_HEADER = "X-Distbatch-Call-Id"
 """The request header naming an engine call, so the client can abandon it on the worker."""
+
+# How long a worker keeps an idle HTTP/1.1 connection open for its next request, and how long
+# clients reuse one: less, so no request goes out on a connection the server is closing.
+SERVER_IDLE_SECONDS = 30.0
+CLIENT_KEEPALIVE_SECONDS = SERVER_IDLE_SECONDS / 2

@@ -13,6 +13,7 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from distbatch import wire
+from distbatch.http_server import SENDS_BUFFERS
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER
 from rpc_server.context import ApiError, state
@@ -273,16 +274,24 @@ def fetch_shards() -> Response:
         parts = wire.build_bundle(bundle)
     size = wire.parts_size(parts)
     _check_response_size(shards, size, limit)
-    response = Response(_stream(parts), mimetype=wire.CONTENT_TYPE, direct_passthrough=True)
+    response = Response(
+        _stream(parts, bool(request.environ.get(SENDS_BUFFERS))),
+        mimetype=wire.CONTENT_TYPE,
+        direct_passthrough=True,
+    )
     response.content_length = size
     return response
 
 
-def _stream(parts: list[wire.Buffer]) -> Iterator[bytes]:
-    """The response's parts as `bytes` (what WSGI servers accept), a slice at a time: the copy
-    is transient and bounded, never the whole response at once."""
+def _stream(parts: list[wire.Buffer], as_buffers: bool) -> Iterator[bytes | memoryview]:
+    """The response's parts: as they are (views of stored segments) for our server, which
+    sends any buffer without copying it; as `bytes` slices for other WSGI servers (PEP 3333
+    asks for bytes), a slice at a time, so the copy is transient and bounded."""
     for part in parts:
         view = memoryview(part).cast("B")
+        if as_buffers:
+            yield view
+            continue
         for start in range(0, view.nbytes, STREAM_SLICE_BYTES):
             yield bytes(view[start : start + STREAM_SLICE_BYTES])
 

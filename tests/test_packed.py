@@ -168,6 +168,35 @@ def test_packed_remote(
     assert "other" in batch and batch["other"] == [f"o{i}" for i in range(n)]
 
 
+@pytest.mark.parametrize("how", ["one_node", "two_nodes"])
+def test_packed_remote_builds_no_per_task_views(
+    how: str, group: WorkerGroup, client: ShardClient, pushed: list[DBM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`packed` on a REMOTE ragged batch never splits the gathered column into per-task tensors
+    (torch's split/unbind are watched); `batch[field]` splits it later, once, on demand."""
+    n = 300
+    local = DBM.from_dict({"f": [torch.arange(i % 7, dtype=torch.int32) for i in range(n)]})
+    values = per_task(local["f"])
+    batch = place(local, how, group.nodes, client, pushed)
+    calls: list[str] = []
+    for name in ("split", "unbind"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1]
+        )
+        original_fn = getattr(torch, name)
+        monkeypatch.setattr(
+            torch, name, lambda *a, _o=original_fn, _n=name, **k: (calls.append(_n), _o(*a, **k))[1]
+        )
+    assert_packed(batch.packed("f"), values)
+    assert_packed(batch.packed("f"), values)
+    assert calls == []
+    column = batch["f"]
+    assert calls and len(column) == n
+    for got, want in zip(column, values):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("how", ["two_nodes", "interleaved"])
 def test_packed_remote_in_a_shuffled_order(
     how: str, group: WorkerGroup, client: ShardClient, pushed: list[DBM]

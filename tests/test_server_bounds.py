@@ -57,9 +57,11 @@ def address(worker: WorkerProcess) -> tuple[str, int]:
 
 
 def request_head(method: str, path: str, content_type: str, length: int) -> bytes:
+    """A request head that asks the server to close the connection after answering (the tests
+    read a response until the connection closes)."""
     return (
         f"{method} {path} HTTP/1.1\r\nHost: worker\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {length}\r\n\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
     ).encode()
 
 
@@ -303,12 +305,13 @@ def test_odd_methods_keep_metrics_valid_and_bounded(start_worker: StartWorker) -
     worker = start_worker(env=NO_TOKEN)
     for i in range(30):
         with socket.create_connection(address(worker), timeout=10) as sock:
-            sock.sendall(f'GE"T\\{i} /health HTTP/1.1\r\nHost: worker\r\nContent-Length: 0\r\n\r\n'.encode())
+            line = f'GE"T\\{i} /health HTTP/1.1\r\n'
+            sock.sendall(f"{line}Host: worker\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
             assert read_until_closed(sock, timeout=10).startswith(b"HTTP/1.1 ")
     with ShardClient() as client:
         client.health(worker.node)
     with socket.create_connection(address(worker), timeout=10) as sock:
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: worker\r\n\r\n")
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n")
         text = read_until_closed(sock, timeout=10).split(b"\r\n\r\n", 1)[1].decode()
     samples = [line for line in text.splitlines() if line.startswith("distbatch_requests_total{")]
     for line in samples:
