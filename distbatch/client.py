@@ -42,6 +42,7 @@ from distbatch.errors import (
 )
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
 from distbatch.protocol import CALL_ID_HEADER, CLIENT_KEEPALIVE_SECONDS
+from distbatch.recv_pool import RecvPool, default_max_idle_bytes
 
 T = TypeVar("T")
 
@@ -239,6 +240,9 @@ class ShardClient:
         max_keys_per_request / max_bytes_per_request: how requests are split.
         retries: extra attempts after a connection error, timeout or 5xx.
         backoff / backoff_max: exponential backoff between attempts, in seconds.
+        recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.recv_pool`), so a
+            gather writes into memory that is already mapped in; default
+            `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
     """
 
     def __init__(
@@ -254,6 +258,7 @@ class ShardClient:
         retries: int = 3,
         backoff: float = 0.05,
         backoff_max: float = 2.0,
+        recv_pool_bytes: int | None = None,
     ) -> None:
         if min(max_connections, max_connections_per_node, max_keys_per_request, max_bytes_per_request) < 1:
             raise ValueError("connection and request limits must be >= 1")
@@ -269,6 +274,7 @@ class ShardClient:
         self.retries = retries
         self.backoff = backoff
         self.backoff_max = backoff_max
+        self._recv_pool = RecvPool(default_max_idle_bytes() if recv_pool_bytes is None else recv_pool_bytes)
         self._runtime_lock = threading.Lock()
         self._runtime: _Runtime | None = None
         self._traffic = Traffic()
@@ -464,12 +470,12 @@ class ShardClient:
 
     async def _fetch_into_buffer(
         self, node: str, method: str, path: str, headers: Mapping[str, str], body: bytes
-    ) -> tuple[int, bytearray]:
+    ) -> tuple[int, Any]:
         host, _, port = node.rpartition(":")
         host = host[1:-1] if host.startswith("[") else host
         connect = asyncio.timeout(self.connect_timeout)
         status, _, payload = await http_recv.request_into_buffer(
-            host, int(port), method, path, headers, body, MAX_RESPONSE_BYTES, connect
+            host, int(port), method, path, headers, body, MAX_RESPONSE_BYTES, connect, self._recv_pool.take
         )
         return status, payload
 

@@ -6,14 +6,15 @@ loopback speeds the second one and the per-chunk Python work were a third of a g
 time. Here an `asyncio.BufferedProtocol` offers the socket a view of the preallocated
 body buffer (`recv_into`), as the raw-socket baseline does: one copy. Only what the
 client's data fetches need: a request with a body, a response with a Content-Length,
-one request per connection (the worker closes after each). Anything else raises
+one request per connection. Anything else raises
 `ResponseError`, which the caller treats as a broken connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 MAX_HEAD_BYTES = 64 << 10
 
@@ -25,13 +26,14 @@ class ResponseError(ConnectionError):
 class _BodyProtocol(asyncio.BufferedProtocol):
     """Reads a response head into a scratch buffer, then the body into one buffer of its size."""
 
-    def __init__(self, max_body: int) -> None:
+    def __init__(self, max_body: int, allocate: Callable[[int], Any]) -> None:
         self.max_body = max_body
+        self.allocate = allocate
         self.head = bytearray(MAX_HEAD_BYTES)
         self.head_len = 0
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.body: bytearray | None = None
+        self.body: Any = None
         self.view: memoryview | None = None
         self.received = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -66,7 +68,7 @@ class _BodyProtocol(asyncio.BufferedProtocol):
             return
         extra = self.head_len - (end + 4)
         length = int(self.headers["content-length"])
-        self.body = bytearray(length)
+        self.body = self.allocate(length)
         self.view = memoryview(self.body)
         if extra > length:
             self._fail(ResponseError("response longer than its Content-Length"))
@@ -123,8 +125,11 @@ async def request_into_buffer(
     body: bytes,
     max_body: int,
     connect_timeout: asyncio.Timeout | None = None,
-) -> tuple[int, dict[str, str], bytearray]:
+    allocate: Callable[[int], Any] = bytearray,
+) -> tuple[int, dict[str, str], Any]:
     """Send one request and read its response: (status, lower-case headers, body).
+
+    The body lands in `allocate(length)`, a writable buffer (a `bytearray` by default).
 
     Connection errors surface as `OSError` / `ConnectionError` (`ResponseError` for a
     broken or unexpected response); the caller bounds the whole with `asyncio.timeout`,
@@ -137,7 +142,9 @@ async def request_into_buffer(
     if connect_timeout is None:
         connect_timeout = asyncio.timeout(None)
     async with connect_timeout:
-        transport, protocol = await loop.create_connection(lambda: _BodyProtocol(max_body), host, port)
+        transport, protocol = await loop.create_connection(
+            lambda: _BodyProtocol(max_body, allocate), host, port
+        )
     try:
         lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]

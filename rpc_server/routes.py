@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import traceback
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -70,42 +68,32 @@ def _read_body(limit: int, what: str = "request body") -> bytearray:
     return bytearray().join(chunks)  # also the empty body
 
 
-def _receive_body(limit: int, what: str = "request body") -> mmap.mmap | bytearray:
+def _receive_body(limit: int, what: str = "request body") -> Any:
     """The request body, or 413 if it is over `limit` bytes; the caller owns the buffer.
 
-    With a Content-Length the body is read straight into an anonymous private mapping
-    of that size: an honest body costs one copy of itself (the socket read), one that
-    declares a big length and stalls costs only the pages that arrived (the kernel
-    commits them as they are written). The store keeps a put's columns as views of this
-    very buffer, so it is freed (unmapped) when the last of them goes. Without a
-    Content-Length (chunked), or if the mapping is refused (strict overcommit), it is
-    read as `_read_body` does.
+    With a Content-Length the body is read straight into a buffer of that size from the
+    worker's body pool (`ServerState.body_pool`): a big one is an anonymous private mapping,
+    recycled from a recent put when one of that size is idle (its pages already mapped in,
+    so no page faults), else fresh, where a body that declares a big length and stalls costs
+    only the pages that arrived. An honest body costs one copy of itself (the socket read).
+    The store keeps a put's columns as views of this very buffer, so it goes back to the
+    pool when the last of them goes. Without a Content-Length (chunked), or if the mapping
+    is refused (strict overcommit), it is read as `_read_body` does.
     """
     length = request.content_length
     if length is not None and length > limit:
         raise ApiError(413, "payload_too_large", f"{what} over {limit} bytes")
     try:
-        mapped = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE) if length else None
+        body = state().body_pool.take(length) if length else None
     except OSError:
-        mapped = None
-    if mapped is None:
+        body = None
+    if body is None:
         return _read_body(limit, what)
-    try:
-        with memoryview(mapped) as view:
-            received = _fill(view, what, 0, length)
-        if received < length:  # type: ignore[operator]
-            raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
-    except BaseException:
-        _release(mapped)
-        raise
-    return mapped
-
-
-def _release(body: Any) -> None:
-    """Unmap a refused body now rather than whenever the last reference goes."""
-    if isinstance(body, mmap.mmap):
-        with contextlib.suppress(BufferError):
-            body.close()
+    with memoryview(body) as view:
+        received = _fill(view, what, 0, length)
+    if received < length:  # type: ignore[operator]
+        raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
+    return body
 
 
 def _fill(view: memoryview, what: str, received: int, length: int | None) -> int:

@@ -292,3 +292,15 @@ def test_other_wsgi_servers_get_bytes_with_the_same_content() -> None:
     assert chunks and all(isinstance(chunk, bytes) for chunk in chunks)
     shards = wire.decode_bundle(bytearray(b"".join(chunks)))
     assert torch.equal(shards[("t", "x")], value)
+
+
+def test_a_request_without_content_length_keeps_its_connection(start_server: StartServer) -> None:
+    """A GET with neither Content-Length nor Transfer-Encoding has an empty body (what aiohttp
+    sends for GETs): its connection stays open for the next request."""
+    server = start_server()
+    with connect(server) as sock:
+        reader = Reader(sock)
+        for _ in range(3):
+            sock.sendall(b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n")
+            status, headers, body = reader.response()
+            assert (status, body) == (200, b"pong") and headers.get("connection") != "close"
