@@ -33,9 +33,12 @@ SERVERS = ("distbatch", "werkzeug", "waitress")
 
 def serve(kind: str) -> None:
     """Child process: serve a worker app on 127.0.0.1 (port 0), print the port, run until stdin closes."""
+    import logging
     import threading
 
     from rpc_server.app import create_app
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
 
     app = create_app()
     if kind == "distbatch":

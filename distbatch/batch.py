@@ -202,11 +202,12 @@ class _Gathered:
             return list(self.json)
         if self.shapes.shape is not None:
             return self.flat().view(self.shapes.n, *self.shapes.shape)
-        return [
-            view
-            for piece, shapes in zip(self.pieces, self.piece_shapes)
-            for view in wire.split_rows(piece, shapes)
-        ]
+        with wire.paused_gc():  # one tensor per task: no collection passes over them mid-build
+            return [
+                view
+                for piece, shapes in zip(self.pieces, self.piece_shapes)
+                for view in wire.split_rows(piece, shapes)
+            ]
 
     def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.json is not None:

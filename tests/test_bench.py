@@ -149,3 +149,16 @@ def test_rss_cycles_give_the_memory_back() -> None:
     assert result["held_bytes_after"] == 0
     assert len(result["after_put_mib"]) == len(result["after_clear_mib"]) == 3
     assert result["settled_mib"] < result["after_put_mib"][-1] - 32  # the 64 MiB went back
+
+
+def test_server_comparison_runs_each_server_on_the_real_app() -> None:
+    """`python -m bench.servers` in small: every server it knows answers small requests and
+    moves a column both ways byte-identical (it checks), and the table names each."""
+    from bench import servers
+
+    kinds = [k for k in servers.SERVERS if servers.available(k)]
+    results = servers.run(kinds, mib=2, repeats=1, small=20)
+    assert set(results) == set(kinds) and {"distbatch", "werkzeug"} <= set(results)
+    for result in results.values():
+        assert result["small_per_s"] > 0 and result["put_gbps"] > 0 and result["fetch_gbps"] > 0
+    assert all(kind in servers.table(results) for kind in kinds)
