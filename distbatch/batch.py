@@ -853,8 +853,13 @@ class DistributedBatchMemory:
             meta = BatchMeta.concat([m.select_fields(names) for m in metas])  # type: ignore[union-attr]
             cache = {}
             for name in names:
-                if all(name in b._cache for b in parts):
-                    cache[name] = _concat_columns(name, [b._cached_column(name) for b in parts])
+                columns = []
+                for b in parts:
+                    with b._lock:
+                        if name in b._cache:
+                            columns.append(b._cached_column(name))
+                if len(columns) == len(parts):
+                    cache[name] = _concat_columns(name, columns)
             return DistributedBatchMemory._make_remote(meta, parts[0]._client, cache)
         data = {name: _concat_columns(name, [b._data[name] for b in parts]) for name in names}  # type: ignore[index]
         return DistributedBatchMemory._make_local(task_ids, data)

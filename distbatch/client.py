@@ -292,7 +292,9 @@ class ShardClient:
             return runtime
 
     def close(self) -> None:
-        """Close the session and stop the loop thread; the client restarts them if used again."""
+        """Close the session and stop the loop thread; the client restarts them if used again.
+        Idle receive buffers are unmapped (tensors still using one keep it)."""
+        self._recv_pool.clear()
         with self._runtime_lock:
             if self._finalizer is not None:
                 self._finalizer()

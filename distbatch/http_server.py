@@ -131,6 +131,7 @@ class _CountingReader(io.RawIOBase):
     def __init__(self, stream: Any, length: int) -> None:
         self._stream = stream
         self.left = length
+        self.broken = False  # a read failed (timed out, reset): the connection is done
 
     def readable(self) -> bool:
         return True
@@ -140,15 +141,39 @@ class _CountingReader(io.RawIOBase):
             if not self.left:
                 return 0
             with flat[: self.left] as target:
-                n = self._stream.readinto(target) or 0
+                try:
+                    n = self._stream.readinto(target) or 0
+                except BaseException:
+                    self.broken = True
+                    raise
         self.left -= n
         return n
 
     def read(self, size: int = -1) -> bytes:
         size = self.left if size is None or size < 0 else min(size, self.left)
-        data = self._stream.read(size) if size else b""
+        try:
+            data = self._stream.read(size) if size else b""
+        except BaseException:
+            self.broken = True
+            raise
         self.left -= len(data)
         return data
+
+
+def _framed_length(headers: Any) -> int | None:
+    """The body length of a request framed by exactly one plain Content-Length (none: 0), else None.
+
+    A Transfer-Encoding, a repeated Content-Length or one that is not ASCII digits leaves the
+    framing ambiguous (two readers could disagree on where the body ends)."""
+    if headers.get("Transfer-Encoding") is not None:
+        return None
+    values = headers.get_all("Content-Length") or []
+    if not values:
+        return 0  # RFC 9112, 6.3: no length and not chunked is an empty body
+    text = values[0].strip()
+    if len(values) > 1 or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 class _TimedRequestHandler(WSGIRequestHandler):
@@ -180,7 +205,7 @@ class _TimedRequestHandler(WSGIRequestHandler):
             self.handle_one_request()
             while not self.close_connection and self._next_request_arrives():
                 self.handle_one_request()
-        except (ConnectionError, TimeoutError) as exc:
+        except OSError as exc:  # reset, timed out, or a socket a timeout left unreadable
             self.connection_dropped(exc)
 
     def _next_request_arrives(self) -> bool:
@@ -188,6 +213,8 @@ class _TimedRequestHandler(WSGIRequestHandler):
         server = self.server
         if not isinstance(server, _BoundedThreadingServer):
             return True
+        if server.stopping:
+            return False
         # Bytes the client sent ahead (pipelined) may already sit in the read buffer, where
         # the socket's readiness does not show them: peek without blocking first.
         self.connection.settimeout(0)
@@ -203,18 +230,17 @@ class _TimedRequestHandler(WSGIRequestHandler):
             if (self.command, _path_of(self.path)) not in getattr(self.server, "reserve_requests", ()):
                 self._refuse_busy()
                 return
-        if self.headers.get("Expect", "").lower().strip(" \t") == "100-continue":
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # `parse_request` (http.server) already answered `Expect: 100-continue`.
         self.environ = environ = self.make_environ()
         environ[SENDS_BUFFERS] = True
-        # No Content-Length and not chunked: an empty body (RFC 9112, 6.3).
-        declared = self.headers.get("Content-Length", "0").strip()
         body: _CountingReader | None = None
-        if environ["wsgi.input"] is self.rfile and declared.isdigit():
-            body = environ["wsgi.input"] = _CountingReader(self.rfile, int(declared))
+        length = _framed_length(self.headers)
+        if environ["wsgi.input"] is self.rfile and length is not None:
+            body = environ["wsgi.input"] = _CountingReader(self.rfile, length)
         else:
-            # Chunked, or a length that does not parse: where the body ends is the app's
-            # business, so nothing more is read from this connection.
+            # Chunked, or framing that is not one plain Content-Length: where the body ends
+            # is the app's business, so nothing more is read from this connection (no
+            # request can be smuggled behind this one).
             self.close_connection = True
         response = _Response(self, environ, body)
         try:
@@ -225,19 +251,19 @@ class _TimedRequestHandler(WSGIRequestHandler):
             return
         except Exception as exc:  # the app failed outside Flask's own error handling
             self.close_connection = True
-            if response.head_sent:
-                return  # a response is half sent: closing the connection is all that is left
-            with contextlib.suppress(Exception):
-                _Response(self, environ, body).run(InternalServerError())
             self.server.log("error", f"Error on request {self.command} {self.path}: {exc!r}")
+            if not response.head_sent:  # else half sent: closing the connection is all that is left
+                with contextlib.suppress(Exception):
+                    _Response(self, environ, body).run(InternalServerError())
             return
         left = 0 if body is None else body.left
-        if left and response.body_stalled:
+        if left and (response.body_stalled or body.broken):  # type: ignore[union-attr]
+            self.close_connection = True
             return  # nothing to linger for: the client stopped sending
         if left and self.close_connection:
             self._linger()
-        elif left:
-            _discard(body, left)
+        elif left and not _discard(body):  # type: ignore[arg-type]
+            self.close_connection = True
 
     def _refuse_busy(self) -> None:
         """Answer 503 `busy` without running anything, then drain what the client still sends."""
@@ -276,11 +302,15 @@ class _TimedRequestHandler(WSGIRequestHandler):
                 dropped += n
 
 
-def _discard(body: _CountingReader, left: int) -> None:
-    """Read and drop the `left` body bytes an answered request did not read."""
-    scratch = bytearray(min(left, 1 << 20))
-    while body.left and body.readinto(scratch):
-        pass
+def _discard(body: _CountingReader) -> bool:
+    """Read and drop the body bytes an answered request did not read, within
+    `LINGER_MAX_SECONDS`; whether they all came (else the connection must close)."""
+    deadline = time.monotonic() + LINGER_MAX_SECONDS
+    scratch = bytearray(min(body.left, 1 << 20))
+    with contextlib.suppress(OSError):
+        while body.left and time.monotonic() < deadline and body.readinto(scratch):
+            pass
+    return not body.left and not body.broken
 
 
 class _Response:
@@ -369,8 +399,11 @@ class _Response:
         lines += [f"{name}: {value}" for name, value in self.headers if name.lower() != "connection"]
         bodiless = self.environ["REQUEST_METHOD"] == "HEAD" or 100 <= code < 200 or code in (204, 304)
         if "content-length" not in names and not bodiless:
-            self.chunked = True
-            lines.append("Transfer-Encoding: chunked")
+            if handler.request_version == "HTTP/1.0":
+                handler.close_connection = True  # HTTP/1.0 has no chunks: the close ends the body
+            else:
+                self.chunked = True
+                lines.append("Transfer-Encoding: chunked")
         if handler.close_connection:
             lines.append("Connection: close")
         elif handler.request_version == "HTTP/1.0":
@@ -419,7 +452,12 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self._wake, self._wake_sender = socket.socketpair()
         self._wake.setblocking(False)
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
-        super().__init__(host, port, app, handler)
+        try:
+            super().__init__(host, port, app, handler)
+        except BaseException:  # the bind failed: nothing will close the pair later
+            self._wake.close()
+            self._wake_sender.close()
+            raise
 
     def _take_slot(self) -> bool:
         """Wait for a thread slot (called with a connection pending); True if a reserve one."""
@@ -429,6 +467,7 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
             while True:
                 if self._busy < self.max_threads:
                     self._busy += 1
+                    self._withdraw_yield(yielding)
                     return False
                 now = time.monotonic()
                 if self._idle and not self._yields_asked:
@@ -441,11 +480,20 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
                 if self._reserve_busy < self.reserve_threads and (saturated or now >= grace_ends):
                     self._reserve_busy += 1
                     self._saturated = True
+                    self._withdraw_yield(yielding)
                     return True
                 if self._stopping.is_set():
                     raise OSError("server is shutting down")  # socketserver skips this round
                 wait = SLOT_POLL_SECONDS if saturated or now >= grace_ends else grace_ends - now
                 self._slots_changed.wait(min(wait, SLOT_POLL_SECONDS))
+
+    def _withdraw_yield(self, asked: bool) -> None:
+        """A slot came without the yield this round asked for: take the request back, so no
+        connection that goes idle later is closed for nothing (caller holds the lock)."""
+        if asked and self._yields_asked:
+            self._yields_asked -= 1
+            with contextlib.suppress(OSError):
+                self._wake.recv(1)
 
     def _release_slot(self, reserve: bool) -> None:
         with self._slots_changed:
@@ -491,7 +539,7 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
             if not self._yields_asked:
                 return False
             self._yields_asked -= 1
-            with contextlib.suppress(BlockingIOError):
+            with contextlib.suppress(OSError):  # BlockingIOError, or closed at shutdown
                 self._wake.recv(1)
             return True
 

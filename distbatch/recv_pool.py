@@ -78,15 +78,19 @@ class RecvPool:
             region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
         else:
             self.reused += 1
+            if len(region) > size:  # the tail past this body: give its pages back, nothing uses them
+                with contextlib.suppress(OSError):
+                    region.madvise(mmap.MADV_DONTNEED, size, len(region) - size)
         buffer = np.frombuffer(region, dtype=np.uint8, count=nbytes)
-        weakref.finalize(buffer, self._give_back, region)
+        # Not at interpreter exit: live buffers must never be handed out again then.
+        weakref.finalize(buffer, self._give_back, region).atexit = False
         return buffer
 
     def _take_idle(self, size: int) -> mmap.mmap | None:
         """The smallest idle mapping of at least `size` bytes and under twice that."""
         with self._lock:
             best = None
-            for entry in self._idle:
+            for entry in list(self._idle):  # a collection inside this loop may give one back
                 length = len(entry[1])
                 if size <= length < 2 * size and (best is None or length < len(best[1])):
                     best = entry

@@ -304,3 +304,48 @@ def test_a_request_without_content_length_keeps_its_connection(start_server: Sta
             sock.sendall(b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n")
             status, headers, body = reader.response()
             assert (status, body) == (200, b"pong") and headers.get("connection") != "close"
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [["5", "5"], ["5", "6"], ["\u00b2"], ["+5"]],
+    ids=["repeated", "conflicting", "superscript-digit", "signed"],
+)
+def test_ambiguous_framing_closes_the_connection(start_server: StartServer, lengths: list[str]) -> None:
+    """A Content-Length that is repeated or not plain ASCII digits gets an answer, then the
+    connection closes: nothing after it is read as a next request (no smuggling)."""
+    server = start_server()
+    with connect(server) as sock:
+        head = "POST /echo HTTP/1.1\r\nHost: test\r\n" + "".join(f"Content-Length: {v}\r\n" for v in lengths)
+        smuggled = b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n"
+        sock.sendall(head.encode() + b"\r\nhello" + smuggled)
+        reader = Reader(sock)
+        status, headers, _ = reader.response()
+        assert headers.get("connection") == "close", (status, headers)
+        assert reader.closed(timeout=5)
+        assert b"pong" not in reader.buffer
+
+
+def test_http10_gets_an_unchunked_answer_ended_by_the_close(start_server: StartServer) -> None:
+    server = start_server()
+    with connect(server) as sock:
+        sock.sendall(b"GET /views HTTP/1.0\r\nHost: test\r\n\r\n")
+        sock.settimeout(10)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"chunked" not in head.lower() and body == b"ab" * 1000 + b"cd" * 1000
+
+
+def test_expect_100_continue_is_answered_once(start_server: StartServer) -> None:
+    server = start_server()
+    with connect(server) as sock:
+        head = b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+        sock.sendall(head)
+        reader = Reader(sock)
+        assert reader._take_line() == b"HTTP/1.1 100 Continue"
+        assert reader._take_line() == b""
+        sock.sendall(b"hello")
+        status, _, body = reader.response()
+        assert (status, body) == (200, b"hello")
