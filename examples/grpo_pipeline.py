@@ -90,24 +90,37 @@ class TrainEngine:
         self.tasks = 0
 
     def train_step(self, batch: DistributedBatchMemory, lr: float = 1e-3) -> dict[str, Any]:
-        data = batch.to_local()  # gathers every field straight from the workers that hold it
-        losses = []
+        if len(batch) == 0:
+            return {"loss": torch.zeros(0)}
+        # Each field is gathered straight from the workers that hold it, as one packed column
+        # (values + cu_seqlens, no per-task tensors), and the loss is computed over all tokens
+        # at once: a per-task Python loop would cost more than moving the data.
+        ids, cu_seqlens = batch.packed("input_ids")
+        old_logprobs, _ = batch.packed("logprobs")
+        mask, _ = batch.packed("loss_mask")
+        advantages = batch["advantages"]  # one per task
+        n = len(batch)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        task = torch.repeat_interleave(torch.arange(n), lengths)  # each token's task
+
+        def per_task_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(n, dtype=values.dtype).index_add(0, task, values)
+
         self.temperature.grad = None
-        for ids, old_logprobs, mask, advantage in zip(
-            data["input_ids"], data["logprobs"], data["loss_mask"], data["advantages"]
-        ):
-            new_logprobs = old_logprobs / self.temperature + 1e-6 * ids.float().mean()
-            ratio = torch.exp(new_logprobs - old_logprobs)
-            loss = -(advantage * ratio * mask).sum() / mask.sum().clamp(min=1)
-            loss.backward()
-            losses.append(loss.detach())
+        mean_ids = per_task_sum(ids.float()) / lengths.clamp(min=1)
+        new_logprobs = old_logprobs / self.temperature + 1e-6 * mean_ids[task]
+        ratio = torch.exp(new_logprobs - old_logprobs)
+        tokens = per_task_sum(mask.float()).clamp(min=1)
+        losses = -per_task_sum(advantages[task] * ratio * mask) / tokens
+        losses.sum().backward()
+        losses = losses.detach()
         with torch.no_grad():
             if self.temperature.grad is not None:
-                self.temperature -= lr * self.temperature.grad / max(len(losses), 1)
-        self.loss_sum += float(sum(losses))
-        self.tasks += len(losses)
+                self.temperature -= lr * self.temperature.grad / n
+        self.loss_sum += float(losses.sum())
+        self.tasks += n
         # Per-task results stay on this worker; the controller gets their metadata.
-        return {"loss": torch.stack(losses) if losses else torch.zeros(0)}
+        return {"loss": losses}
 
     def metrics(self) -> dict[str, float]:
         """Plain JSON back to the controller: the mean loss since the last call."""
