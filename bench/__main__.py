@@ -16,12 +16,14 @@ Run it from the repository root (`scripts/bench` does): `bench` is not an instal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,30 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import baselines, scaling, transferqueue
+from bench import baselines, same_host, scaling, transferqueue
 from bench.measure import check_columns, stats, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory, ShardClient
 from distbatch.launch import spawn_workers
+from distbatch.shm import ENV_SWITCH
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING = "scaling"
+
+
+@contextlib.contextmanager
+def http_only() -> Iterator[None]:
+    """Clients made and used inside take HTTP even to workers on this host (`DISTBATCH_SHM=0`):
+    the transport figures (put, gather, vs raw TCP, TransferQueue) are the HTTP path's."""
+    old = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = old
 
 
 def bench_distbatch(
@@ -147,7 +165,8 @@ def bench_peers(
         "dense_payload_bytes": payload_bytes(columns),
     }
     bar.set_postfix_str(f"{name} dense")
-    out["distbatch_dense"] = bench_distbatch(name, columns, workers, repeats, bar)
+    with http_only():
+        out["distbatch_dense"] = bench_distbatch(name, columns, workers, repeats, bar)
     del columns
     bar.set_postfix_str(f"{name} TransferQueue")
     skip = transferqueue.available() if use_tq else "--no-tq"
@@ -372,7 +391,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     use_ray = not args.no_ray and baselines.ray_available()
     args.out.mkdir(parents=True, exist_ok=True)
     r = args.repeats
-    steps = {n: 2 * r + (r + 1) + use_ray + 1 + (2 * r + 1 if n in args.peer_names else 0) for n in names}
+    steps = {
+        n: 2 * r + (r + 1) + use_ray + 1 + (2 * r + 1 + 4 * r if n in args.peer_names else 0) for n in names
+    }
     with tqdm(total=sum(steps.values()), desc="bench", unit="step", disable=not names) as bar:
         for name in names:
             bar.set_postfix_str(name)
@@ -380,7 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             columns = make_columns(WORKLOADS[name], args.seed)
             nbytes = payload_bytes(columns)
             result: dict[str, Any] = {"tasks": WORKLOADS[name].tasks, "payload_bytes": nbytes}
-            result["distbatch"] = bench_distbatch(name, columns, args.workers, args.repeats, bar)
+            with http_only():
+                result["distbatch"] = bench_distbatch(name, columns, args.workers, args.repeats, bar)
             del columns
             result["baselines"] = bench_baselines(name, args.seed, nbytes, args.repeats, bar)
             if peer:
@@ -404,6 +426,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         ray_times["dense"], result["peers"]["dense_payload_bytes"]
                     )
                 bar.update()
+            if peer:
+                bar.set_postfix_str(f"{name} same host")
+                result["same_host"] = same_host.run(name, args.seed, args.workers, args.repeats, use_ray, bar)
             if not args.no_pipeline:
                 bar.set_postfix_str(f"{name} main job")
                 result["pipeline"] = bench_pipeline(name, args.pipeline_steps)
@@ -411,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["ratios"] = ratios(result)
             results["workloads"][name] = result
     if SCALING in args.names:
-        results[SCALING] = scaling.run_scaling(args.scaling_sizes, args.workers, args.repeats, args.seed)
+        with http_only():
+            results[SCALING] = scaling.run_scaling(args.scaling_sizes, args.workers, args.repeats, args.seed)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     pngs = [plot(results, args.out / "bench.png")]
     if SCALING in results:
@@ -451,10 +477,15 @@ def summary(results: dict[str, Any]) -> str:
                 f"({q['centralised_over_distributed_step']:.2f}x)"
             )
     if results["workloads"]:
-        lines.append("(GB/s, medians; ratios are distbatch gather-all over the baseline, same run)")
+        lines.append(
+            "(GB/s, medians; ratios are distbatch gather-all over the baseline, same run; distbatch"
+            " over HTTP here, DISTBATCH_SHM=0; the main job runs as users do, same-host path on)"
+        )
     for name, r in results["workloads"].items():
         if r.get("peers"):
             lines.append(peer_summary(name, r))
+        if r.get("same_host"):
+            lines.append(same_host.table(name, r["same_host"]))
     if SCALING in results:
         lines.append(scaling.table(results[SCALING]))
     return "\n".join(lines)

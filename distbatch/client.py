@@ -43,6 +43,8 @@ from distbatch.errors import (
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
 from distbatch.protocol import CALL_ID_HEADER, CLIENT_KEEPALIVE_SECONDS
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
+from distbatch.shm import ShmError
+from distbatch.shm_client import AnswerError, Fallback, SameHostChannel, SameHostPaths
 
 T = TypeVar("T")
 
@@ -155,11 +157,15 @@ class _LoopThread:
 
 @dataclass
 class Traffic:
-    """HTTP body bytes and requests this client moved (its view of the network)."""
+    """HTTP body bytes and requests this client moved (its view of the network), and the
+    requests and bytes that took the same-host path instead (shared memory, no socket copy)."""
 
     requests: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    same_host_requests: int = 0
+    same_host_sent: int = 0
+    same_host_received: int = 0
 
     @property
     def total(self) -> int:
@@ -170,7 +176,14 @@ class Traffic:
             self.requests - other.requests,
             self.bytes_sent - other.bytes_sent,
             self.bytes_received - other.bytes_received,
+            self.same_host_requests - other.same_host_requests,
+            self.same_host_sent - other.same_host_sent,
+            self.same_host_received - other.same_host_received,
         )
+
+    @property
+    def same_host_bytes(self) -> int:
+        return self.same_host_sent + self.same_host_received
 
 
 class _Runtime:
@@ -193,6 +206,8 @@ class _Runtime:
         # request needs, never queued behind them.
         self.probe_session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
+        # One same-host handshake per node at a time (`ShardClient._same_host_channel`).
+        self.handshakes: dict[str, asyncio.Lock] = {}
         # Best-effort cleanup (abandon notices) that outlives the call that started it.
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -243,6 +258,9 @@ class ShardClient:
         recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.recv_pool`), so a
             gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
+
+    Workers on this host are reached through shared memory instead of HTTP when they allow it
+    (`distbatch.shm_client`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.
     """
 
     def __init__(
@@ -275,6 +293,8 @@ class ShardClient:
         self.backoff = backoff
         self.backoff_max = backoff_max
         self._recv_pool = RecvPool(default_max_idle_bytes() if recv_pool_bytes is None else recv_pool_bytes)
+        self._same_host_paths: SameHostPaths | None = None
+        self._same_host_pid = 0
         self._runtime_lock = threading.Lock()
         self._runtime: _Runtime | None = None
         self._traffic = Traffic()
@@ -296,6 +316,10 @@ class ShardClient:
         Idle receive buffers are unmapped (tensors still using one keep it)."""
         self._recv_pool.clear()
         with self._runtime_lock:
+            paths, self._same_host_paths = self._same_host_paths, None
+        if paths is not None and self._same_host_pid == os.getpid():
+            paths.close()
+        with self._runtime_lock:
             if self._finalizer is not None:
                 self._finalizer()
             self._runtime = None
@@ -307,10 +331,27 @@ class ShardClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def _same_host(self) -> SameHostPaths:
+        """This process's same-host channels: a forked child starts its own (the parent's Unix
+        connections, and locks it may have held, are not the child's to use)."""
+        with self._runtime_lock:
+            if self._same_host_paths is None or self._same_host_pid != os.getpid():
+                self._same_host_paths = SameHostPaths(self.token, self.timeout, self._recv_pool.take)
+                self._same_host_pid = os.getpid()
+            return self._same_host_paths
+
     def traffic(self) -> Traffic:
         """A snapshot of the bytes and requests this client has moved so far."""
         t = self._traffic
-        return Traffic(t.requests, t.bytes_sent, t.bytes_received)
+        return Traffic(
+            t.requests,
+            t.bytes_sent,
+            t.bytes_received,
+            t.same_host_requests,
+            t.same_host_sent,
+            t.same_host_received,
+        )
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._get_runtime().loop_thread.submit(coro)
@@ -688,8 +729,9 @@ class ShardClient:
 
     # ------------------------------------------------------------------ put
 
-    def _split_bundle(self, bundle: wire.Bundle) -> list[wire.Bundle]:
-        """Cut a bundle into bundles of consecutive tasks, each under the request bounds."""
+    def _split_bundle(self, bundle: wire.Bundle, by_bytes: bool = True) -> list[wire.Bundle]:
+        """Cut a bundle into bundles of consecutive tasks, each under the request bounds (the
+        task bound only, with `by_bytes` False: a same-host put has no body to bound)."""
         n = len(bundle.task_ids)
         if n <= 1:
             return [bundle]
@@ -699,7 +741,8 @@ class ShardClient:
                 per_task += column.row_nbytes()
             else:
                 np.add.at(per_task, column.rows, column.row_nbytes())
-        cuts = _cut_points(per_task, self.max_bytes_per_request, self.max_keys_per_request)
+        max_bytes = self.max_bytes_per_request if by_bytes else int(per_task.sum()) + 1
+        cuts = _cut_points(per_task, max_bytes, self.max_keys_per_request)
         if len(cuts) == 2:
             return [bundle]
         return [_slice_bundle(bundle, a, b) for a, b in zip(cuts, cuts[1:])]
@@ -729,17 +772,56 @@ class ShardClient:
         reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
         return PutResult(reply["stored"], reply["bytes"])
 
-    def _split_shards(self, shards: Mapping[Any, Any]) -> list[wire.Bundle]:
-        return self._split_bundle(wire.bundle_from_shards(shards))
+    async def _put(self, node: str, bundle: wire.Bundle) -> PutResult:
+        """Store a bundle on `node`: through shared memory when it is on this host, else HTTP."""
+        channel = await self._same_host_channel(node)
+        if channel is not None:
+            try:
+                return await self._put_same_host(node, channel, bundle)
+            except Fallback as exc:
+                self._same_host.fell_back(node, str(exc))
+            except (OSError, EOFError, ShmError) as exc:
+                self._same_host_failed(node, exc)
+        return await self._put_bundles(node, self._split_bundle(bundle))
+
+    def _same_host_failed(self, node: str, exc: BaseException) -> None:
+        """A same-host request broke: forget the channel (HTTP carries this request), unless the
+        worker simply did not answer within the client's timeout, which HTTP would not mend."""
+        self._same_host.forget(node, f"the same-host connection failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, TimeoutError):
+            raise WorkerUnavailableError(node, f"no same-host answer within {self.timeout:g} s") from None
+
+    async def _put_same_host(self, node: str, channel: SameHostChannel, bundle: wire.Bundle) -> PutResult:
+        """A put handed over as sealed memfds: one request unless the task bound splits it
+        (then staged parts, committed over HTTP, as `_put_bundles` does)."""
+        bundles = self._split_bundle(bundle, by_bytes=False)
+        stage = uuid.uuid4().hex if len(bundles) > 1 else None
+        try:
+            answers = []
+            for i, part in enumerate(bundles):
+                parts = wire.build_bundle(part)
+                answers.append(
+                    await self._same_host_call(node, self._same_host.put, channel, parts, stage, f"p{i}")
+                )
+                self._traffic.same_host_sent += wire.parts_size(parts)
+        except BaseException:
+            if stage is not None:
+                with contextlib.suppress(NodeError):
+                    await self._request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
+            raise
+        if stage is None:
+            return PutResult(answers[0]["stored"], answers[0]["bytes"])
+        reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
+        return PutResult(reply["stored"], reply["bytes"])
 
     def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""
         node = validate_node(node)
-        return self._run(self._put_bundles(node, self._split_shards(shards)))
+        return self._run(self._put(node, wire.bundle_from_shards(shards)))
 
     async def aput(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         node = validate_node(node)
-        return await self._on_loop(self._put_bundles(node, self._split_shards(shards)))
+        return await self._on_loop(self._put(node, wire.bundle_from_shards(shards)))
 
     def put_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
         """Store a bundle (task ids plus one column per field) on `node`; all or nothing.
@@ -748,11 +830,54 @@ class ShardClient:
         several requests of consecutive tasks, staged and committed at once.
         """
         node = validate_node(node)
-        return self._run(self._put_bundles(node, self._split_bundle(bundle)))
+        return self._run(self._put(node, bundle))
 
     async def aput_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
         node = validate_node(node)
-        return await self._on_loop(self._put_bundles(node, self._split_bundle(bundle)))
+        return await self._on_loop(self._put(node, bundle))
+
+    # ------------------------------------------------------------------ same host
+
+    async def _same_host_channel(self, node: str) -> SameHostChannel | None:
+        """The shared-memory channel to `node` if it is on this host, deciding once per node
+        (a `GET /v1/shm` and a Unix-socket handshake); None means HTTP. A worker that does not
+        answer is not decided about: the HTTP request that follows reports it."""
+        decided = self._same_host.decided(node)
+        if decided is None:
+            runtime = self._get_runtime()
+            lock = runtime.handshakes.setdefault(node, asyncio.Lock())
+            async with lock:
+                decided = self._same_host.decided(node)
+                if decided is None:
+                    try:
+                        info = await self._request(node, "GET", "/v1/shm")
+                    except RequestError as exc:
+                        if exc.status != 404:
+                            return None
+                        info = None
+                    except NodeError:
+                        return None
+                    decided = await asyncio.to_thread(self._same_host.open, node, info)
+        return decided if isinstance(decided, SameHostChannel) else None
+
+    async def _same_host_call(self, node: str, method: Callable[..., T], *args: Any) -> T:
+        """Run a blocking same-host request in a thread under the node's connection slot; an
+        error answer becomes the `NodeError` HTTP would have raised."""
+        runtime = self._get_runtime()
+        entered = False
+        try:
+            async with runtime.slot(node, False, self.timeout):
+                entered = True
+                self._traffic.same_host_requests += 1
+                return await asyncio.to_thread(method, *args)
+        except AnswerError as exc:
+            raise _error_from_response(node, exc.status, exc.body) from None
+        except TimeoutError:
+            if entered:
+                raise  # the socket's own timeout: the caller falls back to HTTP
+            raise WorkerUnavailableError(
+                node, "no connection slot freed within the client's timeout"
+            ) from None
 
     # ------------------------------------------------------------------ fetch
 
@@ -771,25 +896,48 @@ class ShardClient:
         over the limit raise `RequestError`.
         """
         try:
-            body = await self._request(
-                node,
-                "POST",
-                "/v1/shards/fetch",
-                json_body={"task_ids": task_ids, "fields": fields},
-                binary_response=True,
-            )
+            bundle = await self._fetch_same_host(node, task_ids, fields)
+            if bundle is None:
+                body = await self._request(
+                    node,
+                    "POST",
+                    "/v1/shards/fetch",
+                    json_body={"task_ids": task_ids, "fields": fields},
+                    binary_response=True,
+                )
         except RequestError as exc:
             if exc.status != 413 or exc.code != "response_too_large":
                 raise
             return await self._fetch_product_split(node, task_ids, fields, exc, progress)
-        if progress is not None:
-            progress(len(body))
-        try:
-            bundle = wire.parse_bundle(body)
-        except WireFormatError as exc:
-            raise WireFormatError(f"{node}: bad response container: {exc}") from None
+        if bundle is None:
+            if progress is not None:
+                progress(len(body))
+            try:
+                bundle = wire.parse_bundle(body)
+            except WireFormatError as exc:
+                raise WireFormatError(f"{node}: bad response container: {exc}") from None
+        elif progress is not None:
+            progress(sum(c.nbytes for c in bundle.columns.values()))
         if bundle.task_ids != task_ids or {wire.column_field(k) for k in bundle.columns} != set(fields):
             raise WireFormatError(f"{node}: response does not hold the shards asked for")
+        return bundle
+
+    async def _fetch_same_host(self, node: str, task_ids: list[str], fields: list[str]) -> wire.Bundle | None:
+        """The product through shared memory, or None when it must go over HTTP."""
+        channel = await self._same_host_channel(node)
+        if channel is None:
+            return None
+        try:
+            bundle = await self._same_host_call(node, self._same_host.fetch, channel, task_ids, fields)
+        except Fallback as exc:
+            self._same_host.fell_back(node, str(exc))
+            return None
+        except WireFormatError as exc:
+            raise WireFormatError(f"{node}: bad same-host answer: {exc}") from None
+        except (OSError, EOFError, ShmError) as exc:
+            self._same_host_failed(node, exc)
+            return None
+        self._traffic.same_host_received += sum(c.nbytes for c in bundle.columns.values())
         return bundle
 
     async def _fetch_product_split(

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +166,9 @@ class RawColumn:
     values: list[Any] | None = None
     rows: np.ndarray | None = None
     text: str | None = None  # the JSON array's text, when already encoded
+    # Same-host replies only: where the rows' bytes lie in shared regions instead of `parts`,
+    # one (region slot, byte offset, byte length) row per run, in row order.
+    runs: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -263,7 +267,12 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             data_shape = (int(shapes.counts().sum()),)
             entries.append(Entry(f"{name}/ranks", "I64", (shapes.n,), [_table(shapes.ranks)]))
             entries.append(Entry(f"{name}/dims", "I64", shapes.dims.shape, [_table(shapes.dims)]))
-        entries.append(Entry(name, column.dtype, data_shape, column.parts))
+        if column.runs is not None:
+            info["external"] = True
+            info["shape"] = list(data_shape)
+            entries.append(Entry(f"{name}/runs", "I64", (len(column.runs), 3), [_table(column.runs)]))
+        else:
+            entries.append(Entry(name, column.dtype, data_shape, column.parts))
         description[name] = info
     metadata[BUNDLE_KEY] = json.dumps(
         {"version": BUNDLE_VERSION, "task_ids": bundle.task_ids, "fields": description},
@@ -272,17 +281,22 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
     return build_container(entries, metadata)
 
 
-def parse_bundle(buf: Buffer) -> Bundle:
+# Resolves a column's runs (see `RawColumn.runs`) to its bytes, given the byte count they must make.
+Resolver = Callable[[np.ndarray, int], Sequence[Buffer]]
+
+
+def parse_bundle(buf: Buffer, resolve: Resolver | None = None) -> Bundle:
     """Validate a bundle and describe its columns (views into `buf`, no copies).
 
     Every malformation raises `WireFormatError`: container errors, a missing or
     unknown description, invalid or repeated ids, tables that do not match the data,
-    entries no field claims.
+    entries no field claims. A column whose bytes travel by reference (same-host replies)
+    is accepted only with `resolve`, which turns its runs into buffers.
     """
     with paused_gc():
         container = parse_container(buf)
         try:
-            return _parse_bundle(container.tensors, container.metadata)
+            return _parse_bundle(container.tensors, container.metadata, resolve)
         except (InvalidIdError, ShapeError) as exc:
             raise WireFormatError(str(exc)) from None
 
@@ -321,7 +335,9 @@ def _int_table(tensors: dict[str, RawTensor], name: str, shape: tuple[int, ...] 
     return table
 
 
-def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bundle:
+def _parse_bundle(
+    tensors: dict[str, RawTensor], metadata: dict[str, str], resolve: Resolver | None = None
+) -> Bundle:
     text = metadata.get(BUNDLE_KEY)
     if text is None:
         if not tensors and not any(k.startswith(JSON_PREFIX) for k in metadata):
@@ -371,7 +387,8 @@ def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bu
             continue
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise WireFormatError(f"field {name!r}: unsupported dtype {dtype!r}")
-        data = tensors.get(name)
+        external = info.get("external", False) is True
+        data = _external_data(tensors, name, dtype, info, claimed) if external else tensors.get(name)
         if data is None:
             raise WireFormatError(f"field {name!r} has no data entry")
         if data.dtype != dtype:
@@ -403,6 +420,18 @@ def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bu
                 raise WireFormatError(f"field {name!r}: general data must be 1-D with one element per value")
         else:
             raise WireFormatError(f"field {name!r}: unknown layout {layout!r}")
+        if external:
+            if resolve is None:
+                raise WireFormatError(
+                    f"field {name!r} refers to shared memory; only a same-host reply may do that"
+                )
+            runs = _int_table(tensors, f"{name}/runs")
+            nbytes = math.prod(data.shape) * ITEMSIZE[dtype]
+            if _exact_sum(runs[:, 2]) != nbytes:
+                raise WireFormatError(f"field {name!r}: runs hold other than {nbytes} bytes")
+            parts = resolve(runs, nbytes)
+            columns[name] = RawColumn(dtype, shapes, parts, nbytes, rows=rows)
+            continue
         columns[name] = RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows)
     stray = set(tensors) - claimed
     if stray:
@@ -413,6 +442,26 @@ def _parse_bundle(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> Bu
     if any(LAYER_MARK in key for key in columns):
         _check_layers(columns, n)
     return Bundle(task_ids, columns)
+
+
+def _external_data(
+    tensors: dict[str, RawTensor], name: str, dtype: str, info: dict[str, Any], claimed: set[str]
+) -> RawTensor:
+    """A stand-in data entry for a column whose bytes travel by reference: its dtype and the
+    shape the description gives (checked as the container checks shapes), no bytes."""
+    shape = info.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d < _INT64_MAX for d in shape)
+        or math.prod(shape) * ITEMSIZE[dtype] > _INT64_MAX
+    ):
+        raise WireFormatError(f"field {name!r}: bad shape {shape!r} for data held by reference")
+    raw = tensors.get(f"{name}/runs")
+    if raw is None or len(raw.shape) != 2 or raw.shape[1] != 3:
+        raise WireFormatError(f"field {name!r}: data held by reference needs an (n, 3) runs table")
+    claimed.add(f"{name}/runs")
+    return RawTensor(dtype, tuple(shape), b"")
 
 
 def _exact_sum(values: np.ndarray) -> int:

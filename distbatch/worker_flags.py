@@ -80,6 +80,14 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         metavar="S",
         help="delete shards nobody put or fetched for S seconds (default: never)",
     )
+    parser.add_argument(
+        "--shm-max-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="same-host readers and writers share at most N bytes of shared regions; past it they"
+        " use HTTP (default: no bound beyond --max-bytes)",
+    )
     parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
     parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
     parser.add_argument(
@@ -96,6 +104,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
     """ValueError for a parsed value no worker runs with (argparse only checks types)."""
     if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
         raise ValueError("--max-idle-seconds must be > 0")
+    if args.shm_max_bytes is not None and args.shm_max_bytes < 0:
+        raise ValueError("--shm-max-bytes must be >= 0")
     for flag, value in (
         ("--stage-ttl", args.stage_ttl),
         ("--read-timeout", args.read_timeout),

@@ -138,7 +138,7 @@ class StepReport:
     tasks: int
     tokens: int
     worker_bytes: int  # shard bytes gathered worker -> worker
-    controller_bytes: int  # every HTTP body byte the controller sent or received
+    controller_bytes: int  # every shard byte the controller sent or received (HTTP or shared memory)
     rank_tokens: list[int]
     seconds: float
     mean_loss: float
@@ -228,9 +228,10 @@ def run_step(
     traffic = client.traffic() - traffic0
     # The controller fetches no shard in the distributed mode; in the centralised
     # one its pulls are served by workers too, so they are taken out here.
-    fetched_by_controller = traffic.bytes_received
+    fetched_by_controller = traffic.bytes_received + traffic.same_host_received
     worker_bytes = max(_fetch_served([rollout, train]) - served0 - fetched_by_controller, 0)
-    return StepReport(step, tasks, tokens, worker_bytes, traffic.total, rank_tokens, seconds, mean_loss)
+    controller_bytes = traffic.total + traffic.same_host_bytes  # over HTTP or shared memory
+    return StepReport(step, tasks, tokens, worker_bytes, controller_bytes, rank_tokens, seconds, mean_loss)
 
 
 def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: bool = False) -> PipelineReport:

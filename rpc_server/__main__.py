@@ -45,6 +45,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         stage_ttl=args.stage_ttl,
         max_threads=args.max_threads,
         read_timeout=args.read_timeout,
+        shm_max_bytes=args.shm_max_bytes,
     )
 
 

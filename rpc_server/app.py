@@ -54,7 +54,10 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
         store=store
         if store is not None
         else ShardStore(
-            config.max_bytes, stage_ttl=config.stage_ttl, max_idle_seconds=config.max_idle_seconds
+            config.max_bytes,
+            stage_ttl=config.stage_ttl,
+            max_idle_seconds=config.max_idle_seconds,
+            max_shared_bytes=config.shm_max_bytes,
         ),
         metrics=Metrics(),
     )

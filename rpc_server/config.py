@@ -43,3 +43,5 @@ class ServerConfig:
     max_threads: int = DEFAULT_MAX_THREADS
     # Seconds a connection may sit without sending a byte (idle keep-alive, stalled upload).
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    # Shared regions for same-host clients hold at most this many bytes (None: no own bound).
+    shm_max_bytes: int | None = None

@@ -6,8 +6,9 @@ it, instead of the views importing the factory that registers them (an import ci
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flask import current_app
 
@@ -18,6 +19,7 @@ from rpc_server.store import IdleSweeper, ShardStore
 
 if TYPE_CHECKING:
     from rpc_server.engine import EngineHost
+    from rpc_server.shm_server import SharedMemoryService
 
 __all__ = ["ApiError", "ServerState", "state"]
 
@@ -40,8 +42,36 @@ class ServerState:
         default_factory=lambda: RecvPool(BODY_POOL_BYTES, idle_seconds=BODY_POOL_IDLE_SECONDS)
     )
 
+    # The same-host endpoint, started by the first client that asks for it (`shared_memory`).
+    shm: SharedMemoryService | None = None
+    shm_refused: str | None = None
+    _shm_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def shared_memory(self) -> dict[str, Any]:
+        """What `GET /v1/shm` answers: how to reach the same-host endpoint (started on first
+        use), or why there is none."""
+        from distbatch.shm import disabled_reason
+        from rpc_server.shm_server import SharedMemoryService
+
+        with self._shm_lock:
+            if self.shm is None and self.shm_refused is None:
+                self.shm_refused = disabled_reason()
+                if self.shm_refused is None:
+                    try:
+                        self.shm = SharedMemoryService(self.store, self.config, self.metrics)
+                    except OSError as exc:
+                        self.shm_refused = f"the worker could not open its Unix socket: {exc}"
+            if self.shm is None:
+                return {"available": False, "reason": f"worker: {self.shm_refused}"}
+            return self.shm.describe()
+
     def close(self) -> None:
         """Stop what the app started (called once the server stopped serving)."""
+        with self._shm_lock:
+            if self.shm is not None:
+                self.shm.close()
+                self.shm = None
+            self.shm_refused = "the worker is shutting down"
         if self.sweeper is not None:
             self.sweeper.stop()
         if self.engine is not None:

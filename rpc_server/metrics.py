@@ -68,14 +68,14 @@ class Metrics:
             return sum(n for (ep, _, _), n in self._requests.items() if ep == endpoint)
 
     def traffic(self) -> dict[str, int]:
-        """Shard bytes this worker served (fetch responses) and took in (put bodies)."""
+        """Shard bytes this worker served (fetch responses) and took in (put bodies), over HTTP and
+        the same-host socket (`unix:` endpoints: bytes handed over in shared memory count too)."""
+        fetches, puts = ("/v1/shards/fetch", "unix:fetch"), ("/v1/shards", "unix:put")
         with self._lock:
             return {
-                "fetch_bytes_served": self._bytes_out_by_endpoint.get("/v1/shards/fetch", 0),
-                "put_bytes_received": self._bytes_in_by_endpoint.get("/v1/shards", 0),
-                "fetch_requests": sum(
-                    n for (ep, _, _), n in self._requests.items() if ep == "/v1/shards/fetch"
-                ),
+                "fetch_bytes_served": sum(self._bytes_out_by_endpoint.get(ep, 0) for ep in fetches),
+                "put_bytes_received": sum(self._bytes_in_by_endpoint.get(ep, 0) for ep in puts),
+                "fetch_requests": sum(n for (ep, _, _), n in self._requests.items() if ep in fetches),
             }
 
     def render(

@@ -317,6 +317,13 @@ def delete_shards() -> Response:
     return jsonify({"deleted": count, "bytes_freed": freed})
 
 
+@data_routes.get("/v1/shm")
+def shared_memory() -> Response:
+    """How a client on this host reaches the same-host endpoint (`rpc_server.shm_server`), or why
+    it cannot: behind the bearer token like every data endpoint, since it shows the secret."""
+    return jsonify(state().shared_memory())
+
+
 @data_routes.get("/v1/stats")
 def stats() -> Response:
     current = state()

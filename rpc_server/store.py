@@ -29,12 +29,15 @@ import numpy as np
 
 from distbatch.ids import ShardKey
 from distbatch.shapes import RowShapes, unique_ints
+from distbatch.shm import SharedRegion, aligned_offsets
 from distbatch.wire import LAYER_MARK, Bundle, RawColumn, RawTensor, column_field, parts_size
 
 logger = logging.getLogger("rpc_server")
 
 # A 404 lists at most this many missing keys (and says how many there are).
 MAX_MISSING_LISTED = 10_000
+# A same-host fetch looks again this often when the rows it moves into shared memory change meanwhile.
+SHARE_ATTEMPTS = 3
 # A buffer this large or larger is compacted once under half of it is live.
 COMPACT_MIN_BYTES = 1 << 20
 # A fetch whose rows form more runs than this, averaging under `GATHER_RUN_BYTES`, copies
@@ -49,6 +52,11 @@ class StoreCapacityError(Exception):
 
 class UnknownStageError(Exception):
     """A commit or abort named a stage that does not exist (never staged, or expired)."""
+
+
+class SharedMemoryUnavailable(Exception):
+    """A same-host request cannot be served from shared memory (over `--shm-max-bytes`, or the
+    kernel refused a region); the client falls back to HTTP for it."""
 
 
 class MissingShardsError(Exception):
@@ -73,6 +81,8 @@ class StoreStats:
     evicted_bytes: int = 0
     held_bytes: int = 0
     segments: int = 0
+    shared_bytes: int = 0
+    shared_regions: int = 0
 
     def as_dict(self) -> dict[str, int | None]:
         return {
@@ -85,6 +95,8 @@ class StoreStats:
             "live_bytes": self.bytes,
             "held_bytes": self.held_bytes,
             "segments": self.segments,
+            "shared_bytes": self.shared_bytes,
+            "shared_regions": self.shared_regions,
             "capacity": self.capacity,
             "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
         }
@@ -100,14 +112,19 @@ class PutReceipt(NamedTuple):
 
 
 class _Buffer:
-    """One put's body (or a compacted segment's own copy): the memory segments point into."""
+    """One put's body (or a compacted segment's own copy): the memory segments point into.
 
-    __slots__ = ("size", "live_bytes", "members")
+    `region` is set when that memory is a shared region (a same-host put, or a buffer moved
+    into shared memory for a same-host reader): its segments can be handed out by reference.
+    """
 
-    def __init__(self, size: int) -> None:
+    __slots__ = ("size", "live_bytes", "members", "region")
+
+    def __init__(self, size: int, region: SharedRegion | None = None) -> None:
         self.size = size
         self.live_bytes = 0
         self.members: set[int] = set()  # ids of the segments in it
+        self.region = region
 
 
 class _Segment:
@@ -125,6 +142,7 @@ class _Segment:
         "task_rows",
         "buffer",
         "live",
+        "region_offset",
     )
 
     def __init__(
@@ -151,6 +169,17 @@ class _Segment:
         self.task_rows = task_rows
         self.buffer = buffer
         self.live = len(task_rows)  # rows still the value of their task's field
+        # Where `data` starts in the buffer's shared region (None: not in one).
+        region = buffer.region
+        self.region_offset = region.offset_of(data) if region is not None and data is not None else None
+
+    def rehomed(self, data: np.ndarray, buffer: _Buffer, region_offset: int) -> _Segment:
+        """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region)."""
+        fresh = _Segment.__new__(_Segment)
+        for name in _Segment.__slots__:
+            setattr(fresh, name, getattr(self, name))
+        fresh.data, fresh.buffer, fresh.region_offset = data, buffer, region_offset
+        return fresh
 
 
 class _FieldIndex:
@@ -193,7 +222,8 @@ class _Stage:
 
     def __init__(self, touched: float) -> None:
         self.touched = touched
-        self.parts: dict[str, tuple[Bundle, int]] = {}  # part name -> (bundle, its body size)
+        # part name -> (bundle, its body size, the shared region holding the body if any)
+        self.parts: dict[str, tuple[Bundle, int, SharedRegion | None]] = {}
         self.nbytes = 0
 
 
@@ -246,6 +276,7 @@ class ShardStore:
         stage_ttl: float = 600.0,
         max_idle_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_shared_bytes: int | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -256,6 +287,14 @@ class ShardStore:
         self.max_bytes = max_bytes
         self.stage_ttl = stage_ttl
         self.max_idle_seconds = max_idle_seconds
+        # Shared regions (same-host puts, buffers moved out for same-host readers) may hold at
+        # most this many bytes; past it, same-host requests fall back to HTTP.
+        self.max_shared_bytes = max_shared_bytes
+        # And at most this many regions (each holds descriptors; the same-host service sets it
+        # from the open-file limit).
+        self.max_shared_regions: int | None = None
+        self._shared_bytes = 0
+        self._shared_regions = 0
         self._clock = clock  # for last-access times and stage expiry (tests pass a fake one)
         self._lock = threading.Lock()
         # Task rows: id -> row, row -> id (None: free), free rows, and the high-water mark.
@@ -403,7 +442,19 @@ class ShardStore:
         buffer = seg.buffer
         buffer.members.discard(seg.id)
         if not buffer.members:
-            self._buffers.pop(id(buffer), None)
+            self._forget_buffer(buffer)
+
+    def _keep_buffer(self, buffer: _Buffer) -> None:
+        self._buffers[id(buffer)] = buffer
+        if buffer.region is not None:
+            self._shared_bytes += buffer.region.size
+            self._shared_regions += 1
+
+    def _forget_buffer(self, buffer: _Buffer) -> None:
+        """Stop holding `buffer`; a shared region's descriptor closes once no request holds it."""
+        if self._buffers.pop(id(buffer), None) is not None and buffer.region is not None:
+            self._shared_bytes -= buffer.region.size
+            self._shared_regions -= 1
 
     def _compact_buffer(self, buffer: _Buffer) -> None:
         """Copy the live rows of every segment in `buffer` into buffers of their own."""
@@ -427,27 +478,114 @@ class ShardStore:
             self._fields[seg.field].pos[fresh.task_rows] = np.arange(len(keep))
             own.live_bytes = own.size
             own.members.add(seg.id)
-            self._buffers[id(own)] = own
+            self._keep_buffer(own)
             self._segments[seg.id] = fresh
             buffer.live_bytes -= own.size
-        self._buffers.pop(id(buffer), None)
+        self._forget_buffer(buffer)
+
+    def _check_shared(self, nbytes: int, regions: int = 1) -> None:
+        """`SharedMemoryUnavailable` unless `regions` more shared regions of `nbytes` fit (lock held)."""
+        limit = self.max_shared_bytes
+        if limit is not None and self._shared_bytes + nbytes > limit:
+            raise SharedMemoryUnavailable(
+                f"shared regions would hold {self._shared_bytes + nbytes} bytes, over this worker's"
+                f" --shm-max-bytes of {limit}"
+            )
+        count = self.max_shared_regions
+        if count is not None and self._shared_regions + regions > count:
+            raise SharedMemoryUnavailable(
+                f"the worker holds {self._shared_regions} shared regions, its bound (from its open-file"
+                f" limit) is {count}"
+            )
+
+    def _unshared(self, buffer: _Buffer) -> list[_Segment]:
+        """The tensor segments of `buffer` holding bytes outside any shared region (lock held)."""
+        members = [self._segments[s] for s in sorted(buffer.members)]
+        return [
+            seg
+            for seg in members
+            if seg.dtype is not None
+            and seg.region_offset is None
+            and seg.data is not None
+            and seg.data.nbytes
+        ]
+
+    def _move_to_regions(self, buffers: Iterable[_Buffer]) -> None:
+        """Copy the tensor segments of each buffer into one new shared region per buffer, so
+        same-host readers can map them. The copies are made outside the lock (segments never
+        change); a buffer whose segments changed meanwhile keeps its old home (the caller
+        looks again)."""
+        plans: list[tuple[_Buffer, list[_Segment], list[int], list[Any]]] = []
+        planned = 0
+        with self._lock:
+            for buffer in buffers:
+                moving = self._unshared(buffer)
+                if not moving or id(buffer) not in self._buffers:
+                    continue
+                sizes = [seg.data.nbytes for seg in moving]  # type: ignore[union-attr]
+                offsets, pads = aligned_offsets(sizes)
+                planned += offsets[-1] + sizes[-1]
+                self._check_shared(planned, len(plans) + 1)  # before copying anything
+                parts: list[Any] = []
+                for seg, pad in zip(moving, pads):
+                    parts += [bytes(pad), seg.data] if pad else [seg.data]
+                plans.append((buffer, moving, offsets, parts))
+        made = []
+        for buffer, moving, offsets, parts in plans:
+            try:
+                made.append((buffer, moving, offsets, SharedRegion.from_parts(parts)))
+            except OSError as exc:
+                raise SharedMemoryUnavailable(f"the kernel refused a shared region: {exc}") from None
+        with self._lock:
+            for buffer, moving, offsets, region in made:
+                current = id(buffer) in self._buffers and all(self._segments.get(s.id) is s for s in moving)
+                if current:
+                    self._check_shared(region.size)
+                    self._rehome(buffer, moving, offsets, region)
+
+    def _rehome(
+        self, buffer: _Buffer, moving: list[_Segment], offsets: list[int], region: SharedRegion
+    ) -> None:
+        """Point `moving` (segments of `buffer`) at their copies in `region` (lock held)."""
+        own = _Buffer(region.size, region)
+        for seg, offset in zip(moving, offsets):
+            size = seg.data.nbytes  # type: ignore[union-attr]
+            live = int(seg.sizes[self._segment_live(seg)].sum())
+            self._segments[seg.id] = seg.rehomed(region.array[offset : offset + size], own, offset)
+            own.members.add(seg.id)
+            own.live_bytes += live
+            buffer.members.discard(seg.id)
+            buffer.live_bytes -= live
+        self._keep_buffer(own)
+        if not buffer.members:
+            self._forget_buffer(buffer)
+        elif buffer.region is None and not any(self._segments[s].dtype is not None for s in buffer.members):
+            buffer.size = buffer.live_bytes  # only JSON values are left, which hold no body bytes
 
     # ------------------------------------------------------------------ putting
 
-    def put(self, bundle: Bundle | Mapping[Any, Any], body_size: int | None = None) -> PutReceipt:
+    def put(
+        self,
+        bundle: Bundle | Mapping[Any, Any],
+        body_size: int | None = None,
+        region: SharedRegion | None = None,
+    ) -> PutReceipt:
         """Store every shard of `bundle` or none; existing keys are replaced (puts are idempotent).
 
         The bundle's tensor bytes are kept as they are (views of the request body: no copy);
         `body_size` is that body's size, for the held-bytes account. A mapping of single
-        shards (`bundle_from_raw`'s input) is accepted too. Raises `StoreCapacityError` when
-        the store would grow past its capacity.
+        shards (`bundle_from_raw`'s input) is accepted too. `region`: the shared region the
+        body is (a same-host put), so its columns go to same-host readers as they are. Raises
+        `StoreCapacityError` when the store would grow past its capacity.
         """
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
         with self._lock:
             incoming, replaced = self._measure(bundle)
             self._check_capacity(self._bytes + incoming - replaced, incoming)
-            return self._apply(bundle, body_size)
+            if region is not None:
+                self._check_shared(region.size)
+            return self._apply(bundle, body_size, region)
 
     def _measure(self, bundle: Bundle) -> tuple[int, int]:
         """(bytes the bundle brings, bytes of the stored values it replaces) (lock held)."""
@@ -467,11 +605,11 @@ class ShardStore:
                 replaced += int(seg.sizes[index.pos[col_rows[held & (segs == seg_id)]]].sum())
         return incoming, replaced
 
-    def _apply(self, bundle: Bundle, body_size: int | None) -> PutReceipt:
+    def _apply(self, bundle: Bundle, body_size: int | None, region: SharedRegion | None = None) -> PutReceipt:
         """Store a measured bundle (lock held; capacity already checked)."""
         rows = self._assign(bundle.task_ids, self._lookup(bundle.task_ids))
         columns = bundle.columns
-        buffer = _Buffer(0)
+        buffer = _Buffer(0, region)
         stored = nbytes = 0
         segments: list[tuple[str, int]] = []
         for key, column in columns.items():
@@ -495,9 +633,11 @@ class ShardStore:
             nbytes += size
         # The body is held while a tensor column points into it; JSON values are parsed objects.
         keeps_body = any(self._segments[seg_id].dtype is not None for _, seg_id in segments)
+        if not keeps_body:
+            buffer.region = None  # nothing refers to the body: no need to keep its region
         buffer.size = max(body_size or 0, buffer.live_bytes) if keeps_body else buffer.live_bytes
         if buffer.members:
-            self._buffers[id(buffer)] = buffer
+            self._keep_buffer(buffer)
         self._shards += stored
         self._bytes += nbytes
         self._touch(rows)
@@ -523,7 +663,12 @@ class ShardStore:
     # ------------------------------------------------------------------ staging
 
     def stage(
-        self, stage_id: str, bundle: Bundle | Mapping[Any, Any], body_size: int | None = None, part: str = ""
+        self,
+        stage_id: str,
+        bundle: Bundle | Mapping[Any, Any],
+        body_size: int | None = None,
+        part: str = "",
+        region: SharedRegion | None = None,
     ) -> tuple[int, int]:
         """Hold a bundle under `stage_id` until `commit`; invisible to fetches until then.
 
@@ -544,7 +689,9 @@ class ShardStore:
             key = part or f"#{hash((tuple(bundle.task_ids), tuple(bundle.columns)))}"
             released = stage.parts[key][0].nbytes() if key in stage.parts else 0
             self._check_capacity(self._bytes + incoming - released, incoming, now)
-            stage.parts[key] = (bundle, body_size or incoming)
+            if region is not None:
+                self._check_shared(region.size)
+            stage.parts[key] = (bundle, body_size or incoming, region)
             stage.nbytes += incoming - released
             stage.touched = now
             self._stages[stage_id] = stage
@@ -565,8 +712,8 @@ class ShardStore:
             self._staged_bytes -= stage.nbytes
             stored = nbytes = 0
             # Capacity was reserved when staging, and replacing only frees bytes.
-            for bundle, body_size in stage.parts.values():
-                receipt = self._apply(bundle, body_size)
+            for bundle, body_size, region in stage.parts.values():
+                receipt = self._apply(bundle, body_size, region)
                 stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
             result = (stored, nbytes)
             self._committed[stage_id] = (now, result)
@@ -579,7 +726,7 @@ class ShardStore:
             if stage is None:
                 return 0
             self._staged_bytes -= stage.nbytes
-        return sum(bundle.shard_count() for bundle, _ in stage.parts.values())
+        return sum(bundle.shard_count() for bundle, _, _ in stage.parts.values())
 
     def _expire_stages(self, now: float) -> tuple[int, int]:
         """Drop stages untouched for `stage_ttl` (caller holds the lock); returns (stages, bytes) dropped."""
@@ -643,9 +790,41 @@ class ShardStore:
         `MissingShardsError` lists every absent key. The bytes are not copied when the rows
         form a few runs; scattered rows are gathered into one buffer per field.
         """
+        return Bundle(list(task_ids), self._columns(self._pick(task_ids, fields)))
+
+    def fetch_shared(
+        self, task_ids: Sequence[str], fields: Sequence[str], inline_below: int = 0
+    ) -> tuple[Bundle, list[SharedRegion]]:
+        """`fetch` for a same-host reader: tensor columns of `inline_below` bytes or more come as
+        runs in shared regions (`RawColumn.runs`; slots index the returned regions), moving a
+        buffer into a region first where it is not in one yet (one copy, once per buffer).
+
+        Smaller columns and JSON come inline, as `fetch` gives them. Holding the regions keeps
+        their descriptors open. `SharedMemoryUnavailable` when a region cannot be made.
+        """
+        for _ in range(SHARE_ATTEMPTS):
+            pending: dict[int, _Buffer] = {}
+            picked = self._pick(task_ids, fields, share_from=inline_below, pending=pending)
+            if not pending:
+                slots = _RegionSlots()
+                columns = self._columns(picked, slots)
+                return Bundle(list(task_ids), columns), slots.regions
+            self._move_to_regions(pending.values())
+        raise SharedMemoryUnavailable("the rows kept changing while being moved into shared memory")
+
+    def _pick(
+        self,
+        task_ids: Sequence[str],
+        fields: Sequence[str],
+        share_from: int | None = None,
+        pending: dict[int, _Buffer] | None = None,
+    ) -> list[_Picked]:
+        """Per field: the segment and position of each task's value (`MissingShardsError` for
+        any absent). With `share_from`, the tensor fields of that many bytes or more are marked
+        shared; buffers holding their bytes outside a shared region go into `pending`."""
         with self._lock:
             rows = self._lookup(task_ids)
-            picked: list[tuple[str, np.ndarray, np.ndarray, dict[int, _Segment]]] = []
+            picked: list[_Picked] = []
             missing: list[ShardKey] = []
             missing_count = 0
             for name in fields:
@@ -660,26 +839,55 @@ class ShardStore:
                     continue
                 positions = index.pos[rows] if index is not None else segs
                 used = {s: self._segments[s] for s in unique_ints(segs).tolist()}
-                picked.append((name, segs, positions, used))
+                shared = share_from is not None and self._shares(segs, positions, used, share_from, pending)
+                picked.append(_Picked(name, segs, positions, used, shared))
             if not missing:
                 self._touch(rows)
         if missing:
             raise MissingShardsError(missing, missing_count)
+        return picked
+
+    def _shares(
+        self,
+        segs: np.ndarray,
+        positions: np.ndarray,
+        used: dict[int, _Segment],
+        share_from: int,
+        pending: dict[int, _Buffer] | None,
+    ) -> bool:
+        """Whether a field's rows go by reference: tensors of `share_from` bytes or more. If so,
+        the buffers of segments not in a shared region yet go into `pending` (lock held)."""
+        if any(seg.dtype is None for seg in used.values()):
+            return False
+        if len(used) == 1:
+            nbytes = int(next(iter(used.values())).sizes[positions].sum())
+        else:
+            nbytes = sum(int(seg.sizes[positions[segs == i]].sum()) for i, seg in used.items())
+        if nbytes < share_from:
+            return False
+        for seg in used.values():
+            if seg.region_offset is None and seg.data is not None and seg.data.nbytes and pending is not None:
+                pending[id(seg.buffer)] = seg.buffer
+        return True
+
+    def _columns(self, picked: list[_Picked], slots: _RegionSlots | None = None) -> dict[str, RawColumn]:
+        """The picked rows as columns (outside the lock: segments never change once built)."""
         columns: dict[str, RawColumn] = {}
-        for name, segs, positions, used in picked:
+        for name, segs, positions, used, shared in picked:
+            share = slots if shared else None
             kinds: dict[str | None, list[int]] = {}
             for seg_id, seg in used.items():
                 kinds.setdefault(seg.dtype, []).append(seg_id)
             if len(kinds) == 1:
-                columns[name] = _column_of(segs, positions, used)
+                columns[name] = _column_of(segs, positions, used, share)
                 continue
             # The field holds different dtypes for these tasks: one column per dtype (`field#k`).
             for layer, seg_ids in enumerate(kinds.values()):
                 rows_k = np.flatnonzero(np.isin(segs, seg_ids))
-                column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids})
+                column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
                 column.rows = rows_k
                 columns[f"{name}{LAYER_MARK}{layer}" if layer else name] = column
-        return Bundle(list(task_ids), columns)
+        return columns
 
     def fetch_keys(self, keys: Sequence[ShardKey]) -> Bundle:
         """Explicit keys as a bundle: tasks in first-seen order, each field on the tasks asking for it."""
@@ -804,6 +1012,8 @@ class ShardStore:
                 self._evicted_bytes,
                 sum(b.size for b in self._buffers.values()) + sum(i.nbytes() for i in self._fields.values()),
                 len(self._segments),
+                self._shared_bytes,
+                self._shared_regions,
             )
 
     def __len__(self) -> int:
@@ -830,8 +1040,36 @@ def _runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int
     return zip(starts[first].tolist(), ends[last].tolist(), offsets.tolist())
 
 
-def _column_of(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]) -> RawColumn:
-    """One field's rows (in request order) from the segments holding them."""
+class _Picked(NamedTuple):
+    """One field of a fetch: per asked task, its segment and position; the segments by id."""
+
+    name: str
+    segs: np.ndarray
+    positions: np.ndarray
+    used: dict[int, _Segment]
+    shared: bool
+
+
+class _RegionSlots:
+    """The shared regions one same-host reply refers to, each numbered once."""
+
+    def __init__(self) -> None:
+        self.regions: list[SharedRegion] = []
+        self._slot: dict[int, int] = {}
+
+    def slot(self, region: SharedRegion) -> int:
+        slot = self._slot.get(id(region))
+        if slot is None:
+            slot = self._slot[id(region)] = len(self.regions)
+            self.regions.append(region)
+        return slot
+
+
+def _column_of(
+    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment], share: _RegionSlots | None = None
+) -> RawColumn:
+    """One field's rows (in request order) from the segments holding them; with `share`, as runs
+    in shared regions (every segment is in one) instead of bytes."""
     first = next(iter(used.values()))
     if first.dtype is None:
         if len(used) == 1:
@@ -839,19 +1077,14 @@ def _column_of(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment
         else:
             values = [used[s].values[p] for s, p in zip(segs.tolist(), positions.tolist())]  # type: ignore[index]
         return RawColumn(None, values=values)
+    if share is not None:
+        return _shared_column_of(segs, positions, used, share)
     if len(used) == 1:
         shapes = first.shapes.take(positions)  # type: ignore[union-attr]
         parts = _parts(first, positions)
     else:
-        # Group rows by segment (stable), take each group's shapes, then restore request order.
-        order = np.argsort(segs, kind="stable")
-        groups = []
         parts = []
-        bounds = np.flatnonzero(np.diff(segs[order])) + 1
-        for chunk in np.split(order, bounds):
-            seg = used[int(segs[chunk[0]])]
-            groups.append(seg.shapes.take(positions[chunk]))  # type: ignore[union-attr]
-        shapes = RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
+        shapes = _shapes_in_order(segs, positions, used)
         # Bytes: runs in request order, segment by segment.
         change = np.flatnonzero(np.diff(segs)) + 1
         for chunk_rows in np.split(np.arange(len(segs)), change):
@@ -862,6 +1095,58 @@ def _column_of(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment
             parts = [memoryview(joined)]
     nbytes = parts_size(parts)
     return RawColumn(first.dtype, shapes, parts, nbytes)
+
+
+def _shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]) -> RowShapes:
+    """The rows' shapes in request order, from several segments: grouped by segment (stable),
+    each group's shapes taken at once, then put back in request order."""
+    order = np.argsort(segs, kind="stable")
+    groups = []
+    bounds = np.flatnonzero(np.diff(segs[order])) + 1
+    for chunk in np.split(order, bounds):
+        seg = used[int(segs[chunk[0]])]
+        groups.append(seg.shapes.take(positions[chunk]))  # type: ignore[union-attr]
+    return RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
+
+
+def _shared_column_of(
+    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment], share: _RegionSlots
+) -> RawColumn:
+    """A tensor field's rows as runs (region slot, offset, length) in request order."""
+    first = next(iter(used.values()))
+    if len(used) == 1:
+        shapes = first.shapes.take(positions)  # type: ignore[union-attr]
+        runs = _run_table(first, positions, share)
+    else:
+        shapes = _shapes_in_order(segs, positions, used)
+        change = np.flatnonzero(np.diff(segs)) + 1
+        tables = [
+            _run_table(used[int(segs[chunk[0]])], positions[chunk], share)
+            for chunk in np.split(np.arange(len(segs)), change)
+        ]
+        runs = np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)
+    nbytes = int(runs[:, 2].sum())
+    return RawColumn(first.dtype, shapes, (), nbytes, runs=runs)
+
+
+def _run_table(seg: _Segment, positions: np.ndarray, share: _RegionSlots) -> np.ndarray:
+    """The bytes of `positions` of `seg` as maximal runs in its region: an (n, 3) int64 table of
+    (region slot, offset, length), in order, empty runs left out."""
+    sizes = seg.sizes[positions]
+    if not int(sizes.sum()):
+        return np.zeros((0, 3), dtype=np.int64)  # no bytes: no region to name
+    region = seg.buffer.region
+    assert region is not None and seg.region_offset is not None  # `fetch_shared` moved it
+    starts = seg.starts[positions] + seg.region_offset
+    ends = starts + sizes
+    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    first = np.concatenate([[0], breaks])
+    last = np.concatenate([breaks, [len(starts)]]) - 1
+    table = np.empty((len(first), 3), dtype=np.int64)
+    table[:, 0] = share.slot(region)
+    table[:, 1] = starts[first]
+    table[:, 2] = ends[last] - starts[first]
+    return table[table[:, 2] > 0]
 
 
 def _parts(seg: _Segment, positions: np.ndarray) -> list[memoryview]:

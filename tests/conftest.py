@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,14 @@ from distbatch import ShardClient
 from distbatch.controller import Controller
 from distbatch.controller_http import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
+from distbatch.shm import ENV_SWITCH
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Most tests check the HTTP path (its requests, bounds, retries and faults) with workers on
+    # this host, where clients would otherwise take shared memory; tests of the same-host path
+    # (tests/test_shm.py) turn it back on for themselves and the workers they start.
+    os.environ[ENV_SWITCH] = "0"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

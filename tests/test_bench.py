@@ -9,7 +9,7 @@ import pytest
 from ray_support import import_ray
 
 from bench import baselines, scaling, transferqueue
-from bench.__main__ import main, parse_args
+from bench.__main__ import main, parse_args, summary
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -65,8 +65,11 @@ def test_dense_variant_is_the_same_fields_padded() -> None:
     assert payload_bytes(dense) == tasks * width * (4 + 4 + 2) + tasks * 4
 
 
-def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(tmp_path: Path) -> None:
+def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dense comparison is wired into the same run; TransferQueue skipped here (--no-tq)."""
+    monkeypatch.delenv("DISTBATCH_SHM")  # the suite's default; the same-host run needs the path on
     results = main(
         ["--workloads", "tiny", "--repeats", "1", "--no-ray", "--no-pipeline", "--no-tq"]
         + ["--peers", "tiny", "--out", str(tmp_path)]
@@ -76,6 +79,21 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(tmp_pa
     assert dense["put"]["bytes"] == peers["dense_payload_bytes"] == dense["gather_all"]["bytes"]
     assert dense["left_bytes"] == 0
     assert peers["transferqueue"] == {"skipped": "--no-tq"}
+    # The transport figures above are HTTP's; the same-host run beside them took shared memory.
+    same = results["workloads"]["tiny"]["same_host"]
+    for kind in ("ragged", "dense"):
+        entry = same[kind]
+        ours = entry["distbatch"]
+        assert (
+            ours["put"]["bytes"]
+            == ours["gather"]["bytes"]
+            == entry["memcpy"]["bytes"]
+            == entry["payload_bytes"]
+        )
+        assert ours["same_host_requests"] >= 1 and ours["shared_regions"] >= 1
+        assert ours["http_bytes"] < entry["payload_bytes"]  # only metadata went over HTTP
+        assert set(entry["ratios"]) == {"gather_vs_memcpy", "gather_read_vs_memcpy", "put_vs_memcpy"}
+    assert "same host, tiny" in summary(results)
 
 
 def test_transferqueue_simple_storage_puts_and_gets_the_same_batches(tmp_path: Path) -> None:

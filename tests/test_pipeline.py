@@ -127,3 +127,21 @@ def test_script_runs_and_prints_the_summary() -> None:
     assert "worker->worker" in header and "through controller" in header and "stores empty" in header
     summary = [line for line in out.splitlines() if line.startswith("distributed ")]
     assert len(summary) == 1 and summary[0].rstrip().endswith("yes"), out
+
+
+def test_the_main_job_over_shared_memory_gives_the_same_steps(
+    grpo: ModuleType, reports: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers on one host gather from each other through shared memory (the suite runs with
+    `DISTBATCH_SHM=0`; here it is on): same tasks, tokens, balance and loss as over HTTP, and
+    the controller still moves metadata only."""
+    monkeypatch.delenv("DISTBATCH_SHM")
+    over_shm = grpo.run_pipeline(grpo.parse_args(TINY), centralised=False, quiet=True)
+    over_http, _ = reports
+    assert over_shm.shards_left == 0
+    for s, h in zip(over_shm.steps, over_http.steps, strict=True):
+        assert (s.tasks, s.tokens, s.rank_tokens) == (h.tasks, h.tokens, h.rank_tokens)
+        assert math.isclose(s.mean_loss, h.mean_loss, rel_tol=1e-5)
+        # The same shard bytes, served by reference (HTTP also counts its containers' headers).
+        assert h.worker_bytes * 0.98 <= s.worker_bytes <= h.worker_bytes
+        assert s.controller_bytes / s.worker_bytes < 0.01
