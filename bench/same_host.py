@@ -41,7 +41,7 @@ def read_every_byte(columns: dict[str, Any]) -> float:
     for column in columns.values():
         for value in column if isinstance(column, list) else [column]:
             if isinstance(value, torch.Tensor):
-                total += float(value.view(torch.uint8).sum()) if value.numel() else 0.0
+                total += float(value.reshape(-1).view(torch.uint8).sum()) if value.numel() else 0.0
     return total
 
 

@@ -14,7 +14,7 @@ import operator
 import sys
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -148,19 +148,28 @@ class _Gathered:
     both views come from. A ragged column's per-task views point into the responses, so
     several responses are never joined just to be split again."""
 
-    __slots__ = ("pieces", "piece_shapes", "shapes", "json")
+    __slots__ = ("pieces", "piece_shapes", "shapes", "json", "allocate")
 
     def __init__(
         self,
         pieces: list[torch.Tensor],
         piece_shapes: list[RowShapes],
         json: list[Any] | None = None,
+        allocate: Callable[[int], Any] | None = None,
     ) -> None:
         self.pieces, self.piece_shapes, self.json = pieces, piece_shapes, json
         self.shapes = RowShapes.concat(piece_shapes) if json is None else None
+        # Where joined responses go (the client's recycled receive buffers, already mapped in,
+        # so the one copy a join costs is not also a page fault per 4 KiB).
+        self.allocate = allocate
 
     @staticmethod
-    def assemble(name: str, n: int, pieces: list[tuple[np.ndarray, wire.RawColumn]]) -> _Gathered:
+    def assemble(
+        name: str,
+        n: int,
+        pieces: list[tuple[np.ndarray, wire.RawColumn]],
+        allocate: Callable[[int], Any] | None = None,
+    ) -> _Gathered:
         """Put the responses' columns (each covering some batch rows) in batch order.
 
         Responses that cover the batch in order are used as they are (zero-copy); rows
@@ -179,7 +188,7 @@ class _Gathered:
         flats = [wire.column_tensor(column).reshape(-1) for _, column in pieces]
         piece_shapes = [column.shapes for _, column in pieces]
         if in_order:
-            return _Gathered(flats, piece_shapes)  # type: ignore[arg-type]
+            return _Gathered(flats, piece_shapes, allocate=allocate)  # type: ignore[arg-type]
         shapes = RowShapes.concat(piece_shapes)  # type: ignore[arg-type]
         flat = flats[0] if len(flats) == 1 else torch.cat(flats)
         back = np.argsort(order, kind="stable")
@@ -194,7 +203,15 @@ class _Gathered:
         """Every task's elements in one tensor (joins several responses: one copy)."""
         if len(self.pieces) == 1:
             return self.pieces[0]
-        return torch.cat(self.pieces) if self.pieces else torch.empty(0)
+        if not self.pieces:
+            return torch.empty(0)
+        total = sum(p.numel() for p in self.pieces)
+        dtype = self.pieces[0].dtype
+        nbytes = total * self.pieces[0].element_size()
+        if self.allocate is None or not nbytes:
+            return torch.cat(self.pieces)
+        out = torch.frombuffer(self.allocate(nbytes), dtype=dtype, count=total)
+        return torch.cat(self.pieces, out=out)
 
     def column(self) -> Column:
         """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
@@ -565,7 +582,8 @@ class DistributedBatchMemory:
                         f"says {self._meta.fields[name].dtype}"  # type: ignore[union-attr]
                     )
                 pieces[name].append((rows, column))
-        return {name: _Gathered.assemble(name, len(self), pieces[name]) for name in names}
+        allocate = self.client.receive_buffer
+        return {name: _Gathered.assemble(name, len(self), pieces[name], allocate) for name in names}
 
     async def afetch(self, fields: Sequence[str] | None = None) -> DistributedBatchMemory:
         """Gather `fields` (default: all) of a REMOTE batch into its cache without blocking the

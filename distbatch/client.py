@@ -337,9 +337,15 @@ class ShardClient:
         connections, and locks it may have held, are not the child's to use)."""
         with self._runtime_lock:
             if self._same_host_paths is None or self._same_host_pid != os.getpid():
-                self._same_host_paths = SameHostPaths(self.token, self.timeout, self._recv_pool.take)
+                self._same_host_paths = SameHostPaths(self.token, self.timeout, self.receive_buffer)
                 self._same_host_pid = os.getpid()
             return self._same_host_paths
+
+    def receive_buffer(self, nbytes: int) -> bytearray | np.ndarray:
+        """A writable buffer of `nbytes` from this client's recycled receive buffers: memory
+        already mapped in, so filling it costs no page faults; it returns to the pool when the
+        last view of it goes. What gathered columns are joined into."""
+        return self._recv_pool.take(nbytes)
 
     def traffic(self) -> Traffic:
         """A snapshot of the bytes and requests this client has moved so far."""
