@@ -548,7 +548,7 @@ class DistributedBatchMemory:
         for node, products in meta.plan(list(names)).items():
             for rows, fields in products:
                 per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
-                cuts = _cut_points(per_task, client.max_bytes_per_request, client.max_keys_per_request)
+                cuts = _cut_points(per_task, client.request_bytes_bound(node), client.max_keys_per_request)
                 for a, b in zip(cuts, cuts[1:]):
                     chunk = rows[a:b]
                     requests.append((node, pick(self._task_ids, chunk), fields))

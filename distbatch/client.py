@@ -48,6 +48,9 @@ from distbatch.shm_client import AnswerError, Fallback, SameHostChannel, SameHos
 
 T = TypeVar("T")
 
+# A gather request to a same-host worker names at most this many bytes (effectively no bound).
+MAX_SAME_HOST_REQUEST_BYTES = 1 << 62
+
 _CLOSED_IN_FLIGHT = "ShardClient was closed while this call was in flight"
 
 DEFAULT_LIVENESS_TIMEOUT = 30.0
@@ -340,6 +343,14 @@ class ShardClient:
                 self._same_host_paths = SameHostPaths(self.token, self.timeout, self.receive_buffer)
                 self._same_host_pid = os.getpid()
             return self._same_host_paths
+
+    def request_bytes_bound(self, node: str) -> int:
+        """How many shard bytes one gather request to `node` should ask for: the HTTP bound
+        (`max_bytes_per_request`), or none for a worker already known to be on this host, whose
+        answer is a few references into shared memory however many bytes they name."""
+        if isinstance(self._same_host.decided(node), SameHostChannel):
+            return MAX_SAME_HOST_REQUEST_BYTES
+        return self.max_bytes_per_request
 
     def receive_buffer(self, nbytes: int) -> bytearray | np.ndarray:
         """A writable buffer of `nbytes` from this client's recycled receive buffers: memory

@@ -229,6 +229,27 @@ def test_remote_batch_columns_and_packed_take_the_same_host_path(
         set_default_client(None)
 
 
+def test_a_big_column_from_one_worker_is_one_request_and_no_copy(
+    no_shm_override: None, plain_worker: WorkerProcess
+) -> None:
+    """HTTP splits gathers at `max_bytes_per_request`; a same-host answer is references, so a
+    batch gathers the whole column in one request, and it stays one run: a view, no join."""
+    from distbatch.client import set_default_client
+
+    with ShardClient(token="", max_bytes_per_request=MIB) as c:
+        values = torch.randn(64, 16_384)  # 4 MiB
+        set_default_client(c)
+        try:
+            remote = DistributedBatchMemory.from_dict({"x": values}).to_remote(plain_worker.node)
+            before = c.traffic()
+            column = DistributedBatchMemory.from_meta(remote.meta, c)["x"]
+            assert (c.traffic() - before).same_host_requests == 1
+            assert torch.equal(column, values)
+            assert "memfd:distbatch" in mapping_of(column.data_ptr())
+        finally:
+            set_default_client(None)
+
+
 def test_data_put_over_http_moves_into_a_region_once(
     client: ShardClient, plain_worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
