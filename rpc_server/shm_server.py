@@ -322,8 +322,8 @@ def _same(given: Any, expected: str) -> bool:
 
 
 def _one_fd(fds: Sequence[int]) -> tuple[int, list[int]]:
-    """The single descriptor a put carries; `_Refused` otherwise (any received are closed)."""
+    """The single descriptor a put carries, and what is left for the caller to close (nothing);
+    `_Refused` otherwise (the caller closes what it received)."""
     if len(fds) != 1:
-        close_all(fds)
         raise _Refused(400, "bad_request", f"a same-host put carries one descriptor, not {len(fds)}")
     return fds[0], []
