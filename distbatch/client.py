@@ -1326,6 +1326,13 @@ class ShardClient:
 
     # ------------------------------------------------------------------ info
 
+    def list_tasks(self, node: str, after: str | None = None, limit: int = 1000) -> dict[str, Any]:
+        """One page of the tasks `node` holds, in id order after `after`: `{"tasks": [[task_id,
+        [fields]], ...], "next": the id to pass as `after` for the next page (None at the end),
+        "total": tasks held}`."""
+        query = f"?limit={int(limit)}" + ("" if after is None else f"&after={validate_id(after, 'after')}")
+        return self.request_json(validate_node(node), "GET", f"/v1/tasks{query}")
+
     def stats(self, node: str) -> dict[str, Any]:
         """The node's store statistics (shards, tasks, bytes, capacity, free)."""
         return self._run(self._request(validate_node(node), "GET", "/v1/stats"))

@@ -7,6 +7,7 @@ it, instead of the views importing the factory that registers them (an import ci
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ class ServerState:
         default_factory=lambda: RecvPool(BODY_POOL_BYTES, idle_seconds=BODY_POOL_IDLE_SECONDS)
     )
 
+    started: float = field(default_factory=time.monotonic)  # for `uptime_seconds` in /v1/stats
     # The same-host endpoint, started by the first client that asks for it (`shared_memory`).
     shm: SharedMemoryService | None = None
     shm_refused: str | None = None

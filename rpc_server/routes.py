@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -317,6 +318,28 @@ def delete_shards() -> Response:
     return jsonify({"deleted": count, "bytes_freed": freed})
 
 
+# `GET /v1/tasks` pages hold at most this many tasks.
+MAX_LIST_LIMIT = 10_000
+
+
+@data_routes.get("/v1/tasks")
+def list_tasks() -> Response:
+    """`?after=ID&limit=N`: the held tasks in id order after ID, with their fields (for operators:
+    `distbatch ls`); `next` is the id to ask after for the next page, null at the end."""
+    after = request.args.get("after")
+    if after is not None:
+        validate_id(after, "after")
+    try:
+        limit = int(request.args.get("limit", "1000"))
+    except ValueError:
+        raise ApiError(400, "bad_request", "'limit' must be a whole number") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ApiError(400, "bad_request", f"'limit' must be 1 to {MAX_LIST_LIMIT}")
+    tasks, total = state().store.list_tasks(after, limit)
+    following = tasks[-1][0] if len(tasks) == limit else None
+    return jsonify({"tasks": [[t, f] for t, f in tasks], "next": following, "total": total})
+
+
 @data_routes.get("/v1/shm")
 def shared_memory() -> Response:
     """How a client on this host reaches the same-host endpoint (`rpc_server.shm_server`), or why
@@ -328,7 +351,13 @@ def shared_memory() -> Response:
 def stats() -> Response:
     current = state()
     return jsonify(
-        {"node": current.config.node, **current.store.stats().as_dict(), **current.metrics.traffic()}
+        {
+            "node": current.config.node,
+            **current.store.stats().as_dict(),
+            **current.metrics.traffic(),
+            "uptime_seconds": round(time.monotonic() - current.started, 3),
+            "engine": current.engine.name if current.engine is not None else None,
+        }
     )
 
 

@@ -16,6 +16,7 @@ bytes (what capacity counts) and held bytes (what the process holds).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -1015,6 +1016,25 @@ class ShardStore:
                 self._shared_bytes,
                 self._shared_regions,
             )
+
+    def list_tasks(
+        self, after: str | None = None, limit: int = 1000
+    ) -> tuple[list[tuple[str, list[str]]], int]:
+        """The held tasks in id order, after `after`, at most `limit`: (task id, its fields) each,
+        and how many tasks the store holds. For operators (`distbatch ls`), not the data path."""
+        with self._lock:
+            held = np.flatnonzero(self._ids[: self._next_row] != None)  # noqa: E711 (elementwise)
+            ids = self._ids[held].tolist()
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            names = [ids[i] for i in order]
+            start = 0 if after is None else bisect.bisect_right(names, after)
+            page = order[start : start + limit]
+            rows = held[page] if page else np.zeros(0, dtype=np.int64)
+            fields: list[list[str]] = [[] for _ in page]
+            for name in sorted(self._fields):
+                for i in np.flatnonzero(self._fields[name].segs_at(rows) >= 0).tolist():
+                    fields[i].append(name)
+            return [(ids[i], f) for i, f in zip(page, fields)], len(ids)
 
     def __len__(self) -> int:
         return self._shards

@@ -10,6 +10,7 @@ import gc
 import logging
 import mmap
 import os
+import resource
 import socket
 from collections.abc import Callable, Iterator
 
@@ -510,3 +511,30 @@ def test_over_the_workers_shared_bound_puts_and_gathers_use_http(
     assert client.stats(worker.node)["shared_regions"] == 1
     lines = [r.getMessage() for r in caplog.records if "shm-max-bytes" in r.getMessage()]
     assert len(lines) == 1  # once per node and kind of reason, however many requests fell back
+
+
+def test_a_region_the_kernel_refuses_means_http_for_that_gather(
+    client: ShardClient,
+    start_worker: Callable[..., WorkerProcess],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a full tmpfs or a memory limit does to a worker making a region, forced here by a
+    1 MiB file-size limit on the worker (memfd writes count; Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MIB, hard))  # the worker inherits it
+    try:
+        worker = start_worker(env=NO_TOKEN)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    big = {(f"t{i}", "x"): torch.full((200_000,), float(i)) for i in range(4)}  # 3.2 MB
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    client.put(worker.node, big)  # over HTTP: the worker must make a region to share it
+    monkeypatch.delenv(ENV_SWITCH)
+    caplog.set_level(logging.WARNING, logger="distbatch")
+    for _ in range(2):
+        got = client.fetch([(worker.node, "t2", "x"), (worker.node, "t1", "x")])
+        assert torch.equal(got[0], big[("t2", "x")]) and torch.equal(got[1], big[("t1", "x")])
+    assert client.stats(worker.node)["shared_regions"] == 0
+    lines = [r.getMessage() for r in caplog.records if "refused a shared region" in r.getMessage()]
+    assert len(lines) == 1 and "this request used HTTP" in lines[0]

@@ -1,0 +1,200 @@
+"""`distbatch`: what a running set of workers holds, from a shell (as `ray status` is for Ray).
+
+    distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime, engine
+    distbatch ls HOST:PORT [--after ID] [--limit N] [--all] [--json]   task ids and their fields
+    distbatch clear HOST:PORT (--tasks ID [ID ...] | --all --yes)      delete tasks
+    distbatch worker [worker flags]                            the same as `python -m rpc_server`
+
+The token comes from `DISTBATCH_TOKEN`, as for every client. Exit status: 0, or 1 when a worker
+could not be reached or refused (its row says why), or 2 for a bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from distbatch.client import ShardClient
+from distbatch.errors import DistBatchError
+from distbatch.ids import validate_node
+
+__all__ = ["main"]
+
+PAGE = 1000
+
+
+def _bytes(value: Any) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s"
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *rows]]
+    return "\n".join(lines)
+
+
+def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
+    """One row per worker; 1 if any could not be asked."""
+    results: dict[str, dict[str, Any]] = {}
+    failed = False
+    for node in nodes:
+        try:
+            results[node] = client.stats(node)
+        except DistBatchError as exc:
+            results[node] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed = True
+    if as_json:
+        print(json.dumps(results, indent=1))
+        return int(failed)
+    header = ["worker", "shards", "tasks", "live", "held", "capacity", "shared", "uptime", "engine"]
+    rows = []
+    for node, r in results.items():
+        if "error" in r:
+            rows.append([node, "unreachable:", r["error"]])
+            continue
+        rows.append(
+            [
+                node,
+                f"{r.get('shards', 0):,}",
+                f"{r.get('tasks', 0):,}",
+                _bytes(r.get("live_bytes")),
+                _bytes(r.get("held_bytes")),
+                _bytes(r.get("capacity")),
+                _bytes(r.get("shared_bytes")),
+                _duration(r.get("uptime_seconds")),
+                str(r.get("engine") or "-"),
+            ]
+        )
+    print(_table(header, rows))
+    return int(failed)
+
+
+def ls(client: ShardClient, node: str, after: str | None, limit: int, every: bool, as_json: bool) -> int:
+    """Task ids and fields, a page at a time (`--all`: every page)."""
+    tasks: list[list[Any]] = []
+    total = 0
+    following = after
+    while True:
+        page = client.list_tasks(node, following, limit)
+        tasks += page["tasks"]
+        total = page["total"]
+        following = page["next"]
+        if not every or following is None:
+            break
+    if as_json:
+        print(json.dumps({"node": node, "total": total, "tasks": tasks, "next": following}, indent=1))
+        return 0
+    for task_id, fields in tasks:
+        print(f"{task_id}\t{','.join(fields)}")
+    more = f"; more after {following!r} (--after {following})" if following is not None else ""
+    print(f"# {len(tasks)} of {total} task(s) on {node}{more}", file=sys.stderr)
+    return 0
+
+
+def clear(client: ShardClient, node: str, tasks: Sequence[str] | None, everything: bool) -> int:
+    """Delete the named tasks, or every task the worker holds (a page at a time)."""
+    deleted = freed = 0
+    if tasks:
+        result = client.delete(node, task_ids=list(tasks))
+        deleted, freed = result.deleted, result.bytes_freed
+    elif everything:
+        while True:
+            page = client.list_tasks(node, None, PAGE)
+            if not page["tasks"]:
+                break
+            result = client.delete(node, task_ids=[task_id for task_id, _ in page["tasks"]])
+            deleted, freed = deleted + result.deleted, freed + result.bytes_freed
+    print(f"deleted {deleted:,} shard(s), {_bytes(freed)} on {node}")
+    return 0
+
+
+def worker(flags: Sequence[str]) -> int:
+    """Become a worker: `python -m rpc_server` with these flags (its address on stdout)."""
+    os.execv(sys.executable, [sys.executable, "-m", "rpc_server", *flags])
+    raise AssertionError("unreachable")
+
+
+def _node(text: str) -> str:
+    try:
+        return validate_node(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distbatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per worker (default: 10)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("status", help="per worker: shards, tasks, bytes, capacity, uptime, engine")
+    p.add_argument("nodes", nargs="+", type=_node, metavar="HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = commands.add_parser("ls", help="the task ids a worker holds and their fields, in id order")
+    p.add_argument("node", type=_node, metavar="HOST:PORT")
+    p.add_argument("--after", help="start after this task id (the last one of the previous page)")
+    p.add_argument("--limit", type=int, default=PAGE, help=f"tasks per page (default: {PAGE})")
+    p.add_argument("--all", action="store_true", help="every page, not just the first")
+    p.add_argument("--json", action="store_true")
+    p = commands.add_parser("clear", help="delete tasks from a worker")
+    p.add_argument("node", type=_node, metavar="HOST:PORT")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tasks", nargs="+", metavar="ID", help="these tasks (every field of each)")
+    which.add_argument("--all", action="store_true", help="every task the worker holds (needs --yes)")
+    p.add_argument("--yes", action="store_true", help="confirm --all")
+    commands.add_parser(
+        "worker", help="run a worker (python -m rpc_server; its flags follow)", add_help=False
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["worker"]:
+        return worker(args_list[1:])  # every flag is the worker's, --help included
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command == "clear" and args.all and not args.yes:
+        parser.error("clear --all deletes every task on the worker: add --yes to confirm")
+    if args.command == "ls" and not 1 <= args.limit <= 10_000:
+        parser.error("--limit must be 1 to 10000")
+    with ShardClient(timeout=args.timeout, retries=1) as client:
+        try:
+            if args.command == "status":
+                return status(client, args.nodes, args.json)
+            if args.command == "ls":
+                return ls(client, args.node, args.after, args.limit, args.all, args.json)
+            return clear(client, args.node, args.tasks, args.all)
+        except DistBatchError as exc:
+            print(f"distbatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

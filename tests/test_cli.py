@@ -1,0 +1,126 @@
+"""The `distbatch` command line against real workers: status, ls (paged), clear, worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from distbatch import ShardClient
+from distbatch.cli import main
+from distbatch.launch import WorkerProcess
+
+
+@pytest.fixture
+def filled(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    """A worker holding 25 tasks: every one has `x`, the even ones `y` too."""
+    worker = start_worker()
+    with ShardClient() as client:
+        shards: dict[tuple[str, str], object] = {}
+        for i in range(25):
+            shards[(f"t{i:02d}", "x")] = torch.arange(100)
+            if i % 2 == 0:
+                shards[(f"t{i:02d}", "y")] = f"label-{i}"
+        client.put(worker.node, shards)
+    return worker
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_status_shows_each_worker_and_says_which_are_unreachable(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "status", filled.node, "--json")
+    assert code == 0
+    row = json.loads(out)[filled.node]
+    assert row["shards"] == 25 + 13 and row["tasks"] == 25
+    assert row["live_bytes"] > 25 * 800 and row["uptime_seconds"] > 0 and row["engine"] is None
+    dead = "127.0.0.1:9"  # discard port: nothing listens there
+    code, out, _ = run(capsys, "--timeout", "2", "status", filled.node, dead)
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["worker", "shards", "tasks"]
+    assert lines[1].split()[:3] == [filled.node, "38", "25"]
+    assert lines[2].startswith(dead) and "unreachable" in lines[2]
+
+
+def test_ls_pages_through_task_ids_in_order_with_their_fields(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "ls", filled.node, "--limit", "10")
+    assert code == 0
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [r[0] for r in rows] == [f"t{i:02d}" for i in range(10)]
+    assert rows[0][1] == "x,y" and rows[1][1] == "x"
+    assert "10 of 25" in err and "--after t09" in err
+    code, out, _ = run(capsys, "ls", filled.node, "--limit", "10", "--after", "t09", "--json")
+    page = json.loads(out)
+    assert [t for t, _ in page["tasks"]] == [f"t{i:02d}" for i in range(10, 20)]
+    assert page["next"] == "t19" and page["total"] == 25
+    code, out, _ = run(capsys, "ls", filled.node, "--limit", "7", "--all", "--json")
+    every = json.loads(out)
+    assert [t for t, _ in every["tasks"]] == [f"t{i:02d}" for i in range(25)] and every["next"] is None
+
+
+def test_the_listing_endpoint_checks_its_arguments(filled: WorkerProcess) -> None:
+    with ShardClient() as client:
+        for query in ("?limit=0", "?limit=10001", "?limit=ten", "?after=../x"):
+            with pytest.raises(Exception, match="400|limit|invalid"):
+                client.request_json(filled.node, "GET", f"/v1/tasks{query}")
+
+
+def test_clear_named_tasks_or_everything_with_confirmation(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "clear", filled.node, "--tasks", "t00", "t01", "nope")
+    assert code == 0 and "deleted 3 shard(s)" in out
+    with pytest.raises(SystemExit) as refused:
+        main(["clear", filled.node, "--all"])
+    assert refused.value.code == 2 and "--yes" in capsys.readouterr().err
+    with ShardClient() as client:
+        assert client.stats(filled.node)["tasks"] == 23  # nothing deleted without --yes
+        code, out, _ = run(capsys, "clear", filled.node, "--all", "--yes")
+        assert code == 0 and "deleted 35 shard(s)" in out
+        assert client.stats(filled.node)["shards"] == 0
+
+
+def test_a_bad_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as bad:
+        main(["status", "not-an-address"])
+    assert bad.value.code == 2 and "not-an-address" in capsys.readouterr().err
+
+
+def test_worker_runs_the_worker_server() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "distbatch.cli", "worker", "--port", "0", "--max-bytes", "1000000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        node = process.stdout.readline().strip()
+        with ShardClient() as client:
+            assert client.stats(node)["capacity"] == 1_000_000
+    finally:
+        process.terminate()
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_the_package_installs_the_distbatch_command() -> None:
+    import shutil
+    from pathlib import Path
+
+    command = shutil.which("distbatch", path=str(Path(sys.executable).parent))
+    assert command, "installing the package puts a `distbatch` command next to python"
+    done = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "status" in done.stdout and "worker" in done.stdout

@@ -1,0 +1,70 @@
+"""The worker's /metrics is prometheus_client's exposition, and the Grafana dashboard in docs/
+plots only metrics a worker really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from distbatch import ShardClient
+from distbatch.errors import ShardNotFoundError
+from distbatch.launch import WorkerProcess
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "distbatch-workers.json"
+
+
+def scrape(node: str) -> str:
+    with urllib.request.urlopen(f"http://{node}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return response.read().decode()
+
+
+def sample_names(text: str) -> set[str]:
+    """Every sample name in the exposition, parsed by prometheus_client's own parser (so the
+    text must be valid, escaping included)."""
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_every_metric_the_dashboard_plots_is_exported(start_worker: Callable[..., WorkerProcess]) -> None:
+    worker = start_worker("--max-bytes", "100000000", "--max-idle-seconds", "3600")
+    with ShardClient() as client:
+        client.put(worker.node, {("t0", "x"): torch.arange(10)})
+        try:
+            client.fetch([(worker.node, "missing", "x")])
+        except ShardNotFoundError:
+            pass  # an error, so the error counter has a series
+    exported = sample_names(scrape(worker.node))
+    dashboard = json.loads(DASHBOARD.read_text())
+    plotted = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bdistbatch_[a-z_]+", target["expr"])
+    }
+    assert len(plotted) >= 12
+    assert plotted <= exported, f"plotted but not exported: {sorted(plotted - exported)}"
+    assert all(panel["targets"] for panel in dashboard["panels"])
+
+
+def test_label_values_from_the_request_line_are_bounded_and_escaped(worker: WorkerProcess) -> None:
+    host, port = worker.node.rsplit(":", 1)
+    for method in ("FOO", 'B"A\\R', "BAZ"):
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(f'{method} /no/such"path HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n'.encode())
+            while sock.recv(65536):
+                pass
+    families = {f.name: f for f in text_string_to_metric_families(scrape(worker.node))}
+    labels = [
+        s.labels for s in families["distbatch_requests"].samples if s.name == "distbatch_requests_total"
+    ]
+    methods = {lab["method"] for lab in labels}
+    endpoints = {lab["endpoint"] for lab in labels}
+    assert "other" in methods and not methods & {"FOO", "BAZ", 'B"A\\R'}
+    assert endpoints <= {"unmatched", "/metrics", "/health", "/v1/stats"} | {"other"}
