@@ -16,6 +16,7 @@ from distbatch.http_server import SENDS_BUFFERS
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER
 from rpc_server.context import ApiError, state
+from rpc_server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 data_routes = Blueprint("data", __name__)
 
@@ -375,6 +376,11 @@ def metrics() -> Response:
                 stats.held_bytes,
             ),
             "distbatch_segments": ("Stored column segments.", stats.segments),
+            "distbatch_shared_bytes": (
+                "Bytes in shared regions that clients on this host map (same-host path).",
+                stats.shared_bytes,
+            ),
+            "distbatch_shared_regions": ("Shared regions held.", stats.shared_regions),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
         },
         {
@@ -382,7 +388,7 @@ def metrics() -> Response:
             "distbatch_evicted_bytes_total": ("Bytes of shards deleted for being idle.", stats.evicted_bytes),
         },
     )
-    return Response(text, mimetype="text/plain; version=0.0.4")
+    return Response(text, content_type=METRICS_CONTENT_TYPE)
 
 
 @data_routes.post("/v1/call/<method>")

@@ -68,3 +68,18 @@ def test_label_values_from_the_request_line_are_bounded_and_escaped(worker: Work
     endpoints = {lab["endpoint"] for lab in labels}
     assert "other" in methods and not methods & {"FOO", "BAZ", 'B"A\\R'}
     assert endpoints <= {"unmatched", "/metrics", "/health", "/v1/stats"} | {"other"}
+
+
+def test_each_metrics_object_has_its_own_registry() -> None:
+    """Two workers in one process (tests, embedded hosts) never see each other's requests."""
+    from rpc_server.metrics import Metrics
+
+    first, second = Metrics(), Metrics()
+    first.observe("/v1/stats", "GET", 200, 0.01, 0, 10)
+    assert b'distbatch_requests_total{endpoint="/v1/stats",method="GET",status="200"} 1.0' in first.render({})
+    assert b'endpoint="/v1/stats"' not in second.render({})
+    gauges = {"distbatch_shards": ("Shards stored.", 7), "distbatch_capacity_bytes": ("Capacity.", None)}
+    text = second.render(gauges, {"distbatch_evicted_shards_total": ("Evicted.", 3)}).decode()
+    names = sample_names(text)
+    assert {"distbatch_shards", "distbatch_evicted_shards_total"} <= names
+    assert "distbatch_capacity_bytes" not in names  # no capacity: no series

@@ -296,8 +296,11 @@ def test_response_limit_counts_the_whole_response_exactly(start_worker: StartWor
 
 # ---------------------------------------------------------------- Prometheus text
 
-# One sample line with labels whose values are properly escaped (no raw quote, backslash or newline).
-SAMPLE = re.compile(r'^[a-z_]+\{([a-z_]+="(?:[^"\\\n]|\\["\\n])*",?)*\} \d+(\.\d+)?$')
+# One sample line with labels whose values are properly escaped (no raw quote, backslash or newline),
+# and a Prometheus float for a value (counters' `_created` samples read like 1.76e+09).
+SAMPLE = re.compile(
+    r'^[a-z_]+\{([a-z_]+="(?:[^"\\\n]|\\["\\n])*",?)*\} [-+]?\d+(\.\d+)?([eE][-+]?\d+)?$'
+)
 
 
 def test_odd_methods_keep_metrics_valid_and_bounded(start_worker: StartWorker) -> None:
@@ -324,7 +327,7 @@ def test_odd_methods_keep_metrics_valid_and_bounded(start_worker: StartWorker) -
 def test_render_escapes_label_values() -> None:
     metrics = Metrics()
     metrics.observe('/odd"\\\nrule', "GET", 404, 0.01, 0, 10)
-    lines = metrics.render({}).splitlines()
+    lines = metrics.render({}).decode().splitlines()
     labelled = [line for line in lines if "{" in line and not line.startswith("#")]
     assert labelled and all(SAMPLE.match(line) for line in labelled), labelled
     assert 'endpoint="/odd\\"\\\\\\nrule"' in labelled[0]
