@@ -41,6 +41,8 @@ from distbatch.errors import (
 )
 from distbatch.http_errors import error_response as _error
 from distbatch.http_errors import register_json_errors
+from distbatch.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from distbatch.http_metrics import Metrics, record_requests
 from distbatch.http_server import HttpServer
 from distbatch.ids import validate_id
 from distbatch.meta import MetaFormatError
@@ -80,6 +82,26 @@ def _required(body: Mapping[str, Any], key: str) -> Any:
 @_ROUTES.get("/health")
 def health() -> Response:
     return jsonify({"status": "ok", "role": "controller"})
+
+
+@_ROUTES.get("/metrics")
+def metrics() -> Response:
+    """Prometheus exposition: the request metrics every distbatch app keeps, and the
+    controller's partitions and waiting consumers."""
+    controller = _controller()
+    text = current_app.extensions["metrics"].render(
+        {
+            "distbatch_controller_partitions": (
+                "Partitions the controller holds.",
+                len(controller.partitions()),
+            ),
+            "distbatch_controller_waiting_consumers": (
+                "get_meta calls waiting for producers right now (starvation).",
+                controller.waiting_consumers(),
+            ),
+        }
+    )
+    return Response(text, content_type=METRICS_CONTENT_TYPE)
 
 
 @_ROUTES.post("/v1/controller/put")
@@ -204,8 +226,10 @@ def create_controller_app(controller: Controller, *, token: str | None = None) -
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.extensions["controller"] = controller
+    app.extensions["metrics"] = Metrics()
     required = token if token is not None else token_from_env()
     app.register_blueprint(_ROUTES)
+    record_requests(app, app.extensions["metrics"])
 
     @app.before_request
     def _authenticate() -> Response | None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
 
 from distbatch.auth import bearer_ok
 from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.http_errors import error_response, register_json_errors
+from distbatch.http_metrics import record_requests
 from distbatch.meta import MetaFormatError
 from rpc_server.config import ServerConfig
 from rpc_server.context import ApiError, ServerState, state
@@ -72,35 +72,19 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     app.extensions["on_bound"] = lambda node: setattr(config, "node", node)
     app.extensions["on_close"] = server_state.close
     app.register_blueprint(data_routes)
-    app.before_request(_start_and_authenticate)
-    app.after_request(_record_metrics)
+    record_requests(app, server_state.metrics)
+    app.before_request(_authenticate)
     _register_error_handlers(app)
     return app
 
 
-def _start_and_authenticate() -> Response | None:
-    g.started = time.perf_counter()
+def _authenticate() -> Response | None:
     token = state().config.token
     if token is None or request.endpoint == "data.health":
         return None
     if not bearer_ok(request.headers.get("Authorization"), token):
         return error_response(401, "unauthorized", "missing or wrong bearer token")
     return None
-
-
-def _record_metrics(response: Response) -> Response:
-    started = g.get("started")
-    if started is not None:
-        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        state().metrics.observe(
-            rule,
-            request.method,
-            response.status_code,
-            time.perf_counter() - started,
-            request.content_length or 0,
-            response.content_length or 0,
-        )
-    return response
 
 
 _WORKER_ERRORS: dict[type[BaseException], tuple[int, str]] = {

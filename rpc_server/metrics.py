@@ -1,118 +1,24 @@
-"""The worker's metrics: `prometheus_client` collectors in a registry of the app's own.
-
-One `Metrics` per app (servers in one process stay apart; no module-level registry). Request
-counters and latency histograms are labelled by route rule (bounded: the app's routes and
-`unmatched`), method (bounded: `KNOWN_METHODS`, anything else is `other`) and status; the
-store's sizes are read when `/metrics` is scraped. `prometheus_client` writes the exposition
-(escaping included). `traffic()` and `request_count()` answer `/v1/stats` and tests from
-plain counters kept beside the collectors.
-"""
+"""The worker's metrics: the request metrics every distbatch HTTP app keeps
+(`distbatch.http_metrics`), plus the shard traffic `/v1/stats` reports."""
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from collections.abc import Iterator
-
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from distbatch.http_metrics import CONTENT_TYPE, KNOWN_METHODS, LATENCY_BUCKETS
+from distbatch.http_metrics import Metrics as RequestMetrics
 
 __all__ = ["CONTENT_TYPE", "KNOWN_METHODS", "LATENCY_BUCKETS", "Metrics"]
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Methods recorded by name; any other request-line token counts as "other", so a client
-# inventing methods cannot grow the metrics (one series per distinct token) without bound.
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
 # The endpoints whose bytes `/v1/stats` reports as shard traffic (HTTP and same-host).
 FETCHES = ("/v1/shards/fetch", "unix:fetch")
 PUTS = ("/v1/shards", "unix:put")
 
-Values = dict[str, tuple[str, float | int | None]]
 
-
-class _Snapshot:
-    """A collector of values read at scrape time (the store's sizes): gauges and counters."""
-
-    def __init__(self, gauges: Values, counters: Values) -> None:
-        self.gauges, self.counters = gauges, counters
-
-    def collect(self) -> Iterator[Metric]:
-        for name, (help_text, value) in self.gauges.items():
-            if value is not None:
-                yield GaugeMetricFamily(name, help_text, value=value)
-        for name, (help_text, value) in self.counters.items():
-            if value is not None:
-                yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
-
-
-class Metrics:
-    """Per-server metrics; one instance per app, so servers in one process stay apart."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self._requests_total = Counter(
-            "distbatch_requests",
-            "Requests served, by endpoint, method and status.",
-            ["endpoint", "method", "status"],
-            registry=self.registry,
-        )
-        self._errors_total = Counter(
-            "distbatch_request_errors",
-            "Requests answered with status >= 400.",
-            ["endpoint"],
-            registry=self.registry,
-        )
-        self._latency = Histogram(
-            "distbatch_request_seconds",
-            "Request latency.",
-            ["endpoint"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self._received = Counter(
-            "distbatch_received_bytes", "Request body bytes received.", registry=self.registry
-        )
-        self._sent = Counter("distbatch_sent_bytes", "Response body bytes sent.", registry=self.registry)
-        self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str, int], int] = defaultdict(int)
-        self._bytes_out_by_endpoint: dict[str, int] = defaultdict(int)
-        self._bytes_in_by_endpoint: dict[str, int] = defaultdict(int)
-
-    def observe(
-        self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int
-    ) -> None:
-        if method not in KNOWN_METHODS:
-            method = "other"
-        self._requests_total.labels(endpoint, method, str(status)).inc()
-        if status >= 400:
-            self._errors_total.labels(endpoint).inc()
-        self._latency.labels(endpoint).observe(seconds)
-        self._received.inc(bytes_in)
-        self._sent.inc(bytes_out)
-        with self._lock:
-            self._requests[(endpoint, method, status)] += 1
-            self._bytes_in_by_endpoint[endpoint] += bytes_in
-            self._bytes_out_by_endpoint[endpoint] += bytes_out
-
-    def request_count(self, endpoint: str) -> int:
-        """Requests served on `endpoint` (a route rule such as '/v1/shards/fetch')."""
-        with self._lock:
-            return sum(n for (ep, _, _), n in self._requests.items() if ep == endpoint)
+class Metrics(RequestMetrics):
+    """A worker's request metrics, and its shard traffic."""
 
     def traffic(self) -> dict[str, int]:
         """Shard bytes this worker served (fetch responses) and took in (put bodies), over HTTP and
         the same-host socket (`unix:` endpoints: bytes handed over in shared memory count too)."""
-        with self._lock:
-            return {
-                "fetch_bytes_served": sum(self._bytes_out_by_endpoint.get(ep, 0) for ep in FETCHES),
-                "put_bytes_received": sum(self._bytes_in_by_endpoint.get(ep, 0) for ep in PUTS),
-                "fetch_requests": sum(n for (ep, _, _), n in self._requests.items() if ep in FETCHES),
-            }
-
-    def render(self, gauges: Values, counters: Values | None = None) -> bytes:
-        """The exposition: `gauges` and `counters` (name -> (help, value), read now: the store's
-        sizes) and every request collector."""
-        snapshot = CollectorRegistry(auto_describe=False)
-        snapshot.register(_Snapshot(gauges, counters or {}))
-        return generate_latest(snapshot) + generate_latest(self.registry)
+        fetches, _, served = self.endpoint_totals(FETCHES)
+        _, received, _ = self.endpoint_totals(PUTS)
+        return {"fetch_bytes_served": served, "put_bytes_received": received, "fetch_requests": fetches}

@@ -14,10 +14,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from distbatch import ShardClient
+from distbatch.controller import Controller
+from distbatch.controller_http import ControllerServer, RemoteController
 from distbatch.errors import ShardNotFoundError
 from distbatch.launch import WorkerProcess
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "distbatch-workers.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "distbatch.json"
 
 
 def scrape(node: str) -> str:
@@ -32,15 +34,19 @@ def sample_names(text: str) -> set[str]:
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def test_every_metric_the_dashboard_plots_is_exported(start_worker: Callable[..., WorkerProcess]) -> None:
+def test_every_metric_the_dashboard_plots_is_exported(
+    start_worker: Callable[..., WorkerProcess], serve: Callable[..., ControllerServer]
+) -> None:
     worker = start_worker("--max-bytes", "100000000", "--max-idle-seconds", "3600")
+    controller = serve(Controller())
+    RemoteController(controller.address).create_partition("train")
     with ShardClient() as client:
         client.put(worker.node, {("t0", "x"): torch.arange(10)})
         try:
             client.fetch([(worker.node, "missing", "x")])
         except ShardNotFoundError:
             pass  # an error, so the error counter has a series
-    exported = sample_names(scrape(worker.node))
+    exported = sample_names(scrape(worker.node)) | sample_names(scrape(controller.address))
     dashboard = json.loads(DASHBOARD.read_text())
     plotted = {
         name
@@ -83,3 +89,20 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     names = sample_names(text)
     assert {"distbatch_shards", "distbatch_evicted_shards_total"} <= names
     assert "distbatch_capacity_bytes" not in names  # no capacity: no series
+
+
+def test_a_served_controller_reports_its_queues_and_requests(serve: Callable[..., ControllerServer]) -> None:
+    controller = Controller()
+    server = serve(controller)
+    remote = RemoteController(server.address)
+    remote.create_partition("train")
+    remote.create_partition("eval")
+    families = {f.name: f for f in text_string_to_metric_families(scrape(server.address))}
+    assert families["distbatch_controller_partitions"].samples[0].value == 2
+    assert families["distbatch_controller_waiting_consumers"].samples[0].value == 0
+    requests = {
+        (s.labels["endpoint"], s.labels["status"]): s.value
+        for s in families["distbatch_requests"].samples
+        if s.name == "distbatch_requests_total"
+    }
+    assert requests[("/v1/controller/create_partition", "200")] == 2
