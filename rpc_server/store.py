@@ -1156,7 +1156,8 @@ def _run_table(seg: _Segment, positions: np.ndarray, share: _RegionSlots) -> np.
     if not int(sizes.sum()):
         return np.zeros((0, 3), dtype=np.int64)  # no bytes: no region to name
     region = seg.buffer.region
-    assert region is not None and seg.region_offset is not None  # `fetch_shared` moved it
+    if region is None or seg.region_offset is None:  # `fetch_shared` moves every segment first
+        raise SharedMemoryUnavailable(f"segment {seg.id} of field {seg.field!r} is not in a shared region")
     starts = seg.starts[positions] + seg.region_offset
     ends = starts + sizes
     breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
