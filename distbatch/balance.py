@@ -18,23 +18,33 @@ EXACT_MAX_ITEMS = 4096
 
 
 class _State:
-    """k partial partitions (sums and members), kept sorted by sum, largest first.
+    """k partial partitions (sums and members), kept sorted heaviest first.
 
-    Ties in sum put the partition with more members first, so empty partitions
-    come last and a merge fills them before stacking two items together (every
+    The order is verl's and TransferQueue's, so the merge sequence, and with it
+    the result before refinement, is the same as theirs: partitions by sum,
+    then member count, then member list, all descending. Empty partitions come
+    last, so a merge fills them before stacking two items together (every
     partition ends non-empty whenever there are at least k items).
     """
 
     __slots__ = ("sums", "members")
 
     def __init__(self, sums: list[int], members: list[list[int]]) -> None:
-        order = sorted(range(len(sums)), key=lambda i: (-sums[i], -len(members[i]), members[i]))
+        order = sorted(range(len(sums)), key=lambda i: (sums[i], len(members[i]), members[i]), reverse=True)
         self.sums = [sums[i] for i in order]
         self.members = [members[i] for i in order]
 
     @property
     def spread(self) -> int:
         return self.sums[0] - self.sums[-1]
+
+    def __lt__(self, other: _State) -> bool:
+        """Heap order: the widest spread pops first, then the heavier top partition."""
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        mine = (self.sums[0], len(self.members[0]), self.members[0])
+        theirs = (other.sums[0], len(other.members[0]), other.members[0])
+        return mine > theirs
 
     def merge(self, other: _State) -> _State:
         # Pair the heaviest partitions of one with the lightest of the other.
@@ -59,32 +69,37 @@ def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bo
 
     With `equal_size` every partition gets the same number of items (the item
     count must then be divisible by k). Each returned list is sorted.
+
+    The Karmarkar-Karp pass merges in the same order as verl's and
+    TransferQueue's; `refine_by_swaps` then narrows the gap further where it
+    can, so the spread (heaviest minus lightest sum) is never wider than theirs.
     """
     lengths = _check_lengths(seqlen_list, k_partitions)
     k = k_partitions
     if equal_size and len(lengths) % k:
         raise ValueError(f"{len(lengths)} items cannot be split into {k} equal-size partitions")
+    return refine_by_swaps(_merged(lengths, k, equal_size), lengths, keep_counts=equal_size)
+
+
+def _merged(lengths: list[int], k: int, equal_size: bool) -> list[list[int]]:
+    """The Karmarkar-Karp merges alone (verl's and TransferQueue's order), members unsorted."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    states: list[_State] = []
+    heap: list[_State] = []
     if equal_size:
         for start in range(0, len(order), k):
             chunk = order[start : start + k]
-            states.append(_State([lengths[i] for i in chunk], [[i] for i in chunk]))
+            heap.append(_State([lengths[i] for i in chunk], [[i] for i in chunk]))
     else:
         for i in order:
-            states.append(_State([lengths[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
-    if not states:
+            heap.append(_State([lengths[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    if not heap:
         return [[] for _ in range(k)]
-    heap = [(-s.spread, n, s) for n, s in enumerate(states)]
     heapq.heapify(heap)
-    counter = len(heap)
     while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        merged = a.merge(b)
-        heapq.heappush(heap, (-merged.spread, counter, merged))
-        counter += 1
-    return [sorted(m) for m in heap[0][2].members]
+        a = heapq.heappop(heap)
+        b = heapq.heappop(heap)
+        heapq.heappush(heap, a.merge(b))
+    return heap[0].members
 
 
 def get_seqlen_balanced_partitions(
@@ -119,19 +134,25 @@ def balanced_group_partitions(group_lengths: Sequence[int], k_partitions: int) -
     # zero-length group into the first k-item chunk, whose items all land in
     # different partitions, so no partition receives two of them.
     padded = [0] * padding + lengths
-    parts = karmarkar_karp(padded, k_partitions, equal_size=True)
+    parts = _merged(padded, k_partitions, equal_size=True)  # no swaps yet: they could pair placeholders
     real = [[i - padding for i in part if i >= padding] for part in parts]
     return refine_by_swaps(real, lengths)
 
 
 def refine_by_swaps(
-    partitions: list[list[int]], lengths: Sequence[int], max_rounds: int | None = None
+    partitions: list[list[int]],
+    lengths: Sequence[int],
+    max_rounds: int | None = None,
+    *,
+    keep_counts: bool = True,
 ) -> list[list[int]]:
-    """Improve a partition by swapping one item between the heaviest and lightest parts.
+    """Improve a partition by exchanging items between the heaviest and lightest parts.
 
     Karmarkar–Karp is a fine start but can leave a sizeable gap on heavy-tailed
-    lengths with k > 2; each swap strictly narrows the heaviest/lightest gap
-    and keeps every partition's item count, so the result is never worse.
+    lengths with k > 2. Each step swaps one item of the heaviest part for one
+    of the lightest (or, unless `keep_counts`, moves one item across, never
+    emptying a part), and only when that strictly narrows their gap. Both new
+    sums then lie between the old two, so the overall spread never widens.
     Returns new sorted lists; the input is not modified.
     """
     parts = [list(p) for p in partitions]
@@ -149,8 +170,12 @@ def refine_by_swaps(
         # the best b for each a is the one with lb closest to la - gap/2.
         light_sorted = sorted(parts[light], key=lambda i: lengths[i])
         light_lengths = [lengths[i] for i in light_sorted]
-        best: tuple[int, int, int] | None = None
+        best: tuple[int, int, int | None] | None = None
         for a in parts[heavy]:
+            if not keep_counts and len(parts[heavy]) > 1 and 0 < lengths[a] < gap:
+                new_gap = abs(gap - 2 * lengths[a])  # move a alone
+                if best is None or new_gap < best[0]:
+                    best = (new_gap, a, None)
             target = lengths[a] - gap / 2
             pos = bisect.bisect_left(light_lengths, target)
             for q in (pos - 1, pos):
@@ -162,9 +187,13 @@ def refine_by_swaps(
         if best is None:
             break
         _, a, b = best
-        parts[heavy][parts[heavy].index(a)] = b
-        parts[light][parts[light].index(b)] = a
-        delta = lengths[a] - lengths[b]
+        parts[heavy].remove(a)
+        parts[light].append(a)
+        delta = lengths[a]
+        if b is not None:
+            parts[light].remove(b)
+            parts[heavy].append(b)
+            delta -= lengths[b]
         sums[heavy] -= delta
         sums[light] += delta
     return [sorted(p) for p in parts]

@@ -54,6 +54,8 @@ from distbatch.wire import ITEMSIZE
 CHECKPOINT_VERSION = 1
 # Keyword arguments the controller itself gives the sampler.
 RESERVED_SAMPLING_KEYS = frozenset({"partition", "partition_id", "task_name"})
+# Per-task custom metadata (`Controller.set_custom_meta`): JSON bytes allowed per task.
+MAX_CUSTOM_META_BYTES = 64 << 10
 # Answers remembered per request id (see `Controller`): how many, and for how long.
 DEFAULT_REQUEST_MEMORY = 4096
 DEFAULT_REQUEST_TTL = 600.0
@@ -100,6 +102,8 @@ class _Partition:
     clearing: dict[int, int] = field(default_factory=dict)
     # Fields declared with create_partition: a consumer may wait for them before any put.
     expected: set[str] = field(default_factory=set)
+    # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
+    custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def knows(self, name: str) -> bool:
         """Whether `name` was ever put into this partition or declared for it."""
@@ -158,6 +162,12 @@ class _Partition:
             out.append(shape[0] if shape else 1)
         return out
 
+    def get_custom_meta(self, indexes: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """Custom metadata of those `indexes` that have some, by index (TransferQueue's
+        ``DataPartitionStatus.get_custom_meta``, which samplers such as
+        `SeqlenBalancedSampler` read ``total_lengths`` from)."""
+        return {i: self.custom_meta[i] for i in indexes if i in self.custom_meta}
+
     def meta_for(self, indexes: Sequence[int], fields: Sequence[str]) -> BatchMeta:
         node_map: dict[int, int] = {}
         nodes: list[str] = []
@@ -208,6 +218,7 @@ class _Partition:
             if task_id is None:
                 continue
             del self.index_of[task_id]
+            self.custom_meta.pop(i, None)
             for column in self.columns.values():
                 column.node.pop(i, None)
                 column.shape.pop(i, None)
@@ -408,14 +419,23 @@ class Controller:
                     if unknown:
                         raise UnknownFieldError(partition_id, unknown, partition.known_fields())
                     ready = partition.ready(task_name, fields)
+                    # As TransferQueue's controller does, a sampler sees the ready list only when it
+                    # holds a batch, or when the sampler can answer this rank from its cache. Else
+                    # it is asked about an empty list, whose answer is dropped: its arguments are
+                    # still checked at once, and nothing partial is handed out.
+                    enough = len(ready) >= batch_size or _has_cached_result(
+                        self.sampler, partition_id, task_name, sampling_config
+                    )
                     sampled, consumed = self.sampler(
-                        ready,
+                        ready if enough else [],
                         batch_size,
                         partition_id=partition_id,
                         task_name=task_name,
                         partition=partition,
                         **sampling_config,
                     )
+                    if not enough:
+                        sampled, consumed = [], []
                     if sampled:
                         missing = [i for i in sampled if i not in partition.task_of]
                         if missing:
@@ -509,6 +529,46 @@ class Controller:
             produced = {n: len(partition.columns[n].node) if n in partition.columns else 0 for n in names}
             ready = len(partition.ready("\0", names)) if names else 0
             return {"tasks": len(partition.task_of), "produced": produced, "ready": ready}
+
+    def set_custom_meta(self, partition_id: str, custom_meta: Mapping[str, Mapping[str, Any]]) -> None:
+        """Attach a JSON object to each named task (replacing what it had), as TransferQueue's
+        ``set_custom_meta`` does; samplers read it through ``partition.get_custom_meta``.
+
+        ``{"total_lengths": n}`` is what `SeqlenBalancedSampler` balances on. Keys
+        are task ids of the partition; each object is at most 64 KiB of JSON and
+        goes into checkpoints. An unknown task or a bad object is an
+        `InvalidArgumentError`, and then nothing is set. Clearing a task drops it.
+        """
+        validate_id(partition_id, "partition_id")
+        if not isinstance(custom_meta, Mapping):
+            raise InvalidArgumentError(f"custom_meta must map task ids to objects, got {type(custom_meta)}")
+        checked = {validate_id(t, "task_id"): _custom_meta_object(meta, t) for t, meta in custom_meta.items()}
+        with self._lock:
+            partition = self._partitions.get(partition_id)
+            if partition is None:
+                raise UnknownPartitionError(partition_id, self._partitions)
+            unknown = [t for t in checked if t not in partition.index_of]
+            if unknown:
+                raise InvalidArgumentError(f"partition {partition_id!r} has no tasks {unknown[:5]}")
+            for task_id, meta in checked.items():
+                partition.custom_meta[partition.index_of[task_id]] = meta
+
+    def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The custom metadata of those `task_ids` that have some, by task id."""
+        validate_id(partition_id, "partition_id")
+        if isinstance(task_ids, (str, bytes)):
+            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
+        wanted = [validate_id(t, "task_id") for t in _iterable(task_ids, "task_ids")]
+        with self._lock:
+            partition = self._partitions.get(partition_id)
+            if partition is None:
+                return {}
+            out = {}
+            for task_id in wanted:
+                i = partition.index_of.get(task_id)
+                if i is not None and i in partition.custom_meta:
+                    out[task_id] = json.loads(json.dumps(partition.custom_meta[i]))  # a copy
+            return out
 
     def consumption_status(self, partition_id: str, task_name: str) -> dict[str, int]:
         """How many of the partition's tasks `task_name` has consumed."""
@@ -649,6 +709,7 @@ class Controller:
                     },
                     "consumed": {name: sorted(s) for name, s in p.consumed.items()},
                     "expected_fields": sorted(p.expected),
+                    "custom_meta": [[i, meta] for i, meta in sorted(p.custom_meta.items())],
                 }
             return {
                 "version": CHECKPOINT_VERSION,
@@ -698,6 +759,10 @@ class Controller:
                 if not isinstance(expected, list):
                     raise ValueError("'expected_fields' must be a list")
                 p.expected = {validate_id(f, "field") for f in expected}
+                for i, meta in raw.get("custom_meta", []):
+                    if _count(i) not in p.task_of:
+                        raise ValueError(f"custom_meta names unknown task index {i}")
+                    p.custom_meta[i] = _custom_meta_object(meta, p.task_of[i])
                 partitions[pid] = p
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"invalid controller checkpoint: {exc}") from None
@@ -741,6 +806,14 @@ def _rows_with(partition: _Partition, task_ids: Sequence[str], fields: Sequence[
     return rows
 
 
+def _has_cached_result(
+    sampler: BaseSampler, partition_id: str, task_name: str, sampling_config: Mapping[str, Any]
+) -> bool:
+    """Whether the sampler can answer this rank from its cache (a duck-typed sampler may not say)."""
+    check = getattr(sampler, "has_cached_result", None)
+    return bool(check(partition_id, task_name, sampling_config)) if callable(check) else False
+
+
 def _group_size(sampler: BaseSampler) -> int:
     """n_samples_per_prompt of a GRPO group sampler (also one inside `RankAwareSampler`), else 1."""
     if isinstance(sampler, RankAwareSampler):
@@ -753,6 +826,24 @@ def _iterable(value: Any, name: str) -> Iterable[Any]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidArgumentError(f"{name} must be a list of names, got {type(value).__name__}")
     return value
+
+
+def _custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
+    """A JSON object of at most `MAX_CUSTOM_META_BYTES`, as a fresh copy; else InvalidArgumentError."""
+    if not isinstance(meta, Mapping):
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must be an object, got {type(meta)}")
+    try:
+        text = json.dumps(dict(meta), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} is not JSON: {exc}") from None
+    if len(text) > MAX_CUSTOM_META_BYTES:
+        raise InvalidArgumentError(
+            f"custom_meta of task {task_id!r} is {len(text)} bytes of JSON, over {MAX_CUSTOM_META_BYTES}"
+        )
+    copy = json.loads(text)
+    if not all(isinstance(k, str) for k in meta):
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must have string keys")
+    return copy
 
 
 def _count(value: Any) -> int:

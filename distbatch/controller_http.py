@@ -153,6 +153,25 @@ def production_status() -> Response:
     return jsonify(_controller().production_status(_required(body, "partition_id"), body.get("fields")))
 
 
+@_ROUTES.post("/v1/controller/custom_meta")
+def set_custom_meta() -> Response:
+    body = _body()
+    _controller().set_custom_meta(_required(body, "partition_id"), _required(body, "custom_meta"))
+    return jsonify({"ok": True})
+
+
+@_ROUTES.post("/v1/controller/get_custom_meta")
+def get_custom_meta() -> Response:
+    body = _body()
+    return jsonify(
+        {
+            "custom_meta": _controller().get_custom_meta(
+                _required(body, "partition_id"), _required(body, "task_ids")
+            )
+        }
+    )
+
+
 @_ROUTES.post("/v1/controller/consumption_status")
 def consumption_status() -> Response:
     body = _body()
@@ -453,6 +472,20 @@ class RemoteController:
         return self._post(
             "/v1/controller/consumption_status", {"partition_id": partition_id, "task_name": task_name}
         )
+
+    def set_custom_meta(self, partition_id: str, custom_meta: Mapping[str, Mapping[str, Any]]) -> None:
+        """See `Controller.set_custom_meta`."""
+        if not isinstance(custom_meta, Mapping):
+            raise InvalidArgumentError(f"custom_meta must map task ids to objects, got {type(custom_meta)}")
+        body = {"partition_id": partition_id, "custom_meta": {t: dict(m) for t, m in custom_meta.items()}}
+        self._post("/v1/controller/custom_meta", body)
+
+    def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """See `Controller.get_custom_meta`."""
+        if isinstance(task_ids, (str, bytes)):
+            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
+        body = {"partition_id": partition_id, "task_ids": list(task_ids)}
+        return self._post("/v1/controller/get_custom_meta", body)["custom_meta"]
 
     def all_consumed(self, partition_id: str, task_name: str) -> bool:
         status = self.consumption_status(partition_id, task_name)

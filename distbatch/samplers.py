@@ -58,6 +58,7 @@ its lock.
 
 from __future__ import annotations
 
+import logging
 import operator
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -79,6 +80,8 @@ __all__ = [
     "get_seqlen_balanced_partitions",
     "karmarkar_karp",
 ]
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 DEFAULT_MAX_CACHED_BATCHES = 4096
@@ -106,6 +109,11 @@ def _check_int(value: Any, name: str, minimum: int) -> int:
     except TypeError:
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None
     if number < minimum:
+        # Phrased as TransferQueue's samplers phrase it: ported tests match on these words.
+        if minimum == 1:
+            raise InvalidArgumentError(f"{name} must be positive, got {number}")
+        if minimum == 0:
+            raise InvalidArgumentError(f"{name} must be greater than or equal to 0, got {number}")
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {number}")
     return number
 
@@ -139,6 +147,17 @@ def _required_rank_key(dp_rank: Any, batch_index: Any, who: str) -> tuple[int, i
     if key is None:
         raise InvalidArgumentError(f"{who} needs dp_rank and batch_index in the sampling config")
     return key
+
+
+def _entry_lists(entry: Any) -> _Entry:
+    """A cache entry as (sampled, consumed): ours are pairs; TransferQueue's RankAwareSampler (and
+    a sampler ported from it) stores the sampled list alone, consumed being the same list."""
+    if isinstance(entry, tuple) or (
+        isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+    ):
+        sampled, consumed = entry
+        return list(sampled), list(consumed)
+    return list(entry), list(entry)
 
 
 def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[int] | None:
@@ -203,7 +222,8 @@ class BaseSampler(ABC):
         sizes = self._batch_sizes()
         for task_name, ranks in self._states.get(partition_id, {}).items():
             for dp_rank, batches in ranks.items():
-                for batch_index in [b for b, entry in batches.items() if gone.intersection(entry[0])]:
+                stale = [b for b, entry in batches.items() if gone.intersection(_entry_lists(entry)[0])]
+                for batch_index in stale:
                     del batches[batch_index]
                     sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
 
@@ -249,7 +269,7 @@ class BaseSampler(ABC):
                     f"{partition_id!r} was sampled with batch_size {first}; asked again with {batch_size} "
                     "(every TP/PP peer of a rank must use the same batch size)"
                 )
-        return list(entry[0]), list(entry[1])  # copies: callers may mutate what they get
+        return _entry_lists(entry)  # copies: callers may mutate what they get
 
     def _remember(
         self,
@@ -265,7 +285,7 @@ class BaseSampler(ABC):
         batches = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
         if batch_index in batches:
             return
-        batches[batch_index] = (list(sampled), list(consumed))
+        batches[batch_index] = self._entry(sampled, consumed)
         sizes = self._batch_sizes()
         if batch_size is None:
             sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
@@ -275,6 +295,11 @@ class BaseSampler(ABC):
             oldest = next(iter(batches))
             del batches[oldest]
             sizes.pop((partition_id, task_name, dp_rank, oldest), None)
+
+    def _entry(self, sampled: Sequence[int], consumed: Sequence[int]) -> Any:
+        """What `_states` holds for one key: a (sampled, consumed) pair, as TransferQueue's group
+        samplers keep it (`RankAwareSampler` keeps a bare list when the two agree, as theirs does)."""
+        return list(sampled), list(consumed)
 
     # ---------------------------------------------------------------- checkpoint
 
@@ -289,7 +314,8 @@ class BaseSampler(ABC):
             for partition_id, tasks in self._states.items():
                 for task_name, ranks in tasks.items():
                     for dp_rank, batches in ranks.items():
-                        for batch_index, (sampled, consumed) in batches.items():
+                        for batch_index, entry in batches.items():
+                            sampled, consumed = _entry_lists(entry)
                             cache.append(
                                 [
                                     _check_str(partition_id, "partition_id"),
@@ -333,7 +359,9 @@ class BaseSampler(ABC):
             batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
             if batch_index in batches:
                 raise InvalidArgumentError(f"sampler state lists {row[:4]} twice")
-            batches[batch_index] = (_index_list(row[4], "sampled"), _index_list(row[5], "consumed"))
+            batches[batch_index] = self._entry(
+                _index_list(row[4], "sampled"), _index_list(row[5], "consumed")
+            )
         for tasks in states.values():
             for ranks in tasks.values():
                 for batches in ranks.values():
@@ -346,6 +374,15 @@ class BaseSampler(ABC):
         self._states = self._parse_state(state)
         self._batch_sizes().clear()
 
+    def save_checkpoint(self) -> dict[str, Any]:
+        """TransferQueue's name for `state_dict` (the controller checkpoints through `state_dict`,
+        so a sampler with extra state overrides that pair)."""
+        return self.state_dict()
+
+    def load_checkpoint(self, state: Mapping[str, Any]) -> None:
+        """TransferQueue's name for `load_state_dict`."""
+        self.load_state_dict(state)
+
 
 def _check_bound(max_cached_batches: Any) -> int:
     return _check_int(max_cached_batches, "max_cached_batches", 1)
@@ -355,15 +392,18 @@ def _check_bound(max_cached_batches: Any) -> int:
 
 
 class SequentialSampler(BaseSampler):
-    """The first `batch_size` ready indexes, in the order given; nothing cached."""
+    """The first `batch_size` ready indexes, in the order given; nothing cached.
+
+    As in TransferQueue, fewer than `batch_size` ready means all of them: the
+    controller only asks once at least `batch_size` are ready, so this matters
+    to direct callers only.
+    """
 
     def sample(
         self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
     ) -> tuple[list[int], list[int]]:
-        """(first batch_size ready indexes, the same) or ([], []) when fewer are ready."""
-        batch_size = _check_int(batch_size, "batch_size", 1)
-        if len(ready_indexes) < batch_size:
-            return [], []
+        """(the first batch_size ready indexes, the same); batch_size 0 gives ([], [])."""
+        batch_size = _check_int(batch_size, "batch_size", 0)
         sampled = _index_list(ready_indexes[:batch_size], "ready_indexes")
         return sampled, list(sampled)
 
@@ -379,7 +419,7 @@ class GRPOGroupNSampler(BaseSampler):
     """
 
     def __init__(
-        self, n_samples_per_prompt: int, *, max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
+        self, n_samples_per_prompt: int = 1, *, max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
     ) -> None:
         super().__init__()
         self.n_samples_per_prompt = _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1)
@@ -421,12 +461,14 @@ class GRPOGroupNSampler(BaseSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """`batch_size // n` complete groups (batch_size must be a multiple of n), or ([], [])."""
-        batch_size = _check_int(batch_size, "batch_size", 1)
+        batch_size = _check_int(batch_size, "batch_size", 0)
         n = self._check_n(n_samples_per_prompt)
         if batch_size % n:
             raise InvalidArgumentError(
-                f"batch_size {batch_size} is not a multiple of n_samples_per_prompt {n}"
+                f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})"
             )
+        if batch_size == 0:
+            return [], []
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
         key = _rank_key(dp_rank, batch_index)
@@ -451,7 +493,11 @@ class RankAwareSampler(BaseSampler):
     ``ready_indexes``. Different dp ranks get disjoint samples because the
     first call reports them consumed. The wrapped sampler is called without
     ``dp_rank`` / ``batch_index``: it only selects, caching is done here.
-    Positional order matches TransferQueue's RankAwareSampler.
+
+    As in TransferQueue, a first call that cannot fill ``batch_size`` (an
+    answer shorter than that) returns ``([], [])`` and caches nothing, and
+    positional order is theirs: ``sample(ready, batch_size, dp_rank,
+    batch_index, task_name, partition_id)``.
     """
 
     def __init__(
@@ -477,9 +523,11 @@ class RankAwareSampler(BaseSampler):
         partition_id: str = "",
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
-        """The cached result for this rank and batch index, else a fresh one (then cached)."""
-        batch_size = _check_int(batch_size, "batch_size", 1)
+        """The cached result for this rank and batch index, else a fresh full one (then cached)."""
+        batch_size = _check_int(batch_size, "batch_size", 0)
         key = _required_rank_key(dp_rank, batch_index, type(self).__name__)
+        if batch_size == 0:
+            return [], []
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
         cached = self._cached(partition_id, task_name, *key, batch_size)
@@ -488,12 +536,18 @@ class RankAwareSampler(BaseSampler):
         sampled, consumed = self.sampler.sample(
             ready_indexes, batch_size, partition_id=partition_id, task_name=task_name, **kwargs
         )
-        if not sampled:
+        if len(sampled) < batch_size:
             return [], []
         sampled = _index_list(sampled, "sampled")
         consumed = _index_list(consumed, "consumed")
         self._remember(partition_id, task_name, *key, sampled, consumed, batch_size)
         return sampled, consumed
+
+    def _entry(self, sampled: Sequence[int], consumed: Sequence[int]) -> Any:
+        # TransferQueue's layout: the sampled list itself when nothing else is consumed.
+        if list(sampled) == list(consumed):
+            return list(sampled)
+        return list(sampled), list(consumed)
 
     def clear_cache(self, partition_id: str) -> None:
         """Forget this partition here and in the wrapped sampler."""
@@ -532,13 +586,23 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     sample can land in two batches. Later calls (other ranks, TP peers)
     return their cached portion with ``consumed`` equal to it.
 
-    Lengths come from ``partition.sample_lengths(indexes, length_field)`` (the
-    controller passes ``partition=``), or from a ``lengths`` mapping of index
-    to length in the sampling config for standalone use. ``batch_size`` is the
-    per-rank size and must be a multiple of ``n_samples_per_prompt`` (whole
-    groups per rank, at least one): anything else is an `InvalidArgumentError`,
-    since a rank would otherwise get more or fewer tasks than it asked for.
-    All ranks' entries of a batch index are inserted (and so evicted) together.
+    Lengths, first found wins:
+
+    1. a ``lengths`` mapping of index to length in the sampling config
+       (standalone use; every selected index must be in it);
+    2. per-sample ``custom_meta`` ``total_lengths`` from
+       ``partition.get_custom_meta(indexes)``, TransferQueue's way (a sample
+       without one counts as length 1, as there);
+    3. ``partition.sample_lengths(indexes, length_field)``: the first dimension
+       of ``length_field`` as stored (our controller's partitions offer it);
+    4. none of these: an equal split by count (rank r gets the r-th run of
+       ``batch_size`` selected samples), with a warning, as TransferQueue does.
+
+    ``batch_size`` is the per-rank size and must be a multiple of
+    ``n_samples_per_prompt`` (whole groups per rank): anything else is an
+    `InvalidArgumentError`, since a rank would otherwise get more or fewer
+    tasks than it asked for. ``batch_size=0`` gives ``([], [])``. All ranks'
+    entries of a batch index are inserted (and so evicted) together.
     """
 
     def __init__(
@@ -556,8 +620,8 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     def _config(self) -> dict[str, int]:
         return {"n_samples_per_prompt": self.n_samples_per_prompt, "dp_size": self.dp_size}
 
-    def _lengths(self, indexes: list[int], partition: Any, lengths: Any) -> list[int]:
-        """Per-sample lengths of `indexes`: the `lengths` mapping if given, else the partition's."""
+    def _lengths(self, indexes: list[int], partition: Any, lengths: Any) -> list[int] | None:
+        """Per-sample lengths of `indexes` (see the class docstring for the order), or None."""
         if lengths is not None:
             if not isinstance(lengths, Mapping):
                 raise InvalidArgumentError(
@@ -566,17 +630,32 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             missing = [i for i in indexes if i not in lengths]
             if missing:
                 raise InvalidArgumentError(f"lengths has no entry for sample indexes {missing[:5]}")
-            values = [lengths[i] for i in indexes]
-        elif partition is not None and callable(getattr(partition, "sample_lengths", None)):
-            values = list(partition.sample_lengths(indexes, self.length_field))
-            if len(values) != len(indexes):
-                raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
-        else:
-            raise InvalidArgumentError(
-                "SeqlenBalancedSampler needs lengths: a partition= with sample_lengths() "
-                "(the controller passes one) or a lengths= mapping"
-            )
+            return [_check_int(lengths[i], "sample length", 0) for i in indexes]
+        if partition is None:
+            return self._no_lengths("no partition= was given")
+        get_custom_meta = getattr(partition, "get_custom_meta", None)
+        if callable(get_custom_meta):
+            meta = get_custom_meta(indexes) or {}
+            found = [(meta.get(i) or {}).get("total_lengths") for i in indexes]
+            if any(v is not None for v in found):
+                return [1 if v is None else _check_int(v, "total_lengths", 0) for v in found]
+        sample_lengths = getattr(partition, "sample_lengths", None)
+        if not callable(sample_lengths):
+            return self._no_lengths("the partition has no custom_meta total_lengths")
+        try:
+            values = list(sample_lengths(indexes, self.length_field))
+        except InvalidArgumentError as exc:
+            return self._no_lengths(f"no custom_meta total_lengths, and {exc}")
+        if len(values) != len(indexes):
+            raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
         return [_check_int(v, "sample length", 0) for v in values]
+
+    def _no_lengths(self, why: str) -> None:
+        """Log (once per sampler, then at debug level) that this batch is split by count."""
+        level = logging.DEBUG if self.__dict__.get("_warned") else logging.WARNING
+        self.__dict__["_warned"] = True
+        logger.log(level, "SeqlenBalancedSampler: %s; splitting by count, without balancing lengths", why)
+        return None
 
     def sample(
         self,
@@ -593,20 +672,22 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """This rank's balanced portion of batch `batch_index`; consumed = the whole batch on first call."""
-        batch_size = _check_int(batch_size, "batch_size", 1)
+        batch_size = _check_int(batch_size, "batch_size", 0)
         n = self._check_n(n_samples_per_prompt)
         total = batch_size * self.dp_size
         if batch_size % n:
             # Not whole groups per rank: n=4, dp=2, batch_size=6 would serve 8 and 4 tasks.
             raise InvalidArgumentError(
-                f"batch_size {batch_size} is per rank and must be whole groups of "
-                f"n_samples_per_prompt {n}, at least one: a multiple of {n}"
+                f"batch_size ({batch_size}, per rank) must be a multiple of n_samples_per_prompt ({n}): "
+                "every rank gets whole groups"
             )
         partition_id = _check_str(partition_id, "partition_id")
         task_name = _check_str(task_name, "task_name")
         rank, index = _required_rank_key(dp_rank, batch_index, type(self).__name__)
         if rank >= self.dp_size:
             raise InvalidArgumentError(f"dp_rank {rank} is not in [0, {self.dp_size})")
+        if batch_size == 0:
+            return [], []
         cached = self._cached(partition_id, task_name, rank, index, batch_size)
         if cached is not None:
             return cached
@@ -614,9 +695,12 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         if selected is None:
             return [], []
         per_sample = self._lengths(selected, partition, lengths)
-        group_lengths = [sum(per_sample[g * n : (g + 1) * n]) for g in range(total // n)]
-        parts = balanced_group_partitions(group_lengths, self.dp_size)
-        portions = [[selected[g * n + j] for g in part for j in range(n)] for part in parts]
+        if per_sample is None:
+            portions = [selected[r * batch_size : (r + 1) * batch_size] for r in range(self.dp_size)]
+        else:
+            group_lengths = [sum(per_sample[g * n : (g + 1) * n]) for g in range(total // n)]
+            parts = balanced_group_partitions(group_lengths, self.dp_size)
+            portions = [[selected[g * n + j] for g in part for j in range(n)] for part in parts]
         for r, portion in enumerate(portions):
             self._remember(partition_id, task_name, r, index, portion, portion, batch_size)
         return list(portions[rank]), list(selected)

@@ -57,8 +57,12 @@ class Stream:
     def call(self, **cfg: Any) -> tuple[list[int], list[int]]:
         task = cfg.pop("task_name", TASK)
         pid = cfg.pop("partition_id", PID)
+        ready = self.ready(task)
+        # As the controller (and TransferQueue's): a batch's worth ready, or an answer in the cache.
+        if len(ready) < self.batch_size and not self.sampler.has_cached_result(pid, task, cfg):
+            return [], []
         sampled, consumed = self.sampler(
-            self.ready(task),
+            ready,
             self.batch_size,
             partition_id=pid,
             task_name=task,
@@ -270,8 +274,8 @@ SCRIPTS: list[tuple[str, Callable[[], BaseSampler], int, dict[int, int] | None, 
         2,
         LEN_C,
         [("produce", r(6))]
-        + [(D(dp_rank=2, batch_index=0), [3, 4], r(6))]
-        + [(D(dp_rank=0, batch_index=0), [0, 5], [0, 5]), (D(dp_rank=1, batch_index=0), [1, 2], [1, 2])],
+        + [(D(dp_rank=2, batch_index=0), [1, 2], r(6))]
+        + [(D(dp_rank=0, batch_index=0), [0, 5], [0, 5]), (D(dp_rank=1, batch_index=0), [3, 4], [3, 4])],
     ),
     (
         "seqlen-prefetch-and-too-few",
@@ -289,9 +293,9 @@ SCRIPTS: list[tuple[str, Callable[[], BaseSampler], int, dict[int, int] | None, 
         lambda: SeqlenBalancedSampler(1, 2),
         1,
         LEN_A,
-        [("produce", r(4)), (D(dp_rank=0, batch_index=0), [0], [0, 1])]
+        [("produce", r(4)), (D(dp_rank=0, batch_index=0), [1], [0, 1])]
         + [("clear", r(4)), ("produce", [2, 3])]
-        + [(D(dp_rank=1, batch_index=0), [3], [2, 3]), (D(dp_rank=0, batch_index=0), [2], [2])],
+        + [(D(dp_rank=1, batch_index=0), [2], [2, 3]), (D(dp_rank=0, batch_index=0), [3], [3])],
     ),
 ]
 
@@ -324,7 +328,7 @@ def test_rank_aware_positional_order_matches_transferqueue() -> None:
     # (ready_indexes, batch_size, dp_rank, batch_index, task_name, partition_id)
     assert sampler.sample(r(4), 2, 0, 0, TASK, PID) == ([0, 1], [0, 1])
     assert sampler.sample([2, 3], 2, 0, 0, TASK, PID) == ([0, 1], [0, 1])
-    assert sampler._states == {PID: {TASK: {0: {0: ([0, 1], [0, 1])}}}}
+    assert sampler._states == {PID: {TASK: {0: {0: [0, 1]}}}}  # their layout: the sampled list
 
 
 def test_seqlen_lengths_from_partition_for_selected_only() -> None:
@@ -441,16 +445,14 @@ def test_invalid_construction(name: str, build: Callable[[], Any]) -> None:
 RANK = {"dp_rank": 0, "batch_index": 0}
 INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[str, Any], str]] = [
     # (id, sampler, ready, batch_size, kwargs, error text)
-    ("seq-bs-zero", SequentialSampler, r(4), 0, {}, "batch_size"),
     ("seq-bs-negative", SequentialSampler, r(4), -1, {}, "batch_size"),
     ("seq-bs-float", SequentialSampler, r(4), 2.0, {}, "batch_size"),
     ("seq-bs-bool", SequentialSampler, r(4), True, {}, "batch_size"),
     ("seq-bs-str", SequentialSampler, r(4), "2", {}, "batch_size"),
     ("seq-bs-none", SequentialSampler, r(4), None, {}, "batch_size"),
     ("grpo-bs-not-multiple", lambda: GRPOGroupNSampler(3), r(9), 4, {}, "multiple"),
-    ("grpo-bs-zero", lambda: GRPOGroupNSampler(2), r(4), 0, {}, "batch_size"),
     ("grpo-n-conflict", lambda: GRPOGroupNSampler(2), r(4), 2, {"n_samples_per_prompt": 3}, "built with 2"),
-    ("grpo-n-invalid-call", lambda: GRPOGroupNSampler(2), r(4), 2, {"n_samples_per_prompt": 0}, ">= 1"),
+    ("grpo-n-invalid-call", lambda: GRPOGroupNSampler(2), r(4), 2, {"n_samples_per_prompt": 0}, "positive"),
     ("grpo-dp-negative", lambda: GRPOGroupNSampler(2), r(4), 2, {"dp_rank": -1, "batch_index": 0}, "dp_rank"),
     ("grpo-dp-only", lambda: GRPOGroupNSampler(2), r(4), 2, {"dp_rank": 0}, "together"),
     ("grpo-bi-only", lambda: GRPOGroupNSampler(2), r(4), 2, {"batch_index": 0}, "together"),
@@ -465,7 +467,6 @@ INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[s
     ("rank-dp-str", RankAwareSampler, r(4), 2, {"dp_rank": "0", "batch_index": 0}, "dp_rank"),
     ("rank-dp-bool", RankAwareSampler, r(4), 2, {"dp_rank": False, "batch_index": 0}, "dp_rank"),
     ("rank-bi-float", RankAwareSampler, r(4), 2, {"dp_rank": 0, "batch_index": 0.0}, "batch_index"),
-    ("rank-bs-zero", RankAwareSampler, r(4), 0, RANK, "batch_size"),
     ("rank-task-not-str", RankAwareSampler, r(4), 2, {**RANK, "task_name": None}, "task_name"),
     ("seqlen-no-rank", lambda: SeqlenBalancedSampler(1, 2), r(4), 1, {"lengths": LEN_A}, "needs dp_rank"),
     (
@@ -486,18 +487,8 @@ INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[s
     ),
     ("seqlen-not-whole-groups", lambda: SeqlenBalancedSampler(4, 2), r(12), 3, RANK, "whole groups"),
     # 2 ranks x 6 = 3 groups of 4 would serve 8 and 4 tasks: refused, not split unevenly.
-    ("seqlen-groups-per-rank", lambda: SeqlenBalancedSampler(4, 2), r(12), 6, RANK, "multiple of 4"),
-    ("seqlen-rank-would-be-empty", lambda: SeqlenBalancedSampler(4, 2), r(12), 2, RANK, "at least one"),
-    ("seqlen-bs-zero", lambda: SeqlenBalancedSampler(1, 2), r(4), 0, RANK, "batch_size"),
-    ("seqlen-no-lengths", lambda: SeqlenBalancedSampler(1, 2), r(4), 1, RANK, "needs lengths"),
-    (
-        "seqlen-partition-no-method",
-        lambda: SeqlenBalancedSampler(1, 2),
-        r(4),
-        1,
-        {**RANK, "partition": 1},
-        "needs",
-    ),
+    ("seqlen-groups-per-rank", lambda: SeqlenBalancedSampler(4, 2), r(12), 6, RANK, "multiple of n_samples_per_prompt"),
+    ("seqlen-rank-would-be-empty", lambda: SeqlenBalancedSampler(4, 2), r(12), 2, RANK, "multiple of n_samples_per_prompt"),
     (
         "seqlen-lengths-missing",
         lambda: SeqlenBalancedSampler(1, 2),
@@ -520,7 +511,7 @@ INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[s
         r(2),
         1,
         {**RANK, "lengths": {0: -1, 1: 1}},
-        ">=",
+        "greater than or equal to 0",
     ),
     (
         "seqlen-length-float",
