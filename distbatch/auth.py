@@ -14,6 +14,6 @@ def token_from_env() -> str | None:
 
 
 def bearer_ok(authorization: str | None, token: str) -> bool:
-    """Whether an `Authorization` header carries `token` (compared in constant time)."""
+    """Whether an ``Authorization`` header carries `token` (compared in constant time)."""
     scheme, _, provided = (authorization or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token.encode())

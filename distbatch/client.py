@@ -254,10 +254,13 @@ class ShardClient:
         token: bearer token; defaults to `DISTBATCH_TOKEN` from the environment.
         timeout: seconds a whole call may take against one node, retries included.
         connect_timeout: seconds to establish one connection.
-        max_connections / max_connections_per_node: connection pool bounds.
-        max_keys_per_request / max_bytes_per_request: how requests are split.
+        max_connections: connections open at once, over all nodes.
+        max_connections_per_node: connections open at once to one node.
+        max_keys_per_request: shards one HTTP request names at most (a gather is split past it).
+        max_bytes_per_request: bytes one HTTP request carries at most (a gather is split past it).
         retries: extra attempts after a connection error, timeout or 5xx.
-        backoff / backoff_max: exponential backoff between attempts, in seconds.
+        backoff: the first pause between attempts, in seconds; it doubles each time.
+        backoff_max: the longest pause between attempts, in seconds.
         recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.recv_pool`), so a
             gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.

@@ -473,7 +473,8 @@ def test_batch_sizes_that_do_not_split_into_whole_groups_are_refused(
     ids = [f"{pre}-{i}" for i in range(16)]
     ctl.put("p", remote(node, ids, client, input_ids=[torch.arange(1 + i % 5) for i in range(16)]))
     for api in (ctl, rc):
-        with pytest.raises(InvalidArgumentError, match=r"must be a multiple of n_samples_per_prompt \(4\)"):  # would serve 8 and 4 tasks
+        # 6 per rank would serve 8 and 4 tasks
+        with pytest.raises(InvalidArgumentError, match=r"must be a multiple of n_samples_per_prompt \(4\)"):
             api.get_meta("p", "train", ["input_ids"], 6, dp_rank=0, batch_index=0)
     assert ctl.consumption_status("p", "train")["consumed"] == 0
     first = rc.get_meta("p", "train", ["input_ids"], 4, dp_rank=0, batch_index=0)

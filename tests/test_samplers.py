@@ -487,8 +487,8 @@ INVALID_CALLS: list[tuple[str, Callable[[], BaseSampler], list[Any], Any, dict[s
     ),
     ("seqlen-not-whole-groups", lambda: SeqlenBalancedSampler(4, 2), r(12), 3, RANK, "whole groups"),
     # 2 ranks x 6 = 3 groups of 4 would serve 8 and 4 tasks: refused, not split unevenly.
-    ("seqlen-groups-per-rank", lambda: SeqlenBalancedSampler(4, 2), r(12), 6, RANK, "multiple of n_samples_per_prompt"),
-    ("seqlen-rank-would-be-empty", lambda: SeqlenBalancedSampler(4, 2), r(12), 2, RANK, "multiple of n_samples_per_prompt"),
+    ("seqlen-groups-per-rank", lambda: SeqlenBalancedSampler(4, 2), r(12), 6, RANK, "a multiple of"),
+    ("seqlen-rank-would-be-empty", lambda: SeqlenBalancedSampler(4, 2), r(12), 2, RANK, "a multiple of"),
     (
         "seqlen-lengths-missing",
         lambda: SeqlenBalancedSampler(1, 2),

@@ -298,9 +298,7 @@ def test_response_limit_counts_the_whole_response_exactly(start_worker: StartWor
 
 # One sample line with labels whose values are properly escaped (no raw quote, backslash or newline),
 # and a Prometheus float for a value (counters' `_created` samples read like 1.76e+09).
-SAMPLE = re.compile(
-    r'^[a-z_]+\{([a-z_]+="(?:[^"\\\n]|\\["\\n])*",?)*\} [-+]?\d+(\.\d+)?([eE][-+]?\d+)?$'
-)
+SAMPLE = re.compile(r'^[a-z_]+\{([a-z_]+="(?:[^"\\\n]|\\["\\n])*",?)*\} [-+]?\d+(\.\d+)?([eE][-+]?\d+)?$')
 
 
 def test_odd_methods_keep_metrics_valid_and_bounded(start_worker: StartWorker) -> None:
