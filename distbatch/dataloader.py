@@ -508,7 +508,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
 
 class StreamingDataLoader(torch.utils.data.DataLoader):
-    """A `torch.utils.data.DataLoader` over a `StreamingDataset` (``batch_size=None``: the dataset batches itself).
+    """A `torch.utils.data.DataLoader` over a `StreamingDataset` (``batch_size=None``: it batches).
 
     Other DataLoader arguments (``num_workers``, ``pin_memory``,
     ``collate_fn``, ``persistent_workers``...) pass through. `reset()`,
