@@ -419,22 +419,30 @@ class Controller:
                     if unknown:
                         raise UnknownFieldError(partition_id, unknown, partition.known_fields())
                     ready = partition.ready(task_name, fields)
-                    # As TransferQueue's controller does, a sampler sees the ready list only when it
-                    # holds a batch, or when the sampler can answer this rank from its cache. Else
-                    # it is asked about an empty list, whose answer is dropped: its arguments are
-                    # still checked at once, and nothing partial is handed out.
-                    enough = len(ready) >= batch_size or _has_cached_result(
+                    # As TransferQueue's controller does, a sampler is called only when the ready
+                    # list holds a batch, or when it can answer this rank from its cache; else its
+                    # check_call (if it has one) refuses bad arguments at once.
+                    if len(ready) >= batch_size or _has_cached_result(
                         self.sampler, partition_id, task_name, sampling_config
-                    )
-                    sampled, consumed = self.sampler(
-                        ready if enough else [],
-                        batch_size,
-                        partition_id=partition_id,
-                        task_name=task_name,
-                        partition=partition,
-                        **sampling_config,
-                    )
-                    if not enough:
+                    ):
+                        sampled, consumed = self.sampler(
+                            ready,
+                            batch_size,
+                            partition_id=partition_id,
+                            task_name=task_name,
+                            partition=partition,
+                            **sampling_config,
+                        )
+                    else:
+                        check_call = getattr(self.sampler, "check_call", None)
+                        if callable(check_call):
+                            check_call(
+                                batch_size,
+                                partition_id=partition_id,
+                                task_name=task_name,
+                                partition=partition,
+                                **sampling_config,
+                            )
                         sampled, consumed = [], []
                     if sampled:
                         missing = [i for i in sampled if i not in partition.task_of]
@@ -536,8 +544,10 @@ class Controller:
 
         ``{"total_lengths": n}`` is what `SeqlenBalancedSampler` balances on. Keys
         are task ids of the partition; each object is at most 64 KiB of JSON and
-        goes into checkpoints. An unknown task or a bad object is an
-        `InvalidArgumentError`, and then nothing is set. Clearing a task drops it.
+        goes into checkpoints; ``total_lengths``, when present, must be a
+        non-negative int. An unknown task or a bad object is an
+        `InvalidArgumentError` (a bad task id an `InvalidIdError`), and then
+        nothing is set. Clearing a task drops it.
         """
         validate_id(partition_id, "partition_id")
         if not isinstance(custom_meta, Mapping):
@@ -693,6 +703,12 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe snapshot: every partition's tasks, fields, consumption, and the sampler state."""
+        sampler_state = getattr(self.sampler, "state_dict", None)
+        if not callable(sampler_state):
+            raise InvalidArgumentError(
+                f"the sampler {type(self.sampler).__name__} has no state_dict(), so its cache cannot be "
+                "checkpointed: subclass distbatch.samplers.BaseSampler (TransferQueue's own classes cannot)"
+            )
         with self._lock:
             partitions = {}
             for pid, p in self._partitions.items():
@@ -714,7 +730,7 @@ class Controller:
             return {
                 "version": CHECKPOINT_VERSION,
                 "partitions": partitions,
-                "sampler": self.sampler.state_dict(),
+                "sampler": sampler_state(),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -843,6 +859,11 @@ def _custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
     copy = json.loads(text)
     if not all(isinstance(k, str) for k in meta):
         raise InvalidArgumentError(f"custom_meta of task {task_id!r} must have string keys")
+    length = copy.get("total_lengths")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise InvalidArgumentError(
+            f"custom_meta total_lengths of task {task_id!r} must be a non-negative int, got {length!r}"
+        )
     return copy
 
 

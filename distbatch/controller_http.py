@@ -477,7 +477,8 @@ class RemoteController:
         """See `Controller.set_custom_meta`."""
         if not isinstance(custom_meta, Mapping):
             raise InvalidArgumentError(f"custom_meta must map task ids to objects, got {type(custom_meta)}")
-        body = {"partition_id": partition_id, "custom_meta": {t: dict(m) for t, m in custom_meta.items()}}
+        values = {t: dict(m) if isinstance(m, Mapping) else m for t, m in custom_meta.items()}
+        body = {"partition_id": partition_id, "custom_meta": values}  # the server validates the values
         self._post("/v1/controller/custom_meta", body)
 
     def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,12 @@ written for TransferQueue ports by changing its import:
 The controller calls ``sampler(ready, batch_size, partition_id=...,
 task_name=..., partition=..., **sampling_config)``, where ``sampling_config``
 is whatever the consumer passed (``dp_rank``, ``batch_index``...) and
-``partition`` offers ``sample_lengths(indexes, field)``.
+``partition`` offers ``get_custom_meta(indexes)`` (TransferQueue's) and
+``sample_lengths(indexes, field)``. As TransferQueue's controller does, it
+calls a sampler only when ``ready`` holds ``batch_size`` indexes or
+``has_cached_result`` says this rank's answer is cached; short of that it
+calls ``check_call`` (our samplers check their arguments there, so a mistake
+fails at once; a ported sampler without it is simply not called).
 
 **Rank-aware caching.** TP/PP peers of one data-parallel rank each ask for
 the same ``(dp_rank, batch_index)`` and must get the same samples, in any
@@ -23,6 +28,8 @@ order and while prefetching ahead. The first call for a key samples from
 ``ready_indexes`` and caches the result in ``_states[partition_id][task_name]
 [dp_rank][batch_index] = (sampled, consumed)`` (TransferQueue's layout); later
 calls return the cache even though those samples have left ``ready_indexes``.
+(`RankAwareSampler` stores the bare ``sampled`` list when ``consumed`` is the
+same, as TransferQueue's does; readers of ``_states`` accept both forms.)
 The cache is bounded: at most ``max_cached_batches`` (default 4096) batch
 indexes per ``(partition_id, task_name, dp_rank)``, oldest inserted evicted
 first. A peer that falls more than that many batches behind its fastest
@@ -222,10 +229,14 @@ class BaseSampler(ABC):
         sizes = self._batch_sizes()
         for task_name, ranks in self._states.get(partition_id, {}).items():
             for dp_rank, batches in ranks.items():
-                stale = [b for b, entry in batches.items() if gone.intersection(_entry_lists(entry)[0])]
-                for batch_index in stale:
-                    del batches[batch_index]
-                    sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
+                for batch_index, entry in list(batches.items()):
+                    sampled, consumed = _entry_lists(entry)
+                    if gone.intersection(sampled):
+                        del batches[batch_index]
+                        sizes.pop((partition_id, task_name, dp_rank, batch_index), None)
+                    elif gone.intersection(consumed):
+                        # A sibling's cleared sample: never mark its index (maybe reused) consumed again.
+                        batches[batch_index] = self._entry(sampled, [i for i in consumed if i not in gone])
 
     def has_cached_result(
         self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
@@ -233,15 +244,32 @@ class BaseSampler(ABC):
         """True when a result for the config's ``dp_rank`` / ``batch_index`` is cached.
 
         Lets a polling controller answer a TP peer from the cache without
-        checking whether enough samples are ready. Reads the config only.
+        checking whether enough samples are ready. Reads the config only and
+        never raises: a missing or invalid key is simply not cached (`sample`
+        is where a bad config is refused), as in TransferQueue.
         """
-        config = sampling_config or {}
-        key = _rank_key(config.get("dp_rank"), config.get("batch_index"))
+        config = sampling_config if isinstance(sampling_config, Mapping) else {}
+        try:
+            key = _rank_key(config.get("dp_rank"), config.get("batch_index"))
+        except InvalidArgumentError:
+            return False
         if key is None:
             return False
         ranks = self._states.get(partition_id, {}).get(task_name, {})
         batches = ranks.get(key[0]) if isinstance(ranks, Mapping) else None
         return isinstance(batches, Mapping) and key[1] in batches
+
+    def check_call(self, batch_size: Any, **config: Any) -> None:
+        """Refuse a call's arguments (`InvalidArgumentError`) without sampling anything.
+
+        The controller calls this instead of `sample` while too few samples are
+        ready, so a bad batch size or sampling config fails at once rather than
+        once data arrives. Our samplers check by sampling from an empty ready list,
+        which changes nothing; a subclass that overrides `sample` is not probed
+        (its `sample` may have side effects), unless it overrides this too.
+        """
+        if type(self).sample in _SAMPLES_WITHOUT_SIDE_EFFECTS:
+            self.sample([], batch_size, **config)
 
     # ---------------------------------------------------------------- the cache
 
@@ -337,6 +365,13 @@ class BaseSampler(ABC):
         """Validate a `state_dict` and build the `_states` it describes, changing nothing."""
         if not isinstance(state, Mapping):
             raise InvalidArgumentError(f"sampler state must be a mapping, got {type(state).__name__}")
+        if "_states" in state:  # TransferQueue's save_checkpoint(): {"_states": ..., "_balanced_cache": ...}
+            state = {"cache": _rows_from_transferqueue(state["_states"])}
+        unknown = sorted(set(state) - {"version", "config", "cache", "inner"})
+        if unknown:
+            raise InvalidArgumentError(f"sampler state has unknown keys {unknown}")
+        if state and "cache" not in state:
+            raise InvalidArgumentError("sampler state has no 'cache' (an empty mapping empties the cache)")
         version = state.get("version", STATE_VERSION)
         if version != STATE_VERSION:
             raise InvalidArgumentError(f"sampler state version {version!r} is not {STATE_VERSION}")
@@ -395,8 +430,8 @@ class SequentialSampler(BaseSampler):
     """The first `batch_size` ready indexes, in the order given; nothing cached.
 
     As in TransferQueue, fewer than `batch_size` ready means all of them: the
-    controller only asks once at least `batch_size` are ready, so this matters
-    to direct callers only.
+    controller only asks once at least `batch_size` are ready (see the module
+    docstring), so this matters to direct callers only.
     """
 
     def sample(
@@ -534,6 +569,8 @@ class RankAwareSampler(BaseSampler):
         cached = self._cached(partition_id, task_name, *key, batch_size)
         if cached is not None:
             return cached
+        if not ready_indexes:
+            return [], []  # nothing to choose from: the wrapped sampler is not asked
         sampled, consumed = self.sampler.sample(
             ready_indexes, batch_size, partition_id=partition_id, task_name=task_name, **kwargs
         )
@@ -543,6 +580,14 @@ class RankAwareSampler(BaseSampler):
         consumed = _index_list(consumed, "consumed")
         self._remember(partition_id, task_name, *key, sampled, consumed, batch_size)
         return sampled, consumed
+
+    def check_call(self, batch_size: Any, **config: Any) -> None:
+        """Check this sampler's arguments, then the wrapped sampler's (without the rank keys)."""
+        rank = {k: config.pop(k, None) for k in ("dp_rank", "batch_index")}
+        super().check_call(batch_size, **rank, **config)
+        inner_check = getattr(self.sampler, "check_call", None)
+        if callable(inner_check):
+            inner_check(batch_size, **config)
 
     def _entry(self, sampled: Sequence[int], consumed: Sequence[int]) -> Any:
         # TransferQueue's layout: the sampled list itself when nothing else is consumed.
@@ -596,8 +641,10 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
        without one counts as length 1, as there);
     3. ``partition.sample_lengths(indexes, length_field)``: the first dimension
        of ``length_field`` as stored (our controller's partitions offer it);
-    4. none of these: an equal split by count (rank r gets the r-th run of
-       ``batch_size`` selected samples), with a warning, as TransferQueue does.
+    4. none of these: an equal split by count, with a warning. Without a
+       partition, rank r gets the r-th run of ``batch_size`` selected samples;
+       with one, every sample weighs 1 in the balancing. Both are what
+       TransferQueue does (it warns only in the first case).
 
     ``batch_size`` is the per-rank size and must be a multiple of
     ``n_samples_per_prompt`` (whole groups per rank): anything else is an
@@ -633,7 +680,8 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
                 raise InvalidArgumentError(f"lengths has no entry for sample indexes {missing[:5]}")
             return [_check_int(lengths[i], "sample length", 0) for i in indexes]
         if partition is None:
-            return self._no_lengths("no partition= was given")
+            self._no_lengths("no partition", "no partition= was given")
+            return None
         get_custom_meta = getattr(partition, "get_custom_meta", None)
         if callable(get_custom_meta):
             meta = get_custom_meta(indexes) or {}
@@ -642,21 +690,24 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
                 return [1 if v is None else _check_int(v, "total_lengths", 0) for v in found]
         sample_lengths = getattr(partition, "sample_lengths", None)
         if not callable(sample_lengths):
-            return self._no_lengths("the partition has no custom_meta total_lengths")
+            self._no_lengths("no lengths", "no sample has custom_meta total_lengths")
+            return [1] * len(indexes)
         try:
             values = list(sample_lengths(indexes, self.length_field))
         except InvalidArgumentError as exc:
-            return self._no_lengths(f"no custom_meta total_lengths, and {exc}")
+            self._no_lengths("no lengths", f"no sample has custom_meta total_lengths, and {exc}")
+            return [1] * len(indexes)
         if len(values) != len(indexes):
             raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
         return [_check_int(v, "sample length", 0) for v in values]
 
-    def _no_lengths(self, why: str) -> None:
-        """Log (once per sampler, then at debug level) that this batch is split by count."""
-        level = logging.DEBUG if self.__dict__.get("_warned") else logging.WARNING
-        self.__dict__["_warned"] = True
+    def _no_lengths(self, kind: str, why: str) -> None:
+        """Log that this batch is split by count: a warning the first time for each kind of
+        reason, then at debug level (a training loop would repeat it every step)."""
+        warned = self.__dict__.setdefault("_warned", set())
+        level = logging.DEBUG if kind in warned else logging.WARNING
+        warned.add(kind)
         logger.log(level, "SeqlenBalancedSampler: %s; splitting by count, without balancing lengths", why)
-        return None
 
     def sample(
         self,
@@ -696,7 +747,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         if selected is None:
             return [], []
         per_sample = self._lengths(selected, partition, lengths)
-        if per_sample is None:
+        if per_sample is None:  # no partition: contiguous runs, as TransferQueue
             portions = [selected[r * batch_size : (r + 1) * batch_size] for r in range(self.dp_size)]
         else:
             group_lengths = [sum(per_sample[g * n : (g + 1) * n]) for g in range(total // n)]
@@ -705,3 +756,25 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         for r, portion in enumerate(portions):
             self._remember(partition_id, task_name, r, index, portion, portion, batch_size)
         return list(portions[rank]), list(selected)
+
+
+# `check_call` probes these with an empty ready list: they then change nothing.
+_SAMPLES_WITHOUT_SIDE_EFFECTS = frozenset(
+    cls.sample for cls in (SequentialSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler)
+)
+
+
+def _rows_from_transferqueue(states: Any) -> list[list[Any]]:
+    """Cache rows (our checkpoint format) from TransferQueue's ``_states``, where an entry is
+    ``(sampled, consumed)`` or the bare sampled list; InvalidArgumentError if it is anything else."""
+    rows: list[list[Any]] = []
+    try:
+        for partition_id, tasks in states.items():
+            for task_name, ranks in tasks.items():
+                for dp_rank, batches in ranks.items():
+                    for batch_index, entry in batches.items():
+                        sampled, consumed = _entry_lists(entry)
+                        rows.append([partition_id, task_name, dp_rank, batch_index, sampled, consumed])
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"TransferQueue sampler state is not in its layout: {exc}") from None
+    return rows

@@ -60,6 +60,9 @@ def test_set_get_checkpoint_and_clear(shared_workers: list[WorkerProcess], tmp_p
         ({"FIRST": {"a": "x" * MAX_CUSTOM_META_BYTES}}, "over"),
         ({"FIRST": {1: 2}}, "string keys"),
         ({"bad id!": {"a": 1}}, "task_id"),
+        ({"FIRST": {"total_lengths": 812.0}}, "non-negative int"),
+        ({"FIRST": {"total_lengths": "812"}}, "non-negative int"),
+        ({"FIRST": {"total_lengths": -1}}, "non-negative int"),
     ],
 )
 def test_bad_custom_meta_sets_nothing(shared_workers: list[WorkerProcess], bad: dict, match: str) -> None:
@@ -90,4 +93,7 @@ def test_seqlen_sampler_balances_on_total_lengths_over_http(
         assert len(set(portion.task_ids) & set(ids[:2])) == 1
     with pytest.raises(InvalidArgumentError, match="has no tasks"):
         rc.set_custom_meta("p", {"missing-task": {"a": 1}})
+    with pytest.raises(InvalidArgumentError, match="must be an object"):  # not turned into one on the way
+        rc.set_custom_meta("p", {ids[2]: [("total_lengths", 5)]})  # type: ignore[dict-item]
+    assert ids[2] not in rc.get_custom_meta("p", ids)
     ctl.clear_partition("p")
