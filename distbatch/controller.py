@@ -278,11 +278,7 @@ class Controller:
         times (prompts first, responses later). Declared fields add up.
         """
         validate_id(partition_id, "partition_id")
-        if isinstance(expected_fields, (str, bytes)):
-            raise InvalidArgumentError(
-                f"expected_fields must be a list of field names, not one string: {expected_fields!r}"
-            )
-        names = [validate_id(f, "field") for f in _iterable(expected_fields, "expected_fields")]
+        names = _id_list(expected_fields, "expected_fields", "field")
         with self._changed:
             partition = self._partitions.setdefault(partition_id, _Partition(partition_id))
             partition.expected.update(names)
@@ -380,9 +376,7 @@ class Controller:
         """
         validate_id(partition_id, "partition_id")
         validate_id(task_name, "task_name")
-        if isinstance(fields, (str, bytes)):
-            raise InvalidArgumentError(f"fields must be a list of field names, not one string: {fields!r}")
-        fields = [validate_id(f, "field") for f in _iterable(fields, "fields")]
+        fields = _id_list(fields, "fields", "field")
         if not fields:
             raise InvalidArgumentError("ask for at least one field")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -524,11 +518,7 @@ class Controller:
         """
         validate_id(partition_id, "partition_id")
         if fields is not None:
-            if isinstance(fields, (str, bytes)):
-                raise InvalidArgumentError(
-                    f"fields must be a list of field names, not one string: {fields!r}"
-                )
-            fields = [validate_id(f, "field") for f in _iterable(fields, "fields")]
+            fields = _id_list(fields, "fields", "field")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -566,9 +556,7 @@ class Controller:
     def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The custom metadata of those `task_ids` that have some, by task id."""
         validate_id(partition_id, "partition_id")
-        if isinstance(task_ids, (str, bytes)):
-            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
-        wanted = [validate_id(t, "task_id") for t in _iterable(task_ids, "task_ids")]
+        wanted = _id_list(task_ids, "task_ids", "task_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -631,9 +619,7 @@ class Controller:
         tasks whose shards all went are forgotten, the others kept for a retry.
         """
         validate_id(partition_id, "partition_id")
-        if isinstance(task_ids, (str, bytes)):
-            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
-        ids = [validate_id(t, "task_id") for t in _iterable(task_ids, "task_ids")]
+        ids = _id_list(task_ids, "task_ids", "task_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -835,6 +821,15 @@ def _group_size(sampler: BaseSampler) -> int:
     if isinstance(sampler, RankAwareSampler):
         sampler = sampler.sampler
     return sampler.n_samples_per_prompt if isinstance(sampler, GRPOGroupNSampler) else 1
+
+
+def _id_list(values: Any, name: str, what: str) -> list[str]:
+    """`values` as a list of valid ids (`what`: "field" or "task_id"); one string is refused, as a
+    caller who passed ``"x"`` for ``["x"]`` would otherwise get one id per character."""
+    if isinstance(values, (str, bytes)):
+        noun = "field names" if what == "field" else "task ids"
+        raise InvalidArgumentError(f"{name} must be a list of {noun}, not one string: {values!r}")
+    return [validate_id(v, what) for v in _iterable(values, name)]
 
 
 def _iterable(value: Any, name: str) -> Iterable[Any]:
