@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,9 @@ import torch
 from tqdm import tqdm
 
 from bench import baselines, same_host, scaling, transferqueue
-from bench.measure import check_columns, stats, timed
+from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
-from distbatch import DistributedBatchMemory, ShardClient
-from distbatch.launch import spawn_workers
+from distbatch import DistributedBatchMemory
 from distbatch.shm import ENV_SWITCH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,31 +60,11 @@ def bench_distbatch(
 ) -> dict[str, Any]:
     """Put / gather throughput of distbatch with `workers` worker processes on loopback."""
     nbytes = payload_bytes(columns)
-    local = DistributedBatchMemory.from_dict(columns)
-    shares = local.chunk(workers)
-    procs = spawn_workers(workers)
-    client = ShardClient()
     out: dict[str, Any] = {}
-    try:
-        nodes = [p.node for p in procs]
-        put_times: list[float] = []
-        batch = DistributedBatchMemory()
-        with ThreadPoolExecutor(workers) as pool:
-            for r in range(repeats):
-                seconds, parts = timed(
-                    lambda: list(pool.map(lambda sn: sn[0].to_remote(sn[1], client), zip(shares, nodes)))
-                )
-                put_times.append(seconds)
-                batch = DistributedBatchMemory.concat(parts)
-                if r < repeats - 1:
-                    batch.clear()
-                bar.update()
-        out["put"] = stats(put_times, nbytes)
-        stored = sum(client.stats(n)["bytes"] for n in nodes)
-        out["stored_bytes"] = stored
-        meta = batch.meta
-        if meta is None:
-            raise RuntimeError("the benchmark batch is not REMOTE after the put")
+    with stored_on_workers(columns, workers, repeats, bar) as stored:
+        client, nodes, batch, meta = stored.client, stored.nodes, stored.batch, stored.batch.meta
+        out["put"] = stats(stored.put_seconds, nbytes)
+        out["stored_bytes"] = sum(client.stats(n)["bytes"] for n in nodes)
 
         def fresh() -> DistributedBatchMemory:
             return DistributedBatchMemory.from_meta(meta, client)  # no cached columns
@@ -119,10 +97,6 @@ def bench_distbatch(
         }
         out["cleared_shards"] = batch.clear()
         out["left_bytes"] = sum(client.stats(n)["bytes"] for n in nodes)
-    finally:
-        client.close()
-        for p in procs:
-            p.stop()
     return out
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +32,51 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     started = time.perf_counter()
     result = fn()
     return time.perf_counter() - started, result
+
+
+@dataclass
+class Stored:
+    """What `stored_on_workers` leaves: the client, the workers' nodes, each put's seconds, and
+    the REMOTE batch of the last put."""
+
+    client: Any
+    nodes: list[str]
+    put_seconds: list[float]
+    batch: Any
+
+
+@contextlib.contextmanager
+def stored_on_workers(columns: dict[str, Any], workers: int, repeats: int, bar: Any) -> Iterator[Stored]:
+    """Start `workers` local workers and put `columns` on them `repeats` times (one share per
+    worker, in parallel), timing each put and clearing all but the last; the workers and the
+    client are stopped on exit. distbatch is imported here: child processes use this module too."""
+    from distbatch import DistributedBatchMemory, ShardClient
+    from distbatch.launch import spawn_workers
+
+    shares = DistributedBatchMemory.from_dict(columns).chunk(workers)
+    procs = spawn_workers(workers)
+    client = ShardClient()
+    try:
+        nodes = [p.node for p in procs]
+        put_seconds: list[float] = []
+        batch = DistributedBatchMemory()
+        with ThreadPoolExecutor(workers) as pool:
+            for r in range(repeats):
+                seconds, parts = timed(
+                    lambda: list(pool.map(lambda sn: sn[0].to_remote(sn[1], client), zip(shares, nodes)))
+                )
+                put_seconds.append(seconds)
+                batch = DistributedBatchMemory.concat(parts)
+                if r < repeats - 1:
+                    batch.clear()
+                bar.update()
+        if batch.meta is None:
+            raise RuntimeError("the benchmark batch is not REMOTE after the put")
+        yield Stored(client, nodes, put_seconds, batch)
+    finally:
+        client.close()
+        for p in procs:
+            p.stop()
 
 
 def items(column: Any) -> list[Any]:

@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.measure import check_columns, stats, timed
+from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
-from distbatch import DistributedBatchMemory, ShardClient
-from distbatch.launch import spawn_workers
+from distbatch import DistributedBatchMemory
 from distbatch.shm import disabled_reason
 
 KINDS = ("ragged", "dense")
@@ -56,23 +55,9 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
 def bench_ours(columns: dict[str, Any], workers: int, repeats: int, bar: tqdm) -> dict[str, Any]:
     """Same-host put, gather and gather+read of `columns` with `workers` local workers."""
     nbytes = payload_bytes(columns)
-    local = DistributedBatchMemory.from_dict(columns)
-    shares = local.chunk(workers)
-    procs = spawn_workers(workers)
-    client = ShardClient()
-    out: dict[str, Any] = {}
-    try:
-        nodes = [p.node for p in procs]
-        put_times, batch = [], DistributedBatchMemory()
-        for r in range(repeats):
-            seconds, parts = timed(lambda: [s.to_remote(n, client) for s, n in zip(shares, nodes)])
-            put_times.append(seconds)
-            batch = DistributedBatchMemory.concat(parts)
-            if r < repeats - 1:
-                batch.clear()
-            bar.update()
+    with stored_on_workers(columns, workers, repeats, bar) as stored:
+        client, nodes, batch = stored.client, stored.nodes, stored.batch
         meta = batch.meta
-        assert meta is not None
         before = client.traffic()
         gather, read, gathered = [], [], {}
         for _ in range(repeats):
@@ -85,7 +70,7 @@ def bench_ours(columns: dict[str, Any], workers: int, repeats: int, bar: tqdm) -
         used = client.traffic() - before
         check_columns(gathered, columns)
         out = {
-            "put": stats(put_times, nbytes),
+            "put": stats(stored.put_seconds, nbytes),
             "gather": stats(gather, nbytes),
             "gather_read": stats(read, nbytes),
             "same_host_requests": used.same_host_requests,
@@ -94,10 +79,6 @@ def bench_ours(columns: dict[str, Any], workers: int, repeats: int, bar: tqdm) -
             "shared_regions": sum(client.stats(n)["shared_regions"] for n in nodes),
         }
         batch.clear()
-    finally:
-        client.close()
-        for p in procs:
-            p.stop()
     return out
 
 

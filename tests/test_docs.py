@@ -71,23 +71,27 @@ def test_the_reference_builds_and_links_resolve(tmp_path: Path) -> None:
     assert 'id="distbatch.samplers.SeqlenBalancedSampler"' in samplers
 
 
-def test_a_docstring_naming_nothing_fails_the_build(tmp_path: Path) -> None:
-    source = copy_packages(
-        tmp_path,
-        {"distbatch/controller.py": ("(default `SequentialSampler`)", "(default `SequentialSamplr`)")},
-    )
-    done, _ = build(tmp_path, source)
+@pytest.mark.parametrize(
+    ("path", "old", "new", "error"),
+    [
+        (  # a docstring naming nothing
+            "distbatch/controller.py",
+            "(default `SequentialSampler`)",
+            "(default `SequentialSamplr`)",
+            "`SequentialSamplr` in the docstring of distbatch.controller.Controller names nothing",
+        ),
+        (  # a documented parameter the signature lacks
+            "distbatch/client.py",
+            "        retries: extra attempts",
+            "        retry: extra attempts",
+            "Parameter 'retry' does not appear in the function signature",
+        ),
+    ],
+    ids=["names-nothing", "no-such-parameter"],
+)
+def test_a_broken_docstring_fails_the_build(
+    tmp_path: Path, path: str, old: str, new: str, error: str
+) -> None:
+    done, _ = build(tmp_path, copy_packages(tmp_path, {path: (old, new)}))
     assert done.returncode != 0
-    assert "`SequentialSamplr` in the docstring of distbatch.controller.Controller names nothing" in (
-        done.stderr
-    )
-
-
-def test_a_documented_parameter_the_signature_lacks_fails_the_build(tmp_path: Path) -> None:
-    source = copy_packages(
-        tmp_path,
-        {"distbatch/client.py": ("        retries: extra attempts", "        retry: extra attempts")},
-    )
-    done, _ = build(tmp_path, source)
-    assert done.returncode != 0
-    assert "Parameter 'retry' does not appear in the function signature" in done.stderr
+    assert error in done.stderr

@@ -460,14 +460,19 @@ def test_shm_off_in_the_client_means_http_with_one_log_line(
     plain_worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv(ENV_SWITCH, "0")
+    lines = http_round_trips(plain_worker.node, caplog)
+    assert len(lines) == 1 and "DISTBATCH_SHM=0" in lines[0]
+
+
+def http_round_trips(node: str, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Three puts and gathers that must all go over HTTP; the "not used" log lines they caused."""
     caplog.set_level(logging.INFO, logger="distbatch")
     with ShardClient(token="") as c:
         for _ in range(3):
-            c.put(plain_worker.node, {("t0", "x"): torch.arange(100_000)})
-            assert torch.equal(c.fetch([(plain_worker.node, "t0", "x")])[0], torch.arange(100_000))
+            c.put(node, {("t0", "x"): torch.arange(100_000)})
+            assert torch.equal(c.fetch([(node, "t0", "x")])[0], torch.arange(100_000))
         assert c.traffic().same_host_requests == 0
-    lines = [r.getMessage() for r in caplog.records if "shared memory not used" in r.getMessage()]
-    assert len(lines) == 1 and "DISTBATCH_SHM=0" in lines[0]
+    return [r.getMessage() for r in caplog.records if "shared memory not used" in r.getMessage()]
 
 
 @pytest.mark.parametrize(
@@ -482,13 +487,7 @@ def test_a_worker_without_the_path_or_on_another_host_means_http(
     reason: str,
 ) -> None:
     worker = start_worker(env={**NO_TOKEN, **worker_env})
-    caplog.set_level(logging.INFO, logger="distbatch")
-    with ShardClient(token="") as c:
-        for _ in range(3):
-            c.put(worker.node, {("t0", "x"): torch.arange(100_000)})
-            assert torch.equal(c.fetch([(worker.node, "t0", "x")])[0], torch.arange(100_000))
-        assert c.traffic().same_host_requests == 0
-    lines = [r.getMessage() for r in caplog.records if "shared memory not used" in r.getMessage()]
+    lines = http_round_trips(worker.node, caplog)
     assert len(lines) == 1 and reason in lines[0] and worker.node in lines[0]
 
 
