@@ -21,6 +21,7 @@ from typing import Any
 from distbatch.client import ShardClient
 from distbatch.errors import DistBatchError
 from distbatch.ids import validate_node
+from distbatch.protocol import MAX_LIST_LIMIT
 
 __all__ = ["main"]
 
@@ -182,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.command == "clear" and args.all and not args.yes:
         parser.error("clear --all deletes every task on the worker: add --yes to confirm")
-    if args.command == "ls" and not 1 <= args.limit <= 10_000:
-        parser.error("--limit must be 1 to 10000")
+    if args.command == "ls" and not 1 <= args.limit <= MAX_LIST_LIMIT:
+        parser.error(f"--limit must be 1 to {MAX_LIST_LIMIT}")
     with ShardClient(timeout=args.timeout, retries=1) as client:
         try:
             if args.command == "status":

@@ -416,27 +416,20 @@ class Controller:
                     # As TransferQueue's controller does, a sampler is called only when the ready
                     # list holds a batch, or when it can answer this rank from its cache; else its
                     # check_call (if it has one) refuses bad arguments at once.
+                    call = {
+                        "partition_id": partition_id,
+                        "task_name": task_name,
+                        "partition": partition,
+                        **sampling_config,
+                    }
                     if len(ready) >= batch_size or _has_cached_result(
                         self.sampler, partition_id, task_name, sampling_config
                     ):
-                        sampled, consumed = self.sampler(
-                            ready,
-                            batch_size,
-                            partition_id=partition_id,
-                            task_name=task_name,
-                            partition=partition,
-                            **sampling_config,
-                        )
+                        sampled, consumed = self.sampler(ready, batch_size, **call)
                     else:
                         check_call = getattr(self.sampler, "check_call", None)
                         if callable(check_call):
-                            check_call(
-                                batch_size,
-                                partition_id=partition_id,
-                                task_name=task_name,
-                                partition=partition,
-                                **sampling_config,
-                            )
+                            check_call(batch_size, **call)
                         sampled, consumed = [], []
                     if sampled:
                         missing = [i for i in sampled if i not in partition.task_of]
@@ -826,10 +819,15 @@ def _group_size(sampler: BaseSampler) -> int:
 def _id_list(values: Any, name: str, what: str) -> list[str]:
     """`values` as a list of valid ids (`what`: "field" or "task_id"); one string is refused, as a
     caller who passed ``"x"`` for ``["x"]`` would otherwise get one id per character."""
+    refuse_one_string(values, name, what)
+    return [validate_id(v, what) for v in _iterable(values, name)]
+
+
+def refuse_one_string(values: Any, name: str, what: str) -> None:
+    """InvalidArgumentError when a list of ids (`what`: "field" or "task_id") is one string."""
     if isinstance(values, (str, bytes)):
         noun = "field names" if what == "field" else "task ids"
         raise InvalidArgumentError(f"{name} must be a list of {noun}, not one string: {values!r}")
-    return [validate_id(v, what) for v in _iterable(values, name)]
 
 
 def _iterable(value: Any, name: str) -> Iterable[Any]:

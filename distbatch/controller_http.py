@@ -27,7 +27,13 @@ from distbatch.atomic import write_json_atomically
 from distbatch.auth import bearer_ok, token_from_env
 from distbatch.batch import DistributedBatchMemory
 from distbatch.client import ShardClient, default_client, validate_node
-from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
+from distbatch.controller import (
+    ClearError,
+    ClearInProgressError,
+    Controller,
+    SchemaConflictError,
+    refuse_one_string,
+)
 from distbatch.errors import (
     BatchStatusError,
     DistBatchError,
@@ -394,8 +400,7 @@ class RemoteController:
         handed out the first time, so none is lost or consumed twice. Pass your
         own `request_id` to re-ask yourself after this raises.
         """
-        if isinstance(fields, (str, bytes)):
-            raise InvalidArgumentError(f"fields must be a list of field names, not one string: {fields!r}")
+        refuse_one_string(fields, "fields", "field")
         request_id = uuid.uuid4().hex if request_id is None else validate_id(request_id, "request_id")
         # The server waits at most MAX_WAIT_SECONDS (and refuses a bad timeout itself).
         wait = min(timeout, MAX_WAIT_SECONDS) if isinstance(timeout, (int, float)) and timeout > 0 else 0
@@ -440,10 +445,7 @@ class RemoteController:
 
     def create_partition(self, partition_id: str, expected_fields: Iterable[str] = ()) -> None:
         """Create the partition (if new) and declare fields it will get; see `Controller.create_partition`."""
-        if isinstance(expected_fields, (str, bytes)):
-            raise InvalidArgumentError(
-                f"expected_fields must be a list of field names, not one string: {expected_fields!r}"
-            )
+        refuse_one_string(expected_fields, "expected_fields", "field")
         if isinstance(expected_fields, Iterable) and not isinstance(expected_fields, Mapping):
             expected_fields = list(expected_fields)  # else sent as is, for the controller to refuse
         self._post(
@@ -483,8 +485,7 @@ class RemoteController:
 
     def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """See `Controller.get_custom_meta`."""
-        if isinstance(task_ids, (str, bytes)):
-            raise InvalidArgumentError(f"task_ids must be a list of task ids, not one string: {task_ids!r}")
+        refuse_one_string(task_ids, "task_ids", "task_id")
         body = {"partition_id": partition_id, "task_ids": list(task_ids)}
         return self._post("/v1/controller/get_custom_meta", body)["custom_meta"]
 

@@ -5,9 +5,8 @@ One `Metrics` per app (servers in one process stay apart; no module-level regist
 counters and latency histograms are labelled by route rule (bounded: the app's routes and
 `unmatched`), method (bounded: `KNOWN_METHODS`, anything else is `other`) and status; values
 an app reads at scrape time (a store's sizes, a controller's queues) are passed to `render`.
-`prometheus_client` writes the exposition (escaping included). `request_count()` and the
-per-endpoint byte counts answer `/v1/stats` and tests from plain counters kept beside the
-collectors.
+`prometheus_client` writes the exposition (escaping included). `endpoint_totals()` answers
+`/v1/stats` from plain per-endpoint counts kept beside the collectors.
 """
 
 from __future__ import annotations
@@ -76,9 +75,8 @@ class Metrics:
         )
         self._sent = Counter("distbatch_sent_bytes", "Response body bytes sent.", registry=self.registry)
         self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str, int], int] = defaultdict(int)
-        self._bytes_out_by_endpoint: dict[str, int] = defaultdict(int)
-        self._bytes_in_by_endpoint: dict[str, int] = defaultdict(int)
+        # endpoint -> [requests, body bytes received, body bytes sent]
+        self._by_endpoint: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
     def observe(
         self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int
@@ -92,30 +90,22 @@ class Metrics:
         self._received.inc(bytes_in)
         self._sent.inc(bytes_out)
         with self._lock:
-            self._requests[(endpoint, method, status)] += 1
-            self._bytes_in_by_endpoint[endpoint] += bytes_in
-            self._bytes_out_by_endpoint[endpoint] += bytes_out
-
-    def request_count(self, endpoint: str) -> int:
-        """Requests served on `endpoint` (a route rule such as '/v1/shards/fetch')."""
-        with self._lock:
-            return sum(n for (ep, _, _), n in self._requests.items() if ep == endpoint)
+            totals = self._by_endpoint[endpoint]
+            totals[0] += 1
+            totals[1] += bytes_in
+            totals[2] += bytes_out
 
     def endpoint_totals(self, endpoints: tuple[str, ...]) -> tuple[int, int, int]:
-        """(requests, body bytes received, body bytes sent) on `endpoints` together."""
+        """(requests, body bytes received, body bytes sent) on `endpoints` (route rules) together."""
         with self._lock:
-            return (
-                sum(n for (ep, _, _), n in self._requests.items() if ep in endpoints),
-                sum(self._bytes_in_by_endpoint.get(ep, 0) for ep in endpoints),
-                sum(self._bytes_out_by_endpoint.get(ep, 0) for ep in endpoints),
-            )
+            rows = [self._by_endpoint[ep] for ep in endpoints if ep in self._by_endpoint]
+            return sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
 
     def render(self, gauges: Values, counters: Values | None = None) -> bytes:
         """The exposition: `gauges` and `counters` (name -> (help, value), read now by the app)
         and every request collector."""
-        snapshot = CollectorRegistry(auto_describe=False)
-        snapshot.register(_Snapshot(gauges, counters or {}))
-        return generate_latest(snapshot) + generate_latest(self.registry)
+        # generate_latest only calls collect(): the snapshot needs no registry of its own.
+        return generate_latest(_Snapshot(gauges, counters or {})) + generate_latest(self.registry)  # type: ignore[arg-type]
 
 
 def record_requests(app: Flask, metrics: Metrics) -> None:

@@ -1,6 +1,9 @@
 """Names both ends of the worker protocol share (headers), with no dependencies of their own,
 so the worker's data path can use them without importing the client (and aiohttp)."""
 
+MAX_LIST_LIMIT = 10_000
+"""The most task ids one ``GET /v1/tasks`` page may ask for (``limit``)."""
+
 CALL_ID_HEADER = "X-Distbatch-Call-Id"
 """The request header naming an engine call, so the client can abandon it on the worker."""
 

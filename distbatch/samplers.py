@@ -69,7 +69,7 @@ import logging
 import operator
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from distbatch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
@@ -108,7 +108,7 @@ class LengthSource(Protocol):
 
 
 def _check_int(value: Any, name: str, minimum: int) -> int:
-    """`value` as an int >= minimum, else ValueError (bools and floats are refused)."""
+    """`value` as an int >= minimum (0 or 1), else ValueError (bools and floats are refused)."""
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
     try:
@@ -117,11 +117,8 @@ def _check_int(value: Any, name: str, minimum: int) -> int:
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None
     if number < minimum:
         # Phrased as TransferQueue's samplers phrase it: ported tests match on these words.
-        if minimum == 1:
-            raise InvalidArgumentError(f"{name} must be positive, got {number}")
-        if minimum == 0:
-            raise InvalidArgumentError(f"{name} must be greater than or equal to 0, got {number}")
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {number}")
+        bound = "positive" if minimum else "greater than or equal to 0"
+        raise InvalidArgumentError(f"{name} must be {bound}, got {number}")
     return number
 
 
@@ -165,6 +162,28 @@ def _entry_lists(entry: Any) -> _Entry:
         sampled, consumed = entry
         return list(sampled), list(consumed)
     return list(entry), list(entry)
+
+
+def _cache_rows(states: Any) -> Iterator[list[Any]]:
+    """``[partition_id, task_name, dp_rank, batch_index, sampled, consumed]`` per entry of a
+    ``_states`` tree (ours or TransferQueue's), unchecked."""
+    for partition_id, tasks in states.items():
+        for task_name, ranks in tasks.items():
+            for dp_rank, batches in ranks.items():
+                for batch_index, entry in batches.items():
+                    yield [partition_id, task_name, dp_rank, batch_index, *_entry_lists(entry)]
+
+
+def _checked_row(row: Sequence[Any]) -> list[Any]:
+    """A cache row with each item validated (the checkpoint's row format)."""
+    return [
+        _check_str(row[0], "partition_id"),
+        _check_str(row[1], "task_name"),
+        _check_int(row[2], "dp_rank", 0),
+        _check_int(row[3], "batch_index", 0),
+        _index_list(row[4], "sampled"),
+        _index_list(row[5], "consumed"),
+    ]
 
 
 def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[int] | None:
@@ -337,23 +356,8 @@ class BaseSampler(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe snapshot of the cache (see the module docstring for the format)."""
-        cache: list[list[Any]] = []
         try:
-            for partition_id, tasks in self._states.items():
-                for task_name, ranks in tasks.items():
-                    for dp_rank, batches in ranks.items():
-                        for batch_index, entry in batches.items():
-                            sampled, consumed = _entry_lists(entry)
-                            cache.append(
-                                [
-                                    _check_str(partition_id, "partition_id"),
-                                    _check_str(task_name, "task_name"),
-                                    _check_int(dp_rank, "dp_rank", 0),
-                                    _check_int(batch_index, "batch_index", 0),
-                                    _index_list(sampled, "sampled"),
-                                    _index_list(consumed, "consumed"),
-                                ]
-                            )
+            cache = [_checked_row(row) for row in _cache_rows(self._states)]
         except (AttributeError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"{type(self).__name__}._states is not in the standard layout ({exc}); "
@@ -387,16 +391,11 @@ class BaseSampler(ABC):
         for row in raw:
             if not isinstance(row, (list, tuple)) or len(row) != 6:
                 raise InvalidArgumentError(f"sampler cache rows have 6 items, got {row!r}")
-            partition_id = _check_str(row[0], "partition_id")
-            task_name = _check_str(row[1], "task_name")
-            dp_rank = _check_int(row[2], "dp_rank", 0)
-            batch_index = _check_int(row[3], "batch_index", 0)
+            partition_id, task_name, dp_rank, batch_index, sampled, consumed = _checked_row(row)
             batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
             if batch_index in batches:
                 raise InvalidArgumentError(f"sampler state lists {row[:4]} twice")
-            batches[batch_index] = self._entry(
-                _index_list(row[4], "sampled"), _index_list(row[5], "consumed")
-            )
+            batches[batch_index] = self._entry(sampled, consumed)
         for tasks in states.values():
             for ranks in tasks.values():
                 for batches in ranks.values():
@@ -583,11 +582,9 @@ class RankAwareSampler(BaseSampler):
 
     def check_call(self, batch_size: Any, **config: Any) -> None:
         """Check this sampler's arguments, then the wrapped sampler's (without the rank keys)."""
-        rank = {k: config.pop(k, None) for k in ("dp_rank", "batch_index")}
-        super().check_call(batch_size, **rank, **config)
-        inner_check = getattr(self.sampler, "check_call", None)
-        if callable(inner_check):
-            inner_check(batch_size, **config)
+        super().check_call(batch_size, **config)
+        inner = {k: v for k, v in config.items() if k not in ("dp_rank", "batch_index")}
+        self.sampler.check_call(batch_size, **inner)
 
     def _entry(self, sampled: Sequence[int], consumed: Sequence[int]) -> Any:
         # TransferQueue's layout: the sampled list itself when nothing else is consumed.
@@ -767,14 +764,7 @@ _SAMPLES_WITHOUT_SIDE_EFFECTS = frozenset(
 def _rows_from_transferqueue(states: Any) -> list[list[Any]]:
     """Cache rows (our checkpoint format) from TransferQueue's ``_states``, where an entry is
     ``(sampled, consumed)`` or the bare sampled list; InvalidArgumentError if it is anything else."""
-    rows: list[list[Any]] = []
     try:
-        for partition_id, tasks in states.items():
-            for task_name, ranks in tasks.items():
-                for dp_rank, batches in ranks.items():
-                    for batch_index, entry in batches.items():
-                        sampled, consumed = _entry_lists(entry)
-                        rows.append([partition_id, task_name, dp_rank, batch_index, sampled, consumed])
+        return list(_cache_rows(states))
     except (AttributeError, TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"TransferQueue sampler state is not in its layout: {exc}") from None
-    return rows

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from distbatch.http_metrics import CONTENT_TYPE, KNOWN_METHODS, LATENCY_BUCKETS
+from distbatch.http_metrics import CONTENT_TYPE
 from distbatch.http_metrics import Metrics as RequestMetrics
 
-__all__ = ["CONTENT_TYPE", "KNOWN_METHODS", "LATENCY_BUCKETS", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics"]
 
 # The endpoints whose bytes `/v1/stats` reports as shard traffic (HTTP and same-host).
 FETCHES = ("/v1/shards/fetch", "unix:fetch")

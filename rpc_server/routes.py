@@ -14,7 +14,7 @@ from werkzeug.exceptions import ClientDisconnected
 from distbatch import wire
 from distbatch.http_server import SENDS_BUFFERS
 from distbatch.ids import ShardKey, validate_id, validate_key
-from distbatch.protocol import CALL_ID_HEADER
+from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
 from rpc_server.context import ApiError, state
 from rpc_server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -320,7 +320,6 @@ def delete_shards() -> Response:
 
 
 # `GET /v1/tasks` pages hold at most this many tasks.
-MAX_LIST_LIMIT = 10_000
 
 
 @data_routes.get("/v1/tasks")
