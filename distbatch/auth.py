@@ -16,4 +16,9 @@ def token_from_env() -> str | None:
 def bearer_ok(authorization: str | None, token: str) -> bool:
     """Whether an ``Authorization`` header carries `token` (compared in constant time)."""
     scheme, _, provided = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and same_secret(provided.strip(), token)
+
+
+def same_secret(given: object, expected: str) -> bool:
+    """Whether `given` is the string `expected` (compared in constant time)."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

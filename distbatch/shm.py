@@ -28,7 +28,7 @@ import socket
 import struct
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,7 +116,7 @@ def sealed_memfd(parts: Sequence[Buffer], name: str = "distbatch") -> tuple[int,
     """
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        size = _write_all(fd, [memoryview(p).cast("B") for p in parts if len(p)])
+        size = _write_all(lambda views: os.writev(fd, views), [memoryview(p).cast("B") for p in parts])
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
@@ -124,12 +124,13 @@ def sealed_memfd(parts: Sequence[Buffer], name: str = "distbatch") -> tuple[int,
     return fd, size
 
 
-def _write_all(fd: int, views: list[memoryview]) -> int:
-    """`writev` every view to `fd`, resuming after short writes; the bytes written."""
+def _write_all(write: Callable[[list[memoryview]], int], views: list[memoryview]) -> int:
+    """Every view through `write` (a gathering write: `writev`, `sendmsg`), at most `_IOV_MAX`
+    views a call, resuming after short writes; the bytes written."""
     total = 0
     pending = [v for v in views if v.nbytes]
     while pending:
-        written = os.writev(fd, pending[:_IOV_MAX])
+        written = write(pending[:_IOV_MAX])
         total += written
         while pending and written >= pending[0].nbytes:
             written -= pending[0].nbytes
@@ -241,19 +242,19 @@ def map_for_reading(fd: int, size: int) -> mmap.mmap:
 def send_message(sock: socket.socket, payload: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
     """Send one message: a head, the payload's buffers, and `fds` with `SCM_RIGHTS`.
 
-    The first `MAX_FDS_PER_MESSAGE` descriptors ride with the head; any more follow in
+    The head and the payload go out in one gathering `sendmsg` (more only after a short send),
+    the first `MAX_FDS_PER_MESSAGE` descriptors with its first byte; any more follow in
     one-byte messages of their own (Linux caps descriptors per message).
     """
-    views = [memoryview(p).cast("B") for p in payload if len(p)]
-    size = sum(v.nbytes for v in views)
-    head = _HEAD.pack(size, len(fds))
+    views = [memoryview(p).cast("B") for p in payload]
+    head = _HEAD.pack(sum(v.nbytes for v in views), len(fds))
     first = list(fds[:MAX_FDS_PER_MESSAGE])
-    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", first))] if first else []
-    sent = sock.sendmsg([head], ancillary)
-    if sent < len(head):
-        sock.sendall(head[sent:])
-    for view in views:
-        sock.sendall(view)
+    ancillary = [[(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", first))]] if first else []
+
+    def send(batch: list[memoryview]) -> int:
+        return sock.sendmsg(batch, ancillary.pop() if ancillary else [])  # descriptors once
+
+    _write_all(send, [memoryview(head), *views])
     for start in range(MAX_FDS_PER_MESSAGE, len(fds), MAX_FDS_PER_MESSAGE):
         batch = array.array("i", fds[start : start + MAX_FDS_PER_MESSAGE])
         sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])

@@ -130,7 +130,8 @@ class SameHostChannel:
         self, header: dict[str, Any], fds: Sequence[int] = ()
     ) -> tuple[dict[str, Any], memoryview, list[int]]:
         """Send one request, return (answer header, binary rest, descriptors). A connection the
-        worker closed while idle is replaced once; `AnswerError` for an error answer."""
+        worker closed while idle is replaced once; `Fallback` when the worker says to use HTTP
+        for this request, `AnswerError` for any other error answer."""
         for attempt in range(2):
             reused, sock = self._take()
             try:
@@ -145,6 +146,8 @@ class SameHostChannel:
             status = answer.get("status")
             if status != 200:
                 close_all(got)
+                if answer.get("fallback") is True:
+                    raise Fallback(str(answer.get("message", "the worker cannot share this")))
                 raise AnswerError(
                     int(status) if isinstance(status, int) else 500, json.dumps(answer).encode()
                 )
@@ -294,11 +297,7 @@ class SameHostPaths:
 
     def fetch(self, channel: SameHostChannel, task_ids: list[str], fields: list[str]) -> wire.Bundle:
         """One product from the worker as a bundle over its shared regions."""
-        try:
-            answer, rest, fds = channel.request({"op": "fetch", "task_ids": task_ids, "fields": fields})
-        except AnswerError as exc:
-            self._raise_fallback(exc)
-            raise
+        answer, rest, fds = channel.request({"op": "fetch", "task_ids": task_ids, "fields": fields})
         try:
             sizes = answer.get("regions")
             if not isinstance(sizes, list) or len(sizes) != len(fds) or set(map(type, sizes)) - {int}:
@@ -325,19 +324,10 @@ class SameHostPaths:
             header.update(stage=stage, part=part or "")
         try:
             answer, _, fds = channel.request(header, [fd])
-        except AnswerError as exc:
-            self._raise_fallback(exc)
-            raise
         finally:
             os.close(fd)
         close_all(fds)
         return answer
-
-    @staticmethod
-    def _raise_fallback(exc: AnswerError) -> None:
-        answer = json.loads(exc.body)
-        if answer.get("fallback") is True:
-            raise Fallback(str(answer.get("message", "the worker cannot share this"))) from None
 
 
 class _Resolver:
@@ -346,6 +336,7 @@ class _Resolver:
 
     def __init__(self, regions: list[np.ndarray], allocate: Callable[[int], Any]) -> None:
         self.regions = regions
+        self.sizes = np.asarray([len(r) for r in regions], dtype=np.int64)
         self.allocate = allocate
 
     def __call__(self, runs: np.ndarray, nbytes: int) -> list[Buffer]:
@@ -354,8 +345,7 @@ class _Resolver:
         slots, starts, lengths = runs[:, 0], runs[:, 1], runs[:, 2]
         if int(slots.max()) >= len(self.regions):
             raise WireFormatError("a run names a region the answer did not send")
-        sizes = np.asarray([len(r) for r in self.regions], dtype=np.int64)
-        if bool(np.any(starts + lengths > sizes[slots])):
+        if bool(np.any(starts + lengths > self.sizes[slots])):
             raise WireFormatError("a run lies past the end of its region")
         if len(runs) == 1:
             region = self.regions[int(slots[0])]

@@ -7,21 +7,18 @@ import logging
 from flask import Flask, Response, request
 
 from distbatch.auth import bearer_ok
-from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.http_errors import error_response, register_json_errors
 from distbatch.http_metrics import record_requests
-from distbatch.meta import MetaFormatError
+from rpc_server.checks import ERROR_ANSWERS, missing_shards
 from rpc_server.config import ServerConfig
 from rpc_server.context import ApiError, ServerState, state
-from rpc_server.errors import BadArgumentsError, EngineCallFailed, ShuttingDownError, UnknownMethodError
+from rpc_server.errors import EngineCallFailed
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
 from rpc_server.store import (
     IdleSweeper,
     MissingShardsError,
     ShardStore,
-    StoreCapacityError,
-    UnknownStageError,
 )
 
 # Names that lived here before `config`, `context` and `distbatch.http_errors` took them;
@@ -87,18 +84,6 @@ def _authenticate() -> Response | None:
     return None
 
 
-_WORKER_ERRORS: dict[type[BaseException], tuple[int, str]] = {
-    WireFormatError: (400, "bad_container"),
-    MetaFormatError: (400, "bad_metadata"),
-    InvalidIdError: (400, "invalid_id"),
-    BadArgumentsError: (400, "bad_arguments"),
-    UnknownMethodError: (404, "unknown_method"),
-    UnknownStageError: (404, "unknown_stage"),
-    StoreCapacityError: (507, "insufficient_storage"),
-    ShuttingDownError: (503, "shutting_down"),
-}
-
-
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:
@@ -112,8 +97,6 @@ def _register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(MissingShardsError)
     def _missing_error(exc: MissingShardsError) -> Response:
-        return error_response(
-            404, "shards_not_found", str(exc), missing=[list(k) for k in exc.keys], missing_count=exc.count
-        )
+        return _api_error(missing_shards(exc))
 
-    register_json_errors(app, _WORKER_ERRORS, error_response, logger)
+    register_json_errors(app, ERROR_ANSWERS, error_response, logger)

@@ -15,6 +15,7 @@ from flask import current_app
 
 from distbatch.recv_pool import RecvPool
 from rpc_server.config import ServerConfig
+from rpc_server.errors import ApiError  # noqa: F401  (views import it from here)
 from rpc_server.metrics import Metrics
 from rpc_server.store import IdleSweeper, ShardStore
 
@@ -80,16 +81,6 @@ class ServerState:
             self.engine.shutdown()
         self.store.close()
         self.body_pool.close()
-
-
-class ApiError(Exception):
-    """An error a view raises to answer with `{"error": code, "message": ...}`."""
-
-    def __init__(self, status: int, code: str, message: str, **extra: object) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.extra = extra
 
 
 def state() -> ServerState:

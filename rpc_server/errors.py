@@ -5,6 +5,17 @@ from __future__ import annotations
 import traceback
 
 
+class ApiError(Exception):
+    """A refusal to answer with ``{"error": code, "message": ...}`` and HTTP-like `status`
+    (over HTTP by the app's handler, over the same-host socket by its server)."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: object) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.extra = extra
+
+
 class EngineLoadError(Exception):
     """The `--engine` spec could not be imported or instantiated."""
 

@@ -15,15 +15,13 @@ from distbatch import wire
 from distbatch.http_server import SENDS_BUFFERS
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
+from rpc_server.checks import check_field_count, check_put, check_response_size, key_list
 from rpc_server.context import ApiError, state
 from rpc_server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 data_routes = Blueprint("data", __name__)
 
 STREAM_SLICE_BYTES = 8 << 20
-# Fields (columns) one put or fetch may name: the work per request is per field and task,
-# so both are bounded (tasks by --max-keys-per-request).
-MAX_FIELDS_PER_REQUEST = 4096
 BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
 
 
@@ -149,12 +147,7 @@ def _read_json_body() -> dict[str, Any]:
 
 
 def _key_list(value: Any, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ApiError(400, "bad_request", f"'{name}' must be a list")
-    limit = state().config.max_keys_per_request
-    if len(value) > limit:
-        raise ApiError(413, "too_many_keys", f"{len(value)} entries in '{name}', limit {limit}")
-    return value
+    return key_list(value, name, state().config.max_keys_per_request)
 
 
 def _distinct_ids(values: list[Any], what: str) -> list[str]:
@@ -185,14 +178,7 @@ def put_shards() -> Response:
     size = len(body)
     try:
         bundle = wire.parse_bundle(body)
-        if len(bundle.columns) > MAX_FIELDS_PER_REQUEST:
-            message = f"{len(bundle.columns)} fields in one request, limit {MAX_FIELDS_PER_REQUEST}"
-            raise ApiError(413, "too_many_fields", message)
-        limit = state().config.max_keys_per_request
-        if len(bundle.task_ids) > limit:
-            raise ApiError(
-                413, "too_many_keys", f"{len(bundle.task_ids)} tasks in one request, limit {limit}"
-            )
+        check_put(bundle, state().config.max_keys_per_request)
     except BaseException as exc:
         _clear_frames(exc)
         del body
@@ -250,20 +236,18 @@ def fetch_shards() -> Response:
     if has_product:
         task_ids = wire.validate_id_list(_key_list(body["task_ids"], "task_ids"))
         fields = wire.validate_id_list(_key_list(body.get("fields"), "fields"), "field")
-        if len(fields) > MAX_FIELDS_PER_REQUEST:
-            message = f"{len(fields)} fields in one request, limit {MAX_FIELDS_PER_REQUEST}"
-            raise ApiError(413, "too_many_fields", message)
+        check_field_count(len(fields))
         bundle = store.fetch(task_ids, fields)
     else:
         bundle = store.fetch_keys(_validated_keys(body["keys"]))
     limit = state().config.max_response_bytes
     shards = bundle.shard_count()
     stored = sum(c.nbytes for c in bundle.columns.values())
-    _check_response_size(shards, stored, limit)
+    check_response_size(shards, stored, limit)
     with wire.paused_gc():
         parts = wire.build_bundle(bundle)
     size = wire.parts_size(parts)
-    _check_response_size(shards, size, limit)
+    check_response_size(shards, size, limit)
     response = Response(
         _stream(parts, bool(request.environ.get(SENDS_BUFFERS))),
         mimetype=wire.CONTENT_TYPE,
@@ -284,18 +268,6 @@ def _stream(parts: list[wire.Buffer], as_buffers: bool) -> Iterator[bytes | memo
             continue
         for start in range(0, view.nbytes, STREAM_SLICE_BYTES):
             yield bytes(view[start : start + STREAM_SLICE_BYTES])
-
-
-def _check_response_size(keys: int, size: int, limit: int) -> None:
-    if size > limit:
-        raise ApiError(
-            413,
-            "response_too_large",
-            f"a response of {keys} shard(s) would hold {size} bytes, over the limit of {limit} bytes"
-            " (--max-response-bytes); ask for fewer keys per request",
-            limit=limit,
-            bytes=size,
-        )
 
 
 @data_routes.post("/v1/shards/delete")

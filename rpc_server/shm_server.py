@@ -21,19 +21,17 @@ client sends that request over HTTP instead.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from distbatch import wire
+from distbatch.auth import same_secret
 from distbatch.container import Buffer
-from distbatch.errors import InvalidIdError, WireFormatError
 from distbatch.ids import validate_id
 from distbatch.protocol import SERVER_IDLE_SECONDS
 from distbatch.shm import (
@@ -49,14 +47,21 @@ from distbatch.shm import (
     send_message,
     split_payload,
 )
+from rpc_server.checks import (
+    ERROR_ANSWERS,
+    check_field_count,
+    check_put,
+    check_response_size,
+    key_list,
+    missing_shards,
+)
 from rpc_server.config import ServerConfig
+from rpc_server.errors import ApiError
 from rpc_server.metrics import Metrics
 from rpc_server.store import (
     MissingShardsError,
     ShardStore,
     SharedMemoryUnavailable,
-    StoreCapacityError,
-    UnknownStageError,
 )
 
 __all__ = ["INLINE_BELOW_BYTES", "SharedMemoryService"]
@@ -70,23 +75,8 @@ MAX_CONNECTIONS = 128
 # The first message (the hello) must come within this, and be this small.
 HELLO_SECONDS = 10.0
 MAX_HELLO_BYTES = 4096
-MAX_FIELDS_PER_REQUEST = 4096
-
-_ERRORS: dict[type[BaseException], tuple[int, str]] = {
-    WireFormatError: (400, "bad_container"),
-    InvalidIdError: (400, "invalid_id"),
-    ShmError: (400, "bad_region"),
-    UnknownStageError: (404, "unknown_stage"),
-    StoreCapacityError: (507, "insufficient_storage"),
-}
-
-
-class _Refused(Exception):
-    """A request answered with an error: HTTP-like status, code, message, extra fields."""
-
-    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.code, self.extra = status, code, extra
+# The worker's error answers, and a region that is not a sealed memfd of the stated size.
+_ERRORS: dict[type[BaseException], tuple[int, str]] = {**ERROR_ANSWERS, ShmError: (400, "bad_region")}
 
 
 class SharedMemoryService:
@@ -150,7 +140,7 @@ class SharedMemoryService:
                 full = len(self._connections) >= MAX_CONNECTIONS
                 if self._closed or full:
                     if full:
-                        busy = _Refused(503, "busy", f"{MAX_CONNECTIONS} same-host connections already open")
+                        busy = ApiError(503, "busy", f"{MAX_CONNECTIONS} same-host connections already open")
                         with contextlib.suppress(OSError):
                             conn.settimeout(1.0)
                             self._reply_error(conn, busy)
@@ -181,15 +171,14 @@ class SharedMemoryService:
                 "same-host connection from uid %d refused: the worker runs as uid %d", uid, os.getuid()
             )
             return False
-        payload, fds = recv_message(conn, MAX_HELLO_BYTES, 0)
-        close_all(fds)
+        payload, _ = recv_message(conn, MAX_HELLO_BYTES, 0)  # no descriptors: any would be refused
         header, _ = split_payload(payload)
         token = self.config.token
-        if header.get("op") != "hello" or not _same(header.get("secret"), self.secret):
-            self._reply_error(conn, _Refused(401, "unauthorized", "wrong or missing same-host secret"))
+        if header.get("op") != "hello" or not same_secret(header.get("secret"), self.secret):
+            self._reply_error(conn, ApiError(401, "unauthorized", "wrong or missing same-host secret"))
             return False
-        if token is not None and not _same(header.get("token"), token):
-            self._reply_error(conn, _Refused(401, "unauthorized", "missing or wrong bearer token"))
+        if token is not None and not same_secret(header.get("token"), token):
+            self._reply_error(conn, ApiError(401, "unauthorized", "missing or wrong bearer token"))
             return False
         send_message(conn, json_payload({"ok": True, "pid": os.getpid()}))
         return True
@@ -216,41 +205,23 @@ class SharedMemoryService:
                 self._observe(op, 200, started, 0, served)
                 return True
             if op == "put":
-                fd, fds = _one_fd(fds)
-                reply, size = self._put(header, fd)
+                if len(fds) != 1:
+                    raise ApiError(
+                        400, "bad_request", f"a same-host put carries one descriptor, not {len(fds)}"
+                    )
+                reply, size = self._put(header, fds.pop())  # from here the descriptor is _put's
                 send_message(conn, json_payload(reply))
                 self._observe(op, 200, started, size, 0)
                 return True
-            raise _Refused(400, "bad_request", f"unknown same-host operation {op!r}")
-        except _Refused as exc:
+            raise ApiError(400, "bad_request", f"unknown same-host operation {op!r}")
+        except Exception as exc:
             close_all(fds)
-            self._reply_error(conn, exc)
-            self._observe(op, exc.status, started, 0, 0)
-        except SharedMemoryUnavailable as exc:
-            close_all(fds)
-            self._reply_error(conn, _Refused(503, "shm_unavailable", str(exc), fallback=True))
-            self._observe(op, 503, started, 0, 0)
-        except MissingShardsError as exc:
-            close_all(fds)
-            missing = [list(k) for k in exc.keys]
-            refusal = _Refused(404, "shards_not_found", str(exc), missing=missing, missing_count=exc.count)
+            refusal = _refusal(exc, op)
             self._reply_error(conn, refusal)
-            self._observe(op, 404, started, 0, 0)
-        except tuple(_ERRORS) as exc:
-            close_all(fds)
-            status, code = next(v for k, v in _ERRORS.items() if isinstance(exc, k))
-            self._reply_error(conn, _Refused(status, code, str(exc)))
-            self._observe(op, status, started, 0, 0)
-        except Exception as exc:  # out of memory or descriptors, or a bug: HTTP may still serve it
-            close_all(fds)
-            if not isinstance(exc, OSError):
-                logger.exception("same-host %s failed", op)
-            message = f"the same-host path failed: {type(exc).__name__}: {exc}"
-            self._reply_error(conn, _Refused(503, "shm_unavailable", message, fallback=True))
-            self._observe(op, 503, started, 0, 0)
+            self._observe(op, refusal.status, started, 0, 0)
         return True
 
-    def _reply_error(self, conn: socket.socket, exc: _Refused) -> None:
+    def _reply_error(self, conn: socket.socket, exc: ApiError) -> None:
         send_message(
             conn, json_payload({"status": exc.status, "error": exc.code, "message": str(exc), **exc.extra})
         )
@@ -264,23 +235,15 @@ class SharedMemoryService:
     def _fetch(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[Buffer], list[SharedRegion], int]:
         """The answer to a fetch: header, skeleton parts, the regions its runs name, and the shard
         bytes it serves (inline or by reference)."""
-        task_ids = wire.validate_id_list(self._bounded(header.get("task_ids"), "task_ids"))
-        fields = wire.validate_id_list(self._bounded(header.get("fields"), "fields"), "field")
-        if len(fields) > MAX_FIELDS_PER_REQUEST:
-            raise _Refused(413, "too_many_fields", f"{len(fields)} fields, limit {MAX_FIELDS_PER_REQUEST}")
+        max_keys = self.config.max_keys_per_request
+        task_ids = wire.validate_id_list(key_list(header.get("task_ids"), "task_ids", max_keys))
+        fields = wire.validate_id_list(key_list(header.get("fields"), "fields", max_keys), "field")
+        check_field_count(len(fields))
         bundle, regions = self.store.fetch_shared(task_ids, fields, INLINE_BELOW_BYTES)
         with wire.paused_gc():
             parts = wire.build_bundle(bundle)
-        size = wire.parts_size(parts)
-        limit = self.config.max_response_bytes
-        if size > limit:
-            raise _Refused(
-                413,
-                "response_too_large",
-                f"the inline part of a same-host answer would hold {size} bytes, over {limit}",
-                limit=limit,
-                bytes=size,
-            )
+        # Only the inline part counts: the regions are handed over, not sent.
+        check_response_size(bundle.shard_count(), wire.parts_size(parts), self.config.max_response_bytes)
         served = sum(c.nbytes for c in bundle.columns.values())
         return {"status": 200, "regions": [r.size for r in regions]}, parts, regions, served
 
@@ -293,37 +256,28 @@ class SharedMemoryService:
         if part:
             validate_id(part, "part")
         bundle = wire.parse_bundle(region.array)
-        if len(bundle.columns) > MAX_FIELDS_PER_REQUEST:
-            raise _Refused(
-                413, "too_many_fields", f"{len(bundle.columns)} fields, limit {MAX_FIELDS_PER_REQUEST}"
-            )
-        limit = self.config.max_keys_per_request
-        if len(bundle.task_ids) > limit:
-            raise _Refused(
-                413, "too_many_keys", f"{len(bundle.task_ids)} tasks in one request, limit {limit}"
-            )
+        check_put(bundle, self.config.max_keys_per_request)
         if stage is not None:
             staged, nbytes = self.store.stage(stage, bundle, region.size, part, region)
             return {"status": 200, "staged": staged, "bytes": nbytes}, region.size
         receipt = self.store.put(bundle, region.size, region)
         return {"status": 200, "stored": receipt.stored, "bytes": receipt.bytes}, region.size
 
-    def _bounded(self, value: Any, name: str) -> list[Any]:
-        if not isinstance(value, list):
-            raise _Refused(400, "bad_request", f"'{name}' must be a list")
-        limit = self.config.max_keys_per_request
-        if len(value) > limit:
-            raise _Refused(413, "too_many_keys", f"{len(value)} entries in '{name}', limit {limit}")
-        return value
 
-
-def _same(given: Any, expected: str) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def _one_fd(fds: Sequence[int]) -> tuple[int, list[int]]:
-    """The single descriptor a put carries, and what is left for the caller to close (nothing);
-    `_Refused` otherwise (the caller closes what it received)."""
-    if len(fds) != 1:
-        raise _Refused(400, "bad_request", f"a same-host put carries one descriptor, not {len(fds)}")
-    return fds[0], []
+def _refusal(exc: Exception, op: str) -> ApiError:
+    """The answer to a request that raised `exc`. The worker's own refusals keep their status;
+    anything else (out of memory or descriptors, or a bug) says "use HTTP", which may still
+    serve the request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, MissingShardsError):
+        return missing_shards(exc)
+    if isinstance(exc, SharedMemoryUnavailable):
+        return ApiError(503, "shm_unavailable", str(exc), fallback=True)
+    for kind, (status, code) in _ERRORS.items():
+        if isinstance(exc, kind):
+            return ApiError(status, code, str(exc))
+    if not isinstance(exc, OSError):
+        logger.exception("same-host %s failed", op)
+    message = f"the same-host path failed: {type(exc).__name__}: {exc}"
+    return ApiError(503, "shm_unavailable", message, fallback=True)
