@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -173,6 +173,16 @@ class _Segment:
         # Where `data` starts in the buffer's shared region (None: not in one).
         region = buffer.region
         self.region_offset = region.offset_of(data) if region is not None and data is not None else None
+
+    @property
+    def outside_region(self) -> bool:
+        """Tensor bytes not in a shared region yet (a same-host reader moves them into one)."""
+        return (
+            self.dtype is not None
+            and self.region_offset is None
+            and self.data is not None
+            and bool(self.data.nbytes)
+        )
 
     def rehomed(self, data: np.ndarray, buffer: _Buffer, region_offset: int) -> _Segment:
         """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region)."""
@@ -502,14 +512,7 @@ class ShardStore:
     def _unshared(self, buffer: _Buffer) -> list[_Segment]:
         """The tensor segments of `buffer` holding bytes outside any shared region (lock held)."""
         members = [self._segments[s] for s in sorted(buffer.members)]
-        return [
-            seg
-            for seg in members
-            if seg.dtype is not None
-            and seg.region_offset is None
-            and seg.data is not None
-            and seg.data.nbytes
-        ]
+        return [seg for seg in members if seg.outside_region]
 
     def _move_to_regions(self, buffers: Iterable[_Buffer]) -> None:
         """Copy the tensor segments of each buffer into one new shared region per buffer, so
@@ -860,15 +863,13 @@ class ShardStore:
         the buffers of segments not in a shared region yet go into `pending` (lock held)."""
         if any(seg.dtype is None for seg in used.values()):
             return False
-        if len(used) == 1:
-            nbytes = int(next(iter(used.values())).sizes[positions].sum())
-        else:
-            nbytes = sum(int(seg.sizes[positions[segs == i]].sum()) for i, seg in used.items())
+        nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in _by_segment(segs, positions, used))
         if nbytes < share_from:
             return False
-        for seg in used.values():
-            if seg.region_offset is None and seg.data is not None and seg.data.nbytes and pending is not None:
-                pending[id(seg.buffer)] = seg.buffer
+        if pending is not None:
+            for seg in used.values():
+                if seg.outside_region:
+                    pending[id(seg.buffer)] = seg.buffer
         return True
 
     def _columns(self, picked: list[_Picked], slots: _RegionSlots | None = None) -> dict[str, RawColumn]:
@@ -1052,12 +1053,19 @@ def _runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int
     """Maximal runs of adjacent byte ranges: (start, stop, offset in the output) each."""
     if not len(starts):
         return []
+    run_starts, run_stops, first = _run_bounds(starts, sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
+    return zip(run_starts.tolist(), run_stops.tolist(), offsets.tolist())
+
+
+def _run_bounds(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of adjacent byte ranges (at least one range): their starts, their stops, and
+    the index of each run's first range."""
     ends = starts + sizes
     breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
     first = np.concatenate([[0], breaks])
     last = np.concatenate([breaks, [len(starts)]]) - 1
-    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
-    return zip(starts[first].tolist(), ends[last].tolist(), offsets.tolist())
+    return starts[first], ends[last], first
 
 
 class _Picked(NamedTuple):
@@ -1097,24 +1105,33 @@ def _column_of(
         else:
             values = [used[s].values[p] for s, p in zip(segs.tolist(), positions.tolist())]  # type: ignore[index]
         return RawColumn(None, values=values)
-    if share is not None:
-        return _shared_column_of(segs, positions, used, share)
     if len(used) == 1:
         shapes = first.shapes.take(positions)  # type: ignore[union-attr]
-        parts = _parts(first, positions)
+        chunks = [(first, positions)]
     else:
-        parts = []
         shapes = _shapes_in_order(segs, positions, used)
-        # Bytes: runs in request order, segment by segment.
+        # Rows in request order, as runs of rows from one segment.
         change = np.flatnonzero(np.diff(segs)) + 1
-        for chunk_rows in np.split(np.arange(len(segs)), change):
-            seg = used[int(segs[chunk_rows[0]])]
-            parts += _parts(seg, positions[chunk_rows])
-        if len(parts) > MAX_SEND_RUNS:
-            joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts])
-            parts = [memoryview(joined)]
-    nbytes = parts_size(parts)
-    return RawColumn(first.dtype, shapes, parts, nbytes)
+        chunks = [(used[int(segs[c[0]])], positions[c]) for c in np.split(np.arange(len(segs)), change)]
+    if share is not None:
+        runs = np.concatenate([_run_table(seg, rows, share) for seg, rows in chunks])
+        return RawColumn(first.dtype, shapes, (), int(runs[:, 2].sum()), runs=runs)
+    parts = [part for seg, rows in chunks for part in _parts(seg, rows)]
+    if len(chunks) > 1 and len(parts) > MAX_SEND_RUNS:
+        parts = [memoryview(np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]))]
+    return RawColumn(first.dtype, shapes, parts, parts_size(parts))
+
+
+def _by_segment(
+    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]
+) -> Iterator[tuple[_Segment, np.ndarray]]:
+    """Each segment with the positions of its rows (grouped: one step per segment, not per row)."""
+    if len(used) == 1:
+        yield next(iter(used.values())), positions
+        return
+    order = np.argsort(segs, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(segs[order])) + 1):
+        yield used[int(segs[group[0]])], positions[group]
 
 
 def _shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]) -> RowShapes:
@@ -1129,26 +1146,6 @@ def _shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, _S
     return RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
 
 
-def _shared_column_of(
-    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment], share: _RegionSlots
-) -> RawColumn:
-    """A tensor field's rows as runs (region slot, offset, length) in request order."""
-    first = next(iter(used.values()))
-    if len(used) == 1:
-        shapes = first.shapes.take(positions)  # type: ignore[union-attr]
-        runs = _run_table(first, positions, share)
-    else:
-        shapes = _shapes_in_order(segs, positions, used)
-        change = np.flatnonzero(np.diff(segs)) + 1
-        tables = [
-            _run_table(used[int(segs[chunk[0]])], positions[chunk], share)
-            for chunk in np.split(np.arange(len(segs)), change)
-        ]
-        runs = np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)
-    nbytes = int(runs[:, 2].sum())
-    return RawColumn(first.dtype, shapes, (), nbytes, runs=runs)
-
-
 def _run_table(seg: _Segment, positions: np.ndarray, share: _RegionSlots) -> np.ndarray:
     """The bytes of `positions` of `seg` as maximal runs in its region: an (n, 3) int64 table of
     (region slot, offset, length), in order, empty runs left out."""
@@ -1158,15 +1155,11 @@ def _run_table(seg: _Segment, positions: np.ndarray, share: _RegionSlots) -> np.
     region = seg.buffer.region
     if region is None or seg.region_offset is None:  # `fetch_shared` moves every segment first
         raise SharedMemoryUnavailable(f"segment {seg.id} of field {seg.field!r} is not in a shared region")
-    starts = seg.starts[positions] + seg.region_offset
-    ends = starts + sizes
-    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-    first = np.concatenate([[0], breaks])
-    last = np.concatenate([breaks, [len(starts)]]) - 1
-    table = np.empty((len(first), 3), dtype=np.int64)
+    run_starts, run_stops, _ = _run_bounds(seg.starts[positions] + seg.region_offset, sizes)
+    table = np.empty((len(run_starts), 3), dtype=np.int64)
     table[:, 0] = share.slot(region)
-    table[:, 1] = starts[first]
-    table[:, 2] = ends[last] - starts[first]
+    table[:, 1] = run_starts
+    table[:, 2] = run_stops - run_starts
     return table[table[:, 2] > 0]
 
 
