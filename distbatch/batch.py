@@ -142,6 +142,21 @@ def _cu_seqlens(lengths: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(offsets.astype(np.int32))
 
 
+def _cat(tensors: Sequence[torch.Tensor], allocate: Callable[[int], Any] | None) -> torch.Tensor:
+    """One flat tensor of `tensors` (the tensor itself when there is one): joined into a buffer
+    from `allocate` (the client's recycled receive buffers) when given, else into fresh memory."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if not tensors:
+        return torch.empty(0)
+    total = sum(t.numel() for t in tensors)
+    nbytes = total * tensors[0].element_size()
+    if allocate is None or not nbytes:
+        return torch.cat(list(tensors))
+    out = torch.frombuffer(allocate(nbytes), dtype=tensors[0].dtype, count=total)
+    return torch.cat(list(tensors), out=out)
+
+
 class _Gathered:
     """One field gathered from the workers, in task order: JSON values, or the flat tensors of
     every task's elements (one per response, in order) plus their shapes: the columnar form
@@ -190,28 +205,18 @@ class _Gathered:
         if in_order:
             return _Gathered(flats, piece_shapes, allocate=allocate)  # type: ignore[arg-type]
         shapes = RowShapes.concat(piece_shapes)  # type: ignore[arg-type]
-        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        flat = _cat(flats, allocate)
         back = np.argsort(order, kind="stable")
         if shapes.shape is not None:  # equal rows: one C-level take
             width = max(1, int(np.prod(shapes.shape)))
             taken = flat.view(-1, width)[torch.from_numpy(back)].reshape(-1) if flat.numel() else flat
             return _Gathered([taken], [shapes.take(back)])
         rows = list(torch.split(flat, shapes.counts().tolist()))
-        return _Gathered([torch.cat(_reorder(rows, order)) if rows else flat], [shapes.take(back)])
+        return _Gathered([_cat(_reorder(rows, order), allocate) if rows else flat], [shapes.take(back)])
 
     def flat(self) -> torch.Tensor:
         """Every task's elements in one tensor (joins several responses: one copy)."""
-        if len(self.pieces) == 1:
-            return self.pieces[0]
-        if not self.pieces:
-            return torch.empty(0)
-        total = sum(p.numel() for p in self.pieces)
-        dtype = self.pieces[0].dtype
-        nbytes = total * self.pieces[0].element_size()
-        if self.allocate is None or not nbytes:
-            return torch.cat(self.pieces)
-        out = torch.frombuffer(self.allocate(nbytes), dtype=dtype, count=total)
-        return torch.cat(self.pieces, out=out)
+        return _cat(self.pieces, self.allocate)
 
     def column(self) -> Column:
         """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
@@ -546,9 +551,10 @@ class DistributedBatchMemory:
         requests: list[tuple[str, list[str], list[str]]] = []
         placed: list[np.ndarray] = []  # the batch rows each request covers
         for node, products in meta.plan(list(names)).items():
+            max_bytes = client.request_bytes_bound(node)
             for rows, fields in products:
                 per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
-                cuts = _cut_points(per_task, client.request_bytes_bound(node), client.max_keys_per_request)
+                cuts = _cut_points(per_task, max_bytes, client.max_keys_per_request)
                 for a, b in zip(cuts, cuts[1:]):
                     chunk = rows[a:b]
                     requests.append((node, pick(self._task_ids, chunk), fields))

@@ -198,8 +198,11 @@ class _Runtime:
     put or a fetch needs, and a long training step never holds up data to its worker.
     """
 
-    def __init__(self, max_connections: int, max_connections_per_node: int) -> None:
+    def __init__(self, max_connections: int, max_connections_per_node: int, same_host: SameHostPaths) -> None:
         self.loop_thread = _LoopThread()
+        # This process's same-host channels: a forked child gets a runtime, so channels, of its
+        # own (the parent's Unix connections, and locks it may have held, are not the child's).
+        self.same_host = same_host
         self.session: aiohttp.ClientSession | None = None
         self.max_connections_per_node = max_connections_per_node
         self.data_slots = asyncio.Semaphore(max_connections)
@@ -244,6 +247,7 @@ class _Runtime:
 
     def close(self) -> None:
         if self.loop_thread.pid == os.getpid():
+            self.same_host.close()
             self.loop_thread.stop([self.session, self.probe_session, self.fresh_session], self.background)
 
 
@@ -299,8 +303,6 @@ class ShardClient:
         self.backoff = backoff
         self.backoff_max = backoff_max
         self._recv_pool = RecvPool(default_max_idle_bytes() if recv_pool_bytes is None else recv_pool_bytes)
-        self._same_host_paths: SameHostPaths | None = None
-        self._same_host_pid = 0
         self._runtime_lock = threading.Lock()
         self._runtime: _Runtime | None = None
         self._traffic = Traffic()
@@ -313,7 +315,11 @@ class ShardClient:
             runtime = self._runtime
             if runtime is None or runtime.loop_thread.pid != os.getpid():
                 # After a fork the parent's loop thread does not exist here: start afresh.
-                runtime = self._runtime = _Runtime(self.max_connections, self.max_connections_per_node)
+                # The pool's own method, not this client's: the runtime must not keep the client alive.
+                same_host = SameHostPaths(self.token, self.timeout, self._recv_pool.take)
+                runtime = self._runtime = _Runtime(
+                    self.max_connections, self.max_connections_per_node, same_host
+                )
                 self._finalizer = weakref.finalize(self, runtime.close)
             return runtime
 
@@ -321,10 +327,6 @@ class ShardClient:
         """Close the session and stop the loop thread; the client restarts them if used again.
         Idle receive buffers are unmapped (tensors still using one keep it)."""
         self._recv_pool.clear()
-        with self._runtime_lock:
-            paths, self._same_host_paths = self._same_host_paths, None
-        if paths is not None and self._same_host_pid == os.getpid():
-            paths.close()
         with self._runtime_lock:
             if self._finalizer is not None:
                 self._finalizer()
@@ -339,13 +341,8 @@ class ShardClient:
 
     @property
     def _same_host(self) -> SameHostPaths:
-        """This process's same-host channels: a forked child starts its own (the parent's Unix
-        connections, and locks it may have held, are not the child's to use)."""
-        with self._runtime_lock:
-            if self._same_host_paths is None or self._same_host_pid != os.getpid():
-                self._same_host_paths = SameHostPaths(self.token, self.timeout, self.receive_buffer)
-                self._same_host_pid = os.getpid()
-            return self._same_host_paths
+        """This process's same-host channels (kept by the runtime, so a forked child has its own)."""
+        return self._get_runtime().same_host
 
     def request_bytes_bound(self, node: str) -> int:
         """How many shard bytes one gather request to `node` should ask for: the HTTP bound
@@ -755,14 +752,16 @@ class ShardClient:
         n = len(bundle.task_ids)
         if n <= 1:
             return [bundle]
-        per_task = np.zeros(n, dtype=np.int64)
-        for column in bundle.columns.values():
-            if column.rows is None:
-                per_task += column.row_nbytes()
-            else:
-                np.add.at(per_task, column.rows, column.row_nbytes())
-        max_bytes = self.max_bytes_per_request if by_bytes else int(per_task.sum()) + 1
-        cuts = _cut_points(per_task, max_bytes, self.max_keys_per_request)
+        if by_bytes:
+            per_task = np.zeros(n, dtype=np.int64)
+            for column in bundle.columns.values():
+                if column.rows is None:
+                    per_task += column.row_nbytes()
+                else:
+                    np.add.at(per_task, column.rows, column.row_nbytes())
+            cuts = _cut_points(per_task, self.max_bytes_per_request, self.max_keys_per_request)
+        else:
+            cuts = [*range(0, n, self.max_keys_per_request), n]
         if len(cuts) == 2:
             return [bundle]
         return [_slice_bundle(bundle, a, b) for a, b in zip(cuts, cuts[1:])]
@@ -784,11 +783,18 @@ class ShardClient:
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            try:
-                await self._request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
-            except NodeError:
-                pass  # the stage expires on the worker; the original failure is what matters
+            await self._abort_stage(node, stage)
             raise failures[0]
+        return await self._commit_stage(node, stage)
+
+    async def _abort_stage(self, node: str, stage: str) -> None:
+        """Drop a staged put's parts; a failure here is ignored: the stage expires on the worker,
+        and the failure that made us abort is what matters."""
+        with contextlib.suppress(NodeError):
+            await self._request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
+
+    async def _commit_stage(self, node: str, stage: str) -> PutResult:
+        """Store every part of a staged put at once."""
         reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
         return PutResult(reply["stored"], reply["bytes"])
 
@@ -826,13 +832,11 @@ class ShardClient:
                 self._traffic.same_host_sent += wire.parts_size(parts)
         except BaseException:
             if stage is not None:
-                with contextlib.suppress(NodeError):
-                    await self._request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
+                await self._abort_stage(node, stage)
             raise
         if stage is None:
             return PutResult(answers[0]["stored"], answers[0]["bytes"])
-        reply = await self._request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
-        return PutResult(reply["stored"], reply["bytes"])
+        return await self._commit_stage(node, stage)
 
     def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
         """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""
@@ -936,8 +940,11 @@ class ShardClient:
                 bundle = wire.parse_bundle(body)
             except WireFormatError as exc:
                 raise WireFormatError(f"{node}: bad response container: {exc}") from None
-        elif progress is not None:
-            progress(sum(c.nbytes for c in bundle.columns.values()))
+        else:
+            received = sum(c.nbytes for c in bundle.columns.values())
+            self._traffic.same_host_received += received
+            if progress is not None:
+                progress(received)
         if bundle.task_ids != task_ids or {wire.column_field(k) for k in bundle.columns} != set(fields):
             raise WireFormatError(f"{node}: response does not hold the shards asked for")
         return bundle
@@ -957,8 +964,7 @@ class ShardClient:
         except (OSError, EOFError, ShmError) as exc:
             self._same_host_failed(node, exc)
             return None
-        self._traffic.same_host_received += sum(c.nbytes for c in bundle.columns.values())
-        return bundle
+        return bundle  # its bytes are counted by `_fetch_product`
 
     async def _fetch_product_split(
         self,
