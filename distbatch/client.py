@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -360,15 +361,7 @@ class ShardClient:
 
     def traffic(self) -> Traffic:
         """A snapshot of the bytes and requests this client has moved so far."""
-        t = self._traffic
-        return Traffic(
-            t.requests,
-            t.bytes_sent,
-            t.bytes_received,
-            t.same_host_requests,
-            t.same_host_sent,
-            t.same_host_received,
-        )
+        return dataclasses.replace(self._traffic)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._get_runtime().loop_thread.submit(coro)
