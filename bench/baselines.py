@@ -165,7 +165,7 @@ def ray_roundtrips(
     """
     import ray
 
-    from distbatch.ray_group import init_local_ray
+    from distbatch.launch.ray_actors import init_local_ray
 
     init_local_ray(num_cpus=2, ignore_reinit_error=True)  # loopback only, no dashboard
     try:

@@ -86,7 +86,7 @@ def bench_ray(make: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any
     """Ray same-node: driver `ray.put` of the batch, and `ray.get` (+ read) of one an actor put."""
     import ray
 
-    from distbatch.ray_group import init_local_ray
+    from distbatch.launch.ray_actors import init_local_ray
 
     columns = make()
     nbytes = payload_bytes(columns)

@@ -3,7 +3,7 @@
 `run(...)` (called by `python -m bench`) starts `python -m bench.transferqueue` in its own
 process group, bounded by a timeout, and reads the figures it writes as JSON. The child:
 
-1. starts a local Ray cluster on loopback (`distbatch.ray_group.init_local_ray`);
+1. starts a local Ray cluster on loopback (`distbatch.launch.ray_actors.init_local_ray`);
 2. `transfer_queue.init(conf)` with `backend.storage_backend = SimpleStorage` and
    `num_data_storage_units = units`: a `TransferQueueController` actor plus `units`
    `SimpleStorageUnit` actors, which talk ZMQ to the client living in this process;
@@ -201,7 +201,7 @@ def child_main(argv: list[str] | None = None) -> None:
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
-    from distbatch.ray_group import init_local_ray
+    from distbatch.launch.ray_actors import init_local_ray
 
     workload = WORKLOADS[args.workload]
     out: dict[str, Any] = {"version": tq.__version__, "backend": "SimpleStorage", "units": args.units}

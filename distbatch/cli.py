@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from distbatch.client import ShardClient
+from distbatch.client.shard_client import ShardClient
 from distbatch.errors import DistBatchError
 from distbatch.ids import validate_node
 from distbatch.protocol import MAX_LIST_LIMIT

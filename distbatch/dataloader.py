@@ -66,9 +66,9 @@ from typing import Any
 
 import torch.utils.data
 
-from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.controller import Controller
-from distbatch.errors import DistBatchError, ServerError, UnknownPartitionError
+from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.controller.core import Controller
+from distbatch.errors import ReplayUnavailableError, ServerError, UnknownPartitionError
 from distbatch.ids import validate_id
 
 __all__ = [
@@ -114,13 +114,9 @@ FETCH_BACKOFF_MAX = 2.0
 _LOCAL_CONTROLLER_IN_WORKERS = (
     "a local Controller cannot serve DataLoader worker processes: each worker would get its own copy, "
     "so consumption it records and tasks put later are seen by nobody else. Serve it "
-    "(distbatch.controller_http.serve_controller) and pass RemoteController(server.address), "
+    "(distbatch.controller.http.serve_controller) and pass RemoteController(server.address), "
     "or use num_workers=0"
 )
-
-
-class ReplayUnavailableError(DistBatchError, RuntimeError):
-    """`reset()` / `get_buffer()` on a loader whose batches live in its worker processes."""
 
 
 # ----------------------------------------------------------------------------- default functions

@@ -184,3 +184,64 @@ class UnknownFieldError(DistBatchError, KeyError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.partition_id, self.fields, self.known)
+
+
+# Raised by the wire, the batch, the controller and the loader (moved here from their modules).
+
+
+class MetaFormatError(DistBatchError, ValueError):
+    """Serialized metadata is malformed (bad JSON, ids, nodes, dtypes or shapes)."""
+
+
+class SchemaConflictError(DistBatchError, ValueError):
+    """A put gives a field a dtype (or kind) other than the one the partition has."""
+
+
+class ClearInProgressError(DistBatchError):
+    """A put named tasks whose clear is under way: their shards are being deleted right now."""
+
+
+class ReplayUnavailableError(DistBatchError, RuntimeError):
+    """`reset()` / `get_buffer()` on a loader whose batches live in its worker processes."""
+
+
+class ShapeError(DistBatchError, ValueError):
+    """Shapes that are malformed (negative dims, wrong counts, too many dimensions)."""
+
+
+class ShmError(DistBatchError):
+    """A region or a message over the Unix socket was refused (wrong seals, size, framing)."""
+
+
+class HandshakeRefused(ShmError):
+    """The worker turned the handshake down; `passing` when a later try may succeed (busy)."""
+
+    def __init__(self, message: str, passing: bool) -> None:
+        super().__init__(message)
+        self.passing = passing
+
+
+class SameHostFallback(DistBatchError):
+    """This request cannot take the same-host path; send it over HTTP (the message says why)."""
+
+
+class SameHostAnswerError(DistBatchError):
+    """The worker answered with an error: `status` and `body` as an HTTP error would carry."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP-like status {status}")
+        self.status = status
+        self.body = body
+
+
+class ResponseError(DistBatchError, ConnectionError):
+    """The response was cut short, malformed, or of a kind this reader does not handle."""
+
+
+class AnsweredError(DistBatchError):
+    """The worker answered with an error status (carried as `error`), as opposed to not answering."""
+
+    def __init__(self, error: NodeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+

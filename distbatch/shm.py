@@ -11,7 +11,7 @@ private copy of the touched pages.
 File descriptors travel with `SCM_RIGHTS` over a Unix socket (`send_message` /
 `recv_message`): the only way into a region is to be handed one.
 
-Both the worker (`rpc_server.shm_server`) and the client (`distbatch.shm_client`) use this
+Both the worker (`rpc_server.shm_server`) and the client (`distbatch.client.same_host`) use this
 module; it knows nothing about bundles or stores.
 """
 
@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from distbatch.container import Buffer
+from distbatch.errors import ShmError
+from distbatch.wire.container import Buffer
 
 __all__ = [
     "ENV_HOST_ID",
@@ -62,10 +63,6 @@ _IOV_MAX = 1024
 REGION_ALIGNMENT = 64
 # Descriptors this process may hold: each mapped region holds one (Python's mmap keeps a dup).
 WANTED_OPEN_FILES = 65536
-
-
-class ShmError(Exception):
-    """A region or a message over the Unix socket was refused (wrong seals, size, framing)."""
 
 
 def disabled_reason() -> str | None:

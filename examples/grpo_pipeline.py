@@ -242,7 +242,7 @@ def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: boo
     if getattr(args, "launcher", "local") == "ray":
         import ray
 
-        from distbatch.ray_group import init_local_ray
+        from distbatch.launch.ray_actors import init_local_ray
 
         if not ray.is_initialized():  # a new loopback cluster, or join --ray-address
             init_local_ray(address=getattr(args, "ray_address", None))

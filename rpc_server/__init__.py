@@ -1,6 +1,7 @@
 """The distbatch worker server: a Flask app that stores shards and serves them to peers."""
 
-from rpc_server.app import ServerConfig, create_app
+from rpc_server.app import create_app
+from rpc_server.config import ServerConfig
 from rpc_server.serve import WorkerServer
 from rpc_server.store import ShardStore
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from distbatch.atomic import write_text_atomically
-from distbatch.worker_flags import build_parser, check_flag_values, parse_flags
+from distbatch.launch.flags import build_parser, check_flag_values, parse_flags
 from rpc_server.app import create_app
 from rpc_server.config import ServerConfig
 from rpc_server.errors import EngineLoadError
@@ -25,7 +25,7 @@ from rpc_server.serve import WorkerServer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (`distbatch.worker_flags`, shared with the launchers that check flags)."""
+    """The command line (`distbatch.launch.flags`, shared with the launchers that check flags)."""
     parser = build_parser()
     parser.description = __doc__
     return parser.parse_args(argv)

@@ -7,12 +7,12 @@ import logging
 from flask import Flask, Response, request
 
 from distbatch.auth import bearer_ok
-from distbatch.http_errors import error_response, register_json_errors
-from distbatch.http_metrics import record_requests
+from distbatch.serving.errors import error_response, register_json_errors
+from distbatch.serving.metrics import record_requests
 from rpc_server.checks import ERROR_ANSWERS, missing_shards
 from rpc_server.config import ServerConfig
-from rpc_server.context import ApiError, ServerState, state
-from rpc_server.errors import EngineCallFailed
+from rpc_server.context import ServerState, state
+from rpc_server.errors import ApiError, EngineCallFailed
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
 from rpc_server.store import (
@@ -21,7 +21,7 @@ from rpc_server.store import (
     ShardStore,
 )
 
-# Names that lived here before `config`, `context` and `distbatch.http_errors` took them;
+# Names that lived here before `config`, `context` and `distbatch.serving.errors` took them;
 # kept importable from this module for existing code.
 __all__ = [
     "ApiError",

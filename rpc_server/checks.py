@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from distbatch import wire
-from distbatch.errors import InvalidIdError, WireFormatError
-from distbatch.meta import MetaFormatError
+from distbatch.errors import InvalidIdError, MetaFormatError, WireFormatError
 from rpc_server.errors import ApiError, BadArgumentsError, ShuttingDownError, UnknownMethodError
 from rpc_server.store import MissingShardsError, StoreCapacityError, UnknownStageError
 

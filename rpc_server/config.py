@@ -1,6 +1,6 @@
 """`ServerConfig`: everything a worker server can be told (the CLI fills it from flags and env).
 
-Its defaults are the worker command line's (`distbatch.worker_flags`), so a flag left out and
+Its defaults are the worker command line's (`distbatch.launch.flags`), so a flag left out and
 a config built in Python mean the same server.
 """
 
@@ -9,15 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distbatch.auth import token_from_env
-from distbatch.worker_flags import (
+from distbatch.launch.flags import (
     DEFAULT_MAX_JSON_BYTES,
     DEFAULT_MAX_KEYS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_MAX_THREADS,
-    DEFAULT_READ_TIMEOUT,
     DEFAULT_STAGE_TTL,
 )
+from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
 __all__ = ["ServerConfig"]
 

@@ -19,18 +19,13 @@ from typing import Any
 
 import torch
 
-from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.client import ShardClient, default_client
+from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.calls import decode_call, encode_value
+from distbatch.client.shard_client import ShardClient, default_client
 from distbatch.errors import WireFormatError
-from distbatch.rpc import decode_call, encode_value
-from distbatch.wire import (
-    Bundle,
-    _check_json,
-    find_non_json,
-    tensor_problem,
-)
-from rpc_server.context import ApiError
+from distbatch.wire.codec import Bundle, _check_json, find_non_json, tensor_problem
 from rpc_server.errors import (
+    ApiError,
     BadArgumentsError,
     EngineCallFailed,
     EngineLoadError,

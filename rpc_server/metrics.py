@@ -1,10 +1,10 @@
 """The worker's metrics: the request metrics every distbatch HTTP app keeps
-(`distbatch.http_metrics`), plus the shard traffic `/v1/stats` reports."""
+(`distbatch.serving.metrics`), plus the shard traffic `/v1/stats` reports."""
 
 from __future__ import annotations
 
-from distbatch.http_metrics import CONTENT_TYPE
-from distbatch.http_metrics import Metrics as RequestMetrics
+from distbatch.serving.metrics import CONTENT_TYPE
+from distbatch.serving.metrics import Metrics as RequestMetrics
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -12,12 +12,14 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from distbatch import wire
-from distbatch.http_server import SENDS_BUFFERS
+from distbatch.gc_pause import paused_gc
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
+from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from distbatch.serving.server import SENDS_BUFFERS
 from rpc_server.checks import check_field_count, check_put, check_response_size, key_list
-from rpc_server.context import ApiError, state
-from rpc_server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rpc_server.context import state
+from rpc_server.errors import ApiError
 
 data_routes = Blueprint("data", __name__)
 
@@ -244,7 +246,7 @@ def fetch_shards() -> Response:
     shards = bundle.shard_count()
     stored = sum(c.nbytes for c in bundle.columns.values())
     check_response_size(shards, stored, limit)
-    with wire.paused_gc():
+    with paused_gc():
         parts = wire.build_bundle(bundle)
     size = wire.parts_size(parts)
     check_response_size(shards, size, limit)

@@ -1,7 +1,7 @@
 """Bind a worker app to a socket and serve it (used by the CLI and by in-process hosts).
 
 The HTTP machinery (bounded threads, read timeouts, reserve threads) is the library's generic
-`distbatch.http_server.HttpServer`; this module only fills in the worker's bounds and the
+`distbatch.serving.server.HttpServer`; this module only fills in the worker's bounds and the
 requests its reserve threads answer.
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from flask import Flask
 
-from distbatch.http_server import (
+from distbatch.serving.server import (
+    DEFAULT_MAX_THREADS,
+    DEFAULT_READ_TIMEOUT,
     HEALTH_REQUESTS,
     RESERVE_THREADS,
     WILDCARD_HOSTS,
@@ -17,7 +19,6 @@ from distbatch.http_server import (
     advertised_host,
     format_node,
 )
-from distbatch.worker_flags import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 from rpc_server.config import ServerConfig
 
 __all__ = [

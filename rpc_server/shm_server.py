@@ -31,12 +31,12 @@ from typing import Any
 
 from distbatch import wire
 from distbatch.auth import same_secret
-from distbatch.container import Buffer
+from distbatch.errors import ShmError
+from distbatch.gc_pause import paused_gc
 from distbatch.ids import validate_id
 from distbatch.protocol import SERVER_IDLE_SECONDS
 from distbatch.shm import (
     SharedRegion,
-    ShmError,
     abstract_address,
     close_all,
     host_id,
@@ -47,6 +47,7 @@ from distbatch.shm import (
     send_message,
     split_payload,
 )
+from distbatch.wire.container import Buffer
 from rpc_server.checks import (
     ERROR_ANSWERS,
     check_field_count,
@@ -240,7 +241,7 @@ class SharedMemoryService:
         fields = wire.validate_id_list(key_list(header.get("fields"), "fields", max_keys), "field")
         check_field_count(len(fields))
         bundle, regions = self.store.fetch_shared(task_ids, fields, INLINE_BELOW_BYTES)
-        with wire.paused_gc():
+        with paused_gc():
             parts = wire.build_bundle(bundle)
         # Only the inline part counts: the regions are handed over, not sent.
         check_response_size(bundle.shard_count(), wire.parts_size(parts), self.config.max_response_bytes)

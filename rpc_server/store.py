@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from distbatch.ids import ShardKey
-from distbatch.shapes import RowShapes, unique_ints
 from distbatch.shm import SharedRegion, aligned_offsets
-from distbatch.wire import LAYER_MARK, Bundle, RawColumn, RawTensor, column_field, parts_size
+from distbatch.wire.codec import LAYER_MARK, Bundle, RawColumn, column_field
+from distbatch.wire.container import RawTensor, parts_size
+from distbatch.wire.shapes import RowShapes, unique_ints
 
 logger = logging.getLogger("rpc_server")
 

@@ -19,7 +19,7 @@ import pytest
 from distbatch import WorkerGroup
 
 if TYPE_CHECKING:
-    from distbatch.ray_group import RayWorkers
+    from distbatch.launch.ray_actors import RayWorkers
 
 
 def import_ray() -> ModuleType:
@@ -31,7 +31,7 @@ def import_ray() -> ModuleType:
 
 def ray_workers(group: WorkerGroup) -> RayWorkers:
     """The actors and placement group behind a Ray-launched group."""
-    from distbatch.ray_group import RayWorkers
+    from distbatch.launch.ray_actors import RayWorkers
 
     (workers,) = [s for s in group.stoppers if isinstance(s, RayWorkers)]
     return workers

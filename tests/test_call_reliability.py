@@ -36,11 +36,12 @@ import torch
 from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
-from distbatch.client import CALL_ID_HEADER, _LoopThread
-from distbatch.controller import ClearError as ControllerClearError
+from distbatch.calls import decode_value, encode_call
+from distbatch.client.shard_client import _LoopThread
 from distbatch.errors import ClearError, EngineError, ShardNotFoundError, WorkerUnavailableError
+from distbatch.errors import ClearError as ControllerClearError
 from distbatch.launch import WorkerProcess, spawn_worker, spawn_workers
-from distbatch.rpc import decode_value, encode_call
+from distbatch.protocol import CALL_ID_HEADER
 
 pytestmark = pytest.mark.timeout(120)
 

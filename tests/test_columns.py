@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from distbatch import DistributedBatchMemory
 from distbatch.balance import EXACT_MAX_ITEMS, balanced_group_partitions
+from distbatch.batch.meta import BatchMeta, FieldMeta, MetaFormatError
 from distbatch.ids import ShardKey, ShardRef
-from distbatch.meta import BatchMeta, FieldMeta, MetaFormatError
-from distbatch.shapes import MAX_DIMS, RowShapes, ShapeError
 from distbatch.wire import ITEMSIZE
+from distbatch.wire.shapes import MAX_DIMS, RowShapes, ShapeError
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -19,8 +19,9 @@ import torch
 
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError, _Partition
-from distbatch.errors import UnknownFieldError, UnknownPartitionError
+from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
+from distbatch.controller.core import _Partition
+from distbatch.errors import ClearError, UnknownFieldError, UnknownPartitionError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
 

@@ -23,8 +23,9 @@ import torch
 
 from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, WorkerUnavailableError
 from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.controller import ClearError, ClearInProgressError, Controller, SchemaConflictError
-from distbatch.controller_http import ControllerServer, RemoteController
+from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
+from distbatch.controller.http import ControllerServer, RemoteController
+from distbatch.errors import ClearError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
 

@@ -26,7 +26,7 @@ import torch
 from distbatch import ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import Controller, SchemaConflictError
-from distbatch.controller_http import ControllerServer, RemoteController
+from distbatch.controller.http import ControllerServer, RemoteController
 from distbatch.dataloader import StreamingDataset, fetch_batch
 from distbatch.errors import (
     BatchStatusError,

@@ -11,8 +11,9 @@ import torch
 
 from distbatch import DistributedBatchMemory
 from distbatch.client import ShardClient
-from distbatch.controller import MAX_CUSTOM_META_BYTES, Controller
-from distbatch.controller_http import ControllerServer, RemoteController
+from distbatch.controller import Controller
+from distbatch.controller.core import MAX_CUSTOM_META_BYTES
+from distbatch.controller.http import ControllerServer, RemoteController
 from distbatch.errors import InvalidArgumentError, UnknownPartitionError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import SeqlenBalancedSampler

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import distbatch
 from distbatch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import Controller
-from distbatch.controller_http import ControllerServer, RemoteController, serve_controller
+from distbatch.controller.http import ControllerServer, RemoteController, serve_controller
 from distbatch.dataloader import (
     ReplayUnavailableError,
     StreamingDataLoader,

@@ -30,8 +30,8 @@ from distbatch import (
 )
 from distbatch.auth import token_from_env
 from distbatch.batch import BatchStatus
+from distbatch.calls import encode_call
 from distbatch.launch import WorkerProcess
-from distbatch.rpc import encode_call
 
 TESTS_DIR = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)}

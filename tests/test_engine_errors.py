@@ -32,7 +32,7 @@ from distbatch import (
     WorkerGroup,
 )
 from distbatch.batch import BatchStatus
-from distbatch.client import validate_node
+from distbatch.ids import validate_node
 from distbatch.wire import encode_bundle
 
 TESTS_DIR = Path(__file__).resolve().parent

@@ -14,8 +14,8 @@ import torch
 from flask import Flask, Response, request
 
 from distbatch import ShardClient, wire
-from distbatch.http_server import DRAIN_MAX_BYTES, HttpServer
 from distbatch.launch import WorkerProcess
+from distbatch.serving.server import DRAIN_MAX_BYTES, HttpServer
 
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}
 

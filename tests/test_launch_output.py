@@ -21,9 +21,9 @@ import pytest
 import requests
 
 from distbatch import WorkerGroup
+from distbatch.calls import encode_call
 from distbatch.errors import WorkerUnavailableError
 from distbatch.launch import read_first_line, spawn_workers
-from distbatch.rpc import encode_call
 
 ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}

@@ -27,7 +27,7 @@ from distbatch import (  # noqa: E402
     WorkerGroup,
     WorkerUnavailableError,
 )
-from distbatch.ray_group import init_local_ray  # noqa: E402
+from distbatch.launch.ray_actors import init_local_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -51,7 +51,7 @@ def group() -> Iterator[WorkerGroup]:
 
 
 def test_lazy_import_keeps_ray_out_of_the_core() -> None:
-    code = "import distbatch, distbatch.group, sys; print('ray' in sys.modules)"
+    code = "import distbatch, distbatch.launch.group, sys; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, WorkerUnavailableError  # noqa: E402
-from distbatch.ray_group import init_local_ray, prepare_ray_environment  # noqa: E402
+from distbatch.launch.ray_actors import init_local_ray, prepare_ray_environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(Path(__file__).resolve().parent)}

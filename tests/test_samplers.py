@@ -872,8 +872,8 @@ def test_controller_simulation_long_run() -> None:
 def test_seqlen_sampler_through_controller() -> None:
     """Lengths come from the controller's metadata (shapes); no worker is contacted."""
     from distbatch.batch import DistributedBatchMemory
+    from distbatch.batch.meta import BatchMeta, FieldMeta
     from distbatch.controller import Controller
-    from distbatch.meta import BatchMeta, FieldMeta
 
     controller = Controller(SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2))
     ids = [f"s{i}" for i in range(8)]

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from distbatch import ShardClient, wire
+from distbatch.calls import decode_value, encode_call
 from distbatch.errors import RequestError, ShardNotFoundError
 from distbatch.ids import ShardKey
 from distbatch.launch import WorkerProcess
-from distbatch.rpc import decode_value, encode_call
 from rpc_server.context import BODY_POOL_IDLE_SECONDS
 from rpc_server.metrics import Metrics
 from rpc_server.serve import RESERVE_THREADS

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from distbatch import CapacityError, DistributedBatchMemory, ShardClient, wire
+from distbatch.client.same_host import _Resolver
 from distbatch.errors import WireFormatError
 from distbatch.launch import WorkerProcess
 from distbatch.shm import (
@@ -32,7 +33,6 @@ from distbatch.shm import (
     send_message,
     split_payload,
 )
-from distbatch.shm_client import _Resolver
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
 

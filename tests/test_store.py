@@ -23,7 +23,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from distbatch.errors import WireFormatError
 from distbatch.ids import ShardKey
-from distbatch.shapes import RowShapes
 from distbatch.wire import (
     ITEMSIZE,
     Bundle,
@@ -39,6 +38,7 @@ from distbatch.wire import (
     parse_bundle,
     torch_dtype,
 )
+from distbatch.wire.shapes import RowShapes
 from rpc_server.store import (
     COMPACT_MIN_BYTES,
     MAX_MISSING_LISTED,

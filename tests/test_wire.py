@@ -43,14 +43,14 @@ from hypothesis import strategies as st
 from distbatch import wire
 from distbatch.errors import DistBatchError, WireFormatError
 from distbatch.ids import ShardKey
-from distbatch.shapes import RowShapes
+from distbatch.wire.shapes import RowShapes
 
 # --------------------------------------------------------------------------- helpers
 
 ID_ALPHABET = string.ascii_letters + string.digits + "._:@=+-"
 
 # (wire name, torch attribute) for every dtype distbatch.wire maps, whether or not this torch has it.
-DTYPE_TABLE = sorted((name, attr) for attr, name in wire._TORCH_DTYPE_NAMES.items())
+DTYPE_TABLE = sorted((name, attr) for attr, name in wire.TORCH_DTYPE_NAMES.items())
 # The ones this torch build has: (wire name, torch.dtype).
 AVAILABLE = [(name, getattr(torch, attr)) for name, attr in DTYPE_TABLE if hasattr(torch, attr)]
 AVAILABLE_DTYPES = [dtype for _, dtype in AVAILABLE]
@@ -187,7 +187,7 @@ def assert_wire_error(func: Callable[[], Any]) -> WireFormatError:
 
 
 def test_dtype_table_is_consistent_with_itemsizes() -> None:
-    assert set(wire._TORCH_DTYPE_NAMES.values()) == set(wire.ITEMSIZE)
+    assert set(wire.TORCH_DTYPE_NAMES.values()) == set(wire.ITEMSIZE)
     for name, dtype in AVAILABLE:
         assert wire.dtype_name(dtype) == name
         assert wire.torch_dtype(name) == dtype
@@ -1081,7 +1081,7 @@ def test_raw_layer_needs_no_torch() -> None:
     code = (
         "import sys, numpy as np\n"
         "from distbatch import wire\n"
-        "from distbatch.shapes import RowShapes\n"
+        "from distbatch.wire.shapes import RowShapes\n"
         "b = wire.Bundle(['a', 'b'], {'r': wire.RawColumn('U8', RowShapes.ragged([2, 1]), [b'xyz'], 3),"
         " 'j': wire.RawColumn(None, values=[1, None])})\n"
         "buf = wire.join_parts(wire.build_bundle(b))\n"

@@ -35,7 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from distbatch.container import (
+from distbatch.errors import InvalidIdError, ShapeError, WireFormatError
+from distbatch.gc_pause import paused_gc
+from distbatch.ids import ShardKey, validate_id, validate_key
+from distbatch.wire.container import (
     CONTENT_TYPE,
     ITEMSIZE,
     MAX_DIMS,
@@ -50,10 +53,7 @@ from distbatch.container import (
     parts_size,
     unique_keys,
 )
-from distbatch.errors import InvalidIdError, WireFormatError
-from distbatch.gc_pause import paused_gc
-from distbatch.ids import ShardKey, validate_id, validate_key
-from distbatch.shapes import RowShapes, ShapeError, unique_ints
+from distbatch.wire.shapes import RowShapes, unique_ints
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +103,7 @@ def _check_column_key(key: str) -> None:
         raise WireFormatError(f"bad column name {key!r}: expected 'field' or 'field#k'")
 
 
-_TORCH_DTYPE_NAMES = {
+TORCH_DTYPE_NAMES = {
     "bool": "BOOL",
     "uint8": "U8",
     "int8": "I8",
@@ -492,7 +492,7 @@ def _torch_dtype_table() -> tuple[dict[Any, str], dict[str, Any]]:
     import torch
 
     to_name: dict[Any, str] = {}
-    for attr, name in _TORCH_DTYPE_NAMES.items():
+    for attr, name in TORCH_DTYPE_NAMES.items():
         dtype = getattr(torch, attr, None)
         if isinstance(dtype, torch.dtype):
             to_name[dtype] = name

@@ -22,11 +22,12 @@ import torch
 
 from distbatch import wire
 from distbatch.balance import balanced_group_partitions
-from distbatch.client import DeleteResult, ShardClient, _cut_points, default_client, validate_node
+from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.client.shard_client import DeleteResult, ShardClient, _cut_points, default_client
 from distbatch.errors import BatchStatusError, ClearError, NodeError, WireFormatError
-from distbatch.ids import validate_id
-from distbatch.meta import BatchMeta, FieldMeta, pick
-from distbatch.shapes import RowShapes
+from distbatch.gc_pause import paused_gc
+from distbatch.ids import validate_id, validate_node
+from distbatch.wire.shapes import RowShapes
 
 Column = torch.Tensor | list[Any]
 
@@ -224,7 +225,7 @@ class _Gathered:
             return list(self.json)
         if self.shapes.shape is not None:
             return self.flat().view(self.shapes.n, *self.shapes.shape)
-        with wire.paused_gc():  # one tensor per task: no collection passes over them mid-build
+        with paused_gc():  # one tensor per task: no collection passes over them mid-build
             return [
                 view
                 for piece, shapes in zip(self.pieces, self.piece_shapes)
@@ -340,7 +341,7 @@ class DistributedBatchMemory:
     @classmethod
     def from_json(cls, text: str | bytes, client: ShardClient | None = None) -> DistributedBatchMemory:
         """Inverse of `to_json` (validated: bad JSON, ids or nodes raise a `ValueError`)."""
-        from distbatch.meta import MetaFormatError
+        from distbatch.errors import MetaFormatError
 
         try:
             data = json.loads(text)

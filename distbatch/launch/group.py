@@ -13,16 +13,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from distbatch.client import (
+from distbatch.calls import decode_value, encode_call
+from distbatch.client.shard_client import (
     DEFAULT_LIVENESS_TIMEOUT,
     ShardClient,
     check_liveness_timeout,
     default_client,
-    validate_node,
 )
 from distbatch.errors import WorkerUnavailableError
-from distbatch.launch import WorkerProcess, spawn_workers
-from distbatch.rpc import decode_value, encode_call
+from distbatch.ids import validate_node
+from distbatch.launch.local import WorkerProcess, spawn_workers
 
 
 class Stoppable(Protocol):
@@ -130,7 +130,7 @@ class WorkerGroup:
         Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
         """
         try:
-            from distbatch.ray_group import start_ray_workers
+            from distbatch.launch.ray_actors import start_ray_workers
         except ImportError as exc:
             if exc.name is None or exc.name.split(".")[0] != "ray":
                 raise

@@ -19,8 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from distbatch.client import validate_node
 from distbatch.errors import WorkerUnavailableError
+from distbatch.ids import validate_node
 
 LOG_TAIL_LINES = 20  # lines of a worker's log quoted when it fails to start
 

@@ -18,17 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from distbatch.errors import DistBatchError, InvalidIdError
+from distbatch.errors import InvalidIdError, MetaFormatError, ShapeError
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_node
-from distbatch.shapes import RowShapes, ShapeError
-from distbatch.wire import ITEMSIZE, validate_id_list
+from distbatch.wire.codec import validate_id_list
+from distbatch.wire.container import ITEMSIZE
+from distbatch.wire.shapes import RowShapes
 
 META_VERSION = 1
 NODE_INDEX = np.int32
-
-
-class MetaFormatError(DistBatchError, ValueError):
-    """Serialized metadata is malformed (bad JSON, ids, nodes, dtypes or shapes)."""
 
 
 def pick(values: Sequence[Any], rows: np.ndarray) -> list[Any]:

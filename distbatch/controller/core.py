@@ -35,21 +35,23 @@ from typing import Any
 import numpy as np
 
 from distbatch.atomic import write_json_atomically
-from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.client import DeleteResult, ShardClient, default_client, validate_node
+from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.batch.meta import BatchMeta, FieldMeta
+from distbatch.client.shard_client import DeleteResult, ShardClient, default_client
 from distbatch.errors import (
     BatchStatusError,
     ClearError,
+    ClearInProgressError,
     DistBatchError,
     InvalidArgumentError,
     NodeError,
+    SchemaConflictError,
     UnknownFieldError,
     UnknownPartitionError,
 )
-from distbatch.ids import ShardKey, validate_id
-from distbatch.meta import BatchMeta, FieldMeta
+from distbatch.ids import ShardKey, validate_id, validate_node
 from distbatch.samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SequentialSampler
-from distbatch.wire import ITEMSIZE
+from distbatch.wire.container import ITEMSIZE
 
 CHECKPOINT_VERSION = 1
 # Keyword arguments the controller itself gives the sampler.
@@ -59,14 +61,6 @@ MAX_CUSTOM_META_BYTES = 64 << 10
 # Answers remembered per request id (see `Controller`): how many, and for how long.
 DEFAULT_REQUEST_MEMORY = 4096
 DEFAULT_REQUEST_TTL = 600.0
-
-
-class SchemaConflictError(DistBatchError, ValueError):
-    """A put gives a field a dtype (or kind) other than the one the partition has."""
-
-
-class ClearInProgressError(DistBatchError):
-    """A put named tasks whose clear is under way: their shards are being deleted right now."""
 
 
 @dataclass

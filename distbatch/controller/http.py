@@ -25,34 +25,31 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
 from distbatch.atomic import write_json_atomically
 from distbatch.auth import bearer_ok, token_from_env
-from distbatch.batch import DistributedBatchMemory
-from distbatch.client import ShardClient, default_client, validate_node
-from distbatch.controller import (
-    ClearError,
-    ClearInProgressError,
-    Controller,
-    SchemaConflictError,
-    refuse_one_string,
-)
+from distbatch.batch.memory import DistributedBatchMemory
+from distbatch.calls import decode_value, encode_value
+from distbatch.client.shard_client import ShardClient, default_client
+from distbatch.controller.core import Controller, refuse_one_string
 from distbatch.errors import (
     BatchStatusError,
+    ClearError,
+    ClearInProgressError,
     DistBatchError,
     InvalidArgumentError,
     InvalidIdError,
+    MetaFormatError,
     RequestError,
+    SchemaConflictError,
     UnknownFieldError,
     UnknownPartitionError,
     WireFormatError,
     WorkerUnavailableError,
 )
-from distbatch.http_errors import error_response as _error
-from distbatch.http_errors import register_json_errors
-from distbatch.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from distbatch.http_metrics import Metrics, record_requests
-from distbatch.http_server import HttpServer
-from distbatch.ids import validate_id
-from distbatch.meta import MetaFormatError
-from distbatch.rpc import decode_value, encode_value
+from distbatch.ids import validate_id, validate_node
+from distbatch.serving.errors import error_response as _error
+from distbatch.serving.errors import register_json_errors
+from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from distbatch.serving.metrics import Metrics, record_requests
+from distbatch.serving.server import HttpServer
 
 logger = logging.getLogger("distbatch.controller")
 

@@ -16,11 +16,9 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from distbatch.errors import ResponseError
+
 MAX_HEAD_BYTES = 64 << 10
-
-
-class ResponseError(ConnectionError):
-    """The response was cut short, malformed, or of a kind this reader does not handle."""
 
 
 class _BodyProtocol(asyncio.BufferedProtocol):

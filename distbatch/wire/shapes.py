@@ -20,15 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from distbatch.errors import ShapeError
+
 MAX_DIMS = 64
 # The most elements one task's shape may span (zero dims counted as 1), checked in float64:
 # under int64's limit with room to spare for rounding, and far past any real tensor.
 MAX_SPAN = float(2**62)
 MAX_INDEX = 2**63 - 1  # the most elements (zero dims counted as 1) a tensor may span
-
-
-class ShapeError(ValueError):
-    """Shapes that are malformed (negative dims, wrong counts, too many dimensions)."""
 
 
 def _as_index_array(values: Any, what: str) -> np.ndarray:

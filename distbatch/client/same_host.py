@@ -30,12 +30,16 @@ from typing import Any
 import numpy as np
 
 from distbatch import wire
-from distbatch.container import Buffer
-from distbatch.errors import WireFormatError
+from distbatch.errors import (
+    HandshakeRefused,
+    SameHostAnswerError,
+    SameHostFallback,
+    ShmError,
+    WireFormatError,
+)
 from distbatch.protocol import CLIENT_KEEPALIVE_SECONDS
 from distbatch.shm import (
     ENV_SWITCH,
-    ShmError,
     abstract_address,
     close_all,
     disabled_reason,
@@ -49,8 +53,9 @@ from distbatch.shm import (
     send_message,
     split_payload,
 )
+from distbatch.wire.container import Buffer
 
-__all__ = ["Fallback", "SameHostChannel", "SameHostPaths"]
+__all__ = ["SameHostFallback", "SameHostChannel", "SameHostPaths"]
 
 logger = logging.getLogger("distbatch")
 
@@ -62,27 +67,6 @@ MAX_IDLE_CONNECTIONS = 4
 # After a handshake that failed for a passing reason (the worker busy, a broken connection),
 # HTTP is used for this long before the next try.
 RETRY_HANDSHAKE_SECONDS = 5.0
-
-
-class HandshakeRefused(ShmError):
-    """The worker turned the handshake down; `passing` when a later try may succeed (busy)."""
-
-    def __init__(self, message: str, passing: bool) -> None:
-        super().__init__(message)
-        self.passing = passing
-
-
-class Fallback(Exception):
-    """This request cannot take the same-host path; send it over HTTP (the message says why)."""
-
-
-class AnswerError(Exception):
-    """The worker answered with an error: `status` and `body` as an HTTP error would carry."""
-
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"HTTP-like status {status}")
-        self.status = status
-        self.body = body
 
 
 class SameHostChannel:
@@ -130,8 +114,8 @@ class SameHostChannel:
         self, header: dict[str, Any], fds: Sequence[int] = ()
     ) -> tuple[dict[str, Any], memoryview, list[int]]:
         """Send one request, return (answer header, binary rest, descriptors). A connection the
-        worker closed while idle is replaced once; `Fallback` when the worker says to use HTTP
-        for this request, `AnswerError` for any other error answer."""
+        worker closed while idle is replaced once; `SameHostFallback` when the worker says to use HTTP
+        for this request, `SameHostAnswerError` for any other error answer."""
         for attempt in range(2):
             reused, sock = self._take()
             try:
@@ -147,8 +131,8 @@ class SameHostChannel:
             if status != 200:
                 close_all(got)
                 if answer.get("fallback") is True:
-                    raise Fallback(str(answer.get("message", "the worker cannot share this")))
-                raise AnswerError(
+                    raise SameHostFallback(str(answer.get("message", "the worker cannot share this")))
+                raise SameHostAnswerError(
                     int(status) if isinstance(status, int) else 500, json.dumps(answer).encode()
                 )
             return answer, rest, got
@@ -318,7 +302,7 @@ class SameHostPaths:
         try:
             fd, _ = sealed_memfd(parts, "distbatch-put")
         except OSError as exc:
-            raise Fallback(f"no shared region for the put: {exc}") from None
+            raise SameHostFallback(f"no shared region for the put: {exc}") from None
         header: dict[str, Any] = {"op": "put"}
         if stage is not None:
             header.update(stage=stage, part=part or "")

@@ -26,9 +26,12 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
-from distbatch import http_recv, wire
+from distbatch import wire
 from distbatch.auth import token_from_env
+from distbatch.client import http_recv
+from distbatch.client.same_host import SameHostChannel, SameHostPaths
 from distbatch.errors import (
+    AnsweredError,
     AuthError,
     CapacityError,
     EngineError,
@@ -36,16 +39,17 @@ from distbatch.errors import (
     NodeError,
     ProtocolError,
     RequestError,
+    SameHostAnswerError,
+    SameHostFallback,
     ServerError,
     ShardNotFoundError,
+    ShmError,
     WireFormatError,
     WorkerUnavailableError,
 )
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
 from distbatch.protocol import CALL_ID_HEADER, CLIENT_KEEPALIVE_SECONDS
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
-from distbatch.shm import ShmError
-from distbatch.shm_client import AnswerError, Fallback, SameHostChannel, SameHostPaths
 
 T = TypeVar("T")
 
@@ -271,7 +275,7 @@ class ShardClient:
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
 
     Workers on this host are reached through shared memory instead of HTTP when they allow it
-    (`distbatch.shm_client`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.
+    (`distbatch.client.same_host`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.
     """
 
     def __init__(
@@ -479,7 +483,7 @@ class ShardClient:
                         if status < 400:
                             return raw
                         error = _error_from_response(node, status, bytes(raw))
-                        raise _Answered(error)
+                        raise AnsweredError(error)
                     client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
                     data = _send_slices(body) if isinstance(body, list) else body
                     async with session.request(
@@ -498,7 +502,7 @@ class ShardClient:
                         raw = await response.read()
                         self._traffic.bytes_received += len(raw)
                         error = _error_from_response(node, response.status, raw)
-            except _Answered as answered:
+            except AnsweredError as answered:
                 error = answered.error
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, OSError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
@@ -721,7 +725,7 @@ class ShardClient:
         *,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> Any:
-        """POST an encoded engine call (see `distbatch.rpc`) and return the decoded JSON reply."""
+        """POST an encoded engine call (see `distbatch.calls`) and return the decoded JSON reply."""
         return self._run(self._checked_calls([(node, method, body)], timeout, liveness_timeout))[0]
 
     async def acall_raw(
@@ -797,7 +801,7 @@ class ShardClient:
         if channel is not None:
             try:
                 return await self._put_same_host(node, channel, bundle)
-            except Fallback as exc:
+            except SameHostFallback as exc:
                 self._same_host.fell_back(node, str(exc))
             except (OSError, EOFError, ShmError) as exc:
                 self._same_host_failed(node, exc)
@@ -887,7 +891,7 @@ class ShardClient:
                 entered = True
                 self._traffic.same_host_requests += 1
                 return await asyncio.to_thread(method, *args)
-        except AnswerError as exc:
+        except SameHostAnswerError as exc:
             raise _error_from_response(node, exc.status, exc.body) from None
         except TimeoutError:
             if entered:
@@ -949,7 +953,7 @@ class ShardClient:
             return None
         try:
             bundle = await self._same_host_call(node, self._same_host.fetch, channel, task_ids, fields)
-        except Fallback as exc:
+        except SameHostFallback as exc:
             self._same_host.fell_back(node, str(exc))
             return None
         except WireFormatError as exc:
@@ -1509,14 +1513,6 @@ async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
 
 
 MAX_RESPONSE_BYTES = 1 << 40  # a response announcing more than this is refused before allocating
-
-
-class _Answered(Exception):
-    """The worker answered with an error status (carried as `error`), as opposed to not answering."""
-
-    def __init__(self, error: NodeError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 async def _each_node(

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from distbatch.http_server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
 __all__ = [
     "DEFAULT_MAX_JSON_BYTES",

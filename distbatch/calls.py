@@ -12,11 +12,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from distbatch.batch import BatchStatus, DistributedBatchMemory
-from distbatch.client import ShardClient
+from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.batch.meta import BatchMeta
+from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, WireFormatError
-from distbatch.meta import BatchMeta
-from distbatch.wire import _check_json
+from distbatch.wire.codec import _check_json
 
 
 def encode_value(value: Any) -> dict[str, Any]:

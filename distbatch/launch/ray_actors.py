@@ -1,0 +1,304 @@
+"""Workers as Ray actors: the multi-node launcher behind `WorkerGroup.ray` (needs `distbatch[ray]`).
+
+Each actor supervises one `python -m rpc_server` process, started on the actor's node with
+`distbatch.launch` (as `WorkerGroup.local` starts them), bound on the node's IP and a free
+port, and exiting with the actor. Ray only places, starts and stops the actors: batches and
+engine calls travel over the workers' HTTP data plane, never through Ray's object store.
+Import this module only when Ray is wanted: it imports `ray`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from distbatch.errors import WorkerUnavailableError
+from distbatch.launch.flags import UNSET, check_flag_values, parse_flags
+from distbatch.launch.local import spawn_worker
+
+STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
+DEFAULT_CPUS_PER_WORKER = 0.25  # a worker mostly waits on sockets; keeps 2+ workers on a 2-CPU node
+
+
+def prepare_ray_environment(new_cluster: bool = True) -> None:
+    """Set Ray's closed-machine defaults in this process's environment, before any Ray process starts.
+
+    Usage stats off; for a `new_cluster`, token auth set explicitly too: Ray 2.60 turns it on
+    for a new local cluster and saves a token to ~/.ray/auth_token; here a fresh token is kept
+    in this process's environment (which Ray's own processes inherit) instead. Variables already
+    set win; joining an existing cluster leaves auth to that cluster's settings. Call it before
+    `ray.init` or `ray.cluster_utils.Cluster` on a machine with no way out; `init_local_ray`
+    calls it for you.
+    """
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not new_cluster:
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not (
+        os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+    ):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _reload_ray_auth_config()
+
+
+def loopback_node_ip() -> str:
+    """A loopback address Ray keeps as a node's IP.
+
+    Ray replaces 127.0.0.1 (and "localhost") by the machine's external address, so a local
+    cluster given 127.0.0.1 binds, and our workers listen on, the external interface. Linux
+    routes all of 127.0.0.0/8 to loopback: 127.0.0.2 stays put. Where it cannot be bound
+    (macOS configures only 127.0.0.1, and there Ray keeps clusters on localhost anyway),
+    127.0.0.1.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.2", 0))
+    except OSError:
+        return "127.0.0.1"
+    return "127.0.0.2"
+
+
+def init_local_ray(**kwargs: Any) -> Any:
+    """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
+
+    With an `address` it joins that cluster; with none it joins `$RAY_ADDRESS` when that is set
+    (as `ray job submit` and `ray start` leave it), and otherwise, or with "local", starts a new
+    single-machine cluster on loopback. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
+    """
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, **kwargs}
+    if options.get("address") is None and os.environ.get("RAY_ADDRESS"):
+        options["address"] = os.environ["RAY_ADDRESS"]
+    new_cluster = options.get("address") in (None, "local")
+    prepare_ray_environment(new_cluster)
+    if new_cluster:
+        # A new single-machine cluster (never a stale one some crashed run left registered),
+        # with Ray's processes and our workers on loopback.
+        options["address"] = "local"
+        options.setdefault("_node_ip_address", loopback_node_ip())
+    return ray.init(**options)
+
+
+def _reload_ray_auth_config() -> None:
+    """Make this process see the auth variables set above (Ray reads its config once, at import).
+
+    The same refresh Ray does when it turns token auth on by itself; private API, so best effort.
+    """
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # another Ray version: the variables still reach its processes
+        pass
+
+
+class _WorkerActor:
+    """One worker: a `python -m rpc_server` child process of this actor, on the actor's node.
+
+    The child gets `env` on top of the actor's environment (Ray's `runtime_env` variables,
+    CUDA_VISIBLE_DEVICES, ...) and imports with the actor's import path, as local workers do
+    with the controller's. Its output goes to a log file on this node (`log_file()`: in
+    `$DISTBATCH_LOG_DIR` when `env` or the actor's environment sets it, else a temporary
+    directory). It exits with the actor, even when the actor is killed (`--exit-with-parent`).
+    """
+
+    def __init__(
+        self, engine: str | None, env: Mapping[str, str], flags: Sequence[str], startup_timeout: float
+    ) -> None:
+        try:
+            self.worker = spawn_worker(
+                host=ray.util.get_node_ip_address(),
+                args=[*flags, *(["--engine", engine] if engine else [])],
+                env=env,
+                startup_timeout=startup_timeout,
+                log_dir=env.get("DISTBATCH_LOG_DIR") or None,
+            )
+        except WorkerUnavailableError as exc:
+            # Ray pickles a creation error to the driver, and this one's constructor does not
+            # round-trip (the driver would get an UnserializableException): send its text.
+            raise RuntimeError(str(exc)) from None
+
+    def node(self) -> str:
+        return self.worker.node
+
+    def pid(self) -> int:
+        """The worker process's pid (the actor's child, which serves the node)."""
+        return self.worker.pid
+
+    def alive(self) -> bool:
+        """Whether the worker process still runs (the actor may outlive it)."""
+        return self.worker.alive()
+
+    def log_file(self) -> str | None:
+        """The worker's log file, on this actor's node."""
+        return str(self.worker.log_file) if self.worker.log_file is not None else None
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id), to check or report placement."""
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self, timeout: float = 4.0) -> None:
+        """SIGTERM the worker (its engine releases what it holds), SIGKILL it after `timeout`."""
+        self.worker.stop(timeout)
+
+
+class RayWorkers:
+    """The actors and placement group behind a Ray `WorkerGroup`; `stop()` releases both."""
+
+    def __init__(self, actors: list[Any], group: Any | None, nodes: list[str]) -> None:
+        self.actors = actors
+        self.placement_group = group
+        self.nodes = nodes
+
+    def actor(self, node: str) -> Any:
+        return self.actors[self.nodes.index(node)]
+
+    def dead(self, node: str) -> bool:
+        """True once the actor serving `node`, or its worker process, is known to be gone."""
+        if not ray.is_initialized():
+            return True
+        try:
+            return not ray.get(self.actor(node).alive.remote(), timeout=5.0)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:
+            return False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop each worker process (so engines release what they hold), kill the actors, free the bundles."""
+        if not ray.is_initialized():  # the cluster went first: the actors went with it
+            return
+        stopping = []
+        for actor in self.actors:
+            try:
+                stopping.append(actor.stop.remote(0.8 * timeout))  # SIGKILL falls within our wait
+            except Exception:
+                pass
+        try:
+            ray.wait(stopping, num_returns=len(stopping), timeout=timeout)
+        except Exception:
+            pass
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+        self.actors = []
+
+
+PLACEMENT_OPTIONS = ("host", "port", "address_file", "exit_with_parent")  # Ray's to decide
+
+
+def check_ray_worker_flags(flags: Sequence[str]) -> None:
+    """ValueError for worker flags that are bad, or that Ray placement decides instead."""
+    args = parse_flags(flags, unset=PLACEMENT_OPTIONS)  # argparse's abbreviations included
+    given = [name for name in PLACEMENT_OPTIONS if getattr(args, name) is not UNSET]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(
+            f"{flag} does not apply to Ray workers: each binds its node's address on a free port"
+        )
+    check_flag_values(args)
+
+
+def start_ray_workers(
+    n: int,
+    engine: str | None = None,
+    *,
+    env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    placement: str = "spread",
+    resources: Mapping[str, float] | None = None,
+    node_ids: Sequence[str] | None = None,
+    args: Sequence[str] = (),
+    runtime_env: Mapping[str, Any] | None = None,
+    startup_timeout: float = 120.0,
+) -> RayWorkers:
+    """Place `n` worker actors and start their servers; returns once all serve.
+
+    Placed by a placement group with `placement`'s strategy, or, with `node_ids` (one Ray
+    node ID per worker), pinned to those nodes by hard node affinity. `args` are the store
+    flags of `python -m rpc_server` (`--max-bytes`, `--max-idle-seconds`, ...), checked here.
+    `runtime_env` is Ray's, per actor (env_vars, pip, container, ...).
+    """
+    check_ray_worker_flags(args)
+    if n < 1:
+        raise ValueError(f"worker count must be >= 1, got {n}")
+    if placement not in STRATEGIES:
+        raise ValueError(f"placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
+    envs = list(env) if isinstance(env, Sequence) else [env or {}] * n
+    if len(envs) != n:
+        raise ValueError(f"{len(envs)} env mappings for {n} workers")
+    if node_ids is not None and len(node_ids) != n:
+        raise ValueError(f"{len(node_ids)} node ids for {n} workers")
+    bundle = {"CPU": DEFAULT_CPUS_PER_WORKER}
+    for key, value in (resources or {}).items():
+        bundle[{"num_cpus": "CPU", "num_gpus": "GPU"}.get(key, key)] = float(value)
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if not ray.is_initialized():
+        init_local_ray()
+    if node_ids is not None:
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        unknown = sorted(set(node_ids) - alive)
+        if unknown:
+            raise ValueError(f"no live Ray node with id {unknown[0]!r} (live: {sorted(alive)})")
+        strategies = [NodeAffinitySchedulingStrategy(node_id, soft=False) for node_id in node_ids]
+        group = None
+    else:
+        group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
+        strategies = [
+            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)
+        ]
+    actors: list[Any] = []
+    workers = RayWorkers(actors, group, [])
+    try:
+        if group is not None:
+            ready, _ = ray.wait([group.ready()], timeout=startup_timeout)
+            if not ready:
+                raise WorkerUnavailableError(
+                    f"ray placement group {group.id.hex()}",
+                    f"{n} bundles of {bundle} ({STRATEGIES[placement]}) not placed within "
+                    f"{startup_timeout}s (cluster resources: {ray.available_resources()})",
+                )
+        others = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        actor_class = ray.remote(_WorkerActor)
+        for extra, strategy in zip(envs, strategies):
+            options: dict[str, Any] = {
+                "num_cpus": bundle.get("CPU", 0),
+                "num_gpus": bundle.get("GPU", 0),
+                "scheduling_strategy": strategy,
+            }
+            if others:
+                options["resources"] = others
+            if runtime_env:
+                options["runtime_env"] = dict(runtime_env)
+            actors.append(
+                actor_class.options(**options).remote(engine, dict(extra), list(args), startup_timeout)
+            )
+        refs = [actor.node.remote() for actor in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)
+        if len(ready) < len(refs):
+            raise WorkerUnavailableError(
+                "ray actors",
+                f"{len(refs) - len(ready)} of {n} workers did not start within {startup_timeout}s "
+                f"(cluster resources: {ray.available_resources()})",
+            )
+        try:
+            workers.nodes = list(ray.get(refs))
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerUnavailableError("ray actor", f"worker failed to start: {exc}") from None
+    except BaseException:
+        workers.stop(timeout=1.0)
+        raise
+    return workers
