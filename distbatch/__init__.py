@@ -2,20 +2,32 @@
 
 The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
+
+Layers, bottom up (each imports only those below it; `docs/architecture.md` draws them):
+`errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `shm` and
+`recv_pool`; `client` (moving bytes to and from workers); `batch` (the batch object and its
+metadata); `calls`, `balance`, `samplers`; `controller`; `launch` (workers and groups);
+`dataloader` and `cli` on top. `serving` is the HTTP server the worker (`rpc_server`) and the
+controller's HTTP face share.
 """
+
+from typing import TYPE_CHECKING
 
 from distbatch.errors import (
     AuthError,
     BatchStatusError,
     CapacityError,
     ClearError,
+    ClearInProgressError,
     DistBatchError,
     EngineError,
     InvalidArgumentError,
     InvalidIdError,
+    MetaFormatError,
     NodeError,
     ProtocolError,
     RequestError,
+    SchemaConflictError,
     ServerError,
     ShardNotFoundError,
     UnknownFieldError,
@@ -23,31 +35,44 @@ from distbatch.errors import (
     WireFormatError,
     WorkerUnavailableError,
 )
-from distbatch.ids import ShardKey
+from distbatch.ids import ShardKey, ShardRef
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run time, `_LAZY`)
+    from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+    from distbatch.batch.meta import BatchMeta, FieldMeta
+    from distbatch.client.shard_client import (
+        DeleteResult,
+        PutResult,
+        ShardClient,
+        default_client,
+        set_default_client,
+    )
+    from distbatch.controller.core import Controller
+    from distbatch.controller.http import RemoteController, serve_controller
+    from distbatch.dataloader import StreamingDataLoader, StreamingDataset
+    from distbatch.launch.group import WorkerGroup
+
 # Imported on first use: these pull in torch or aiohttp, which the worker's data path never needs.
+# Each name maps to the module that defines it; tests/test_public_api.py checks this table
+# against the `if TYPE_CHECKING:` imports above, so the two cannot drift apart.
 _LAZY = {
-    "DeleteResult": "distbatch.client",
-    "PutResult": "distbatch.client",
-    "ShardClient": "distbatch.client",
-    "ShardRef": "distbatch.client",
-    "default_client": "distbatch.client",
-    "set_default_client": "distbatch.client",
-    "BatchStatus": "distbatch.batch",
-    "DistributedBatchMemory": "distbatch.batch",
+    "BatchStatus": "distbatch.batch.memory",
+    "DistributedBatchMemory": "distbatch.batch.memory",
     "BatchMeta": "distbatch.batch.meta",
     "FieldMeta": "distbatch.batch.meta",
-    "MetaFormatError": "distbatch.batch.meta",
-    "WorkerGroup": "distbatch.launch.group",
-    "Controller": "distbatch.controller",
-    "ClearInProgressError": "distbatch.controller",
-    "SchemaConflictError": "distbatch.controller",
+    "DeleteResult": "distbatch.client.shard_client",
+    "PutResult": "distbatch.client.shard_client",
+    "ShardClient": "distbatch.client.shard_client",
+    "default_client": "distbatch.client.shard_client",
+    "set_default_client": "distbatch.client.shard_client",
+    "Controller": "distbatch.controller.core",
     "RemoteController": "distbatch.controller.http",
     "serve_controller": "distbatch.controller.http",
-    "StreamingDataset": "distbatch.dataloader",
     "StreamingDataLoader": "distbatch.dataloader",
+    "StreamingDataset": "distbatch.dataloader",
+    "WorkerGroup": "distbatch.launch.group",
 }
 
 
@@ -61,41 +86,41 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AuthError",
     "BatchMeta",
     "BatchStatus",
-    "DistributedBatchMemory",
-    "FieldMeta",
-    "MetaFormatError",
-    "default_client",
-    "set_default_client",
-    "AuthError",
-    "EngineError",
-    "WorkerGroup",
-    "Controller",
-    "ClearError",
-    "ClearInProgressError",
-    "SchemaConflictError",
-    "RemoteController",
-    "serve_controller",
-    "StreamingDataLoader",
-    "StreamingDataset",
     "BatchStatusError",
     "CapacityError",
+    "ClearError",
+    "ClearInProgressError",
+    "Controller",
     "DeleteResult",
     "DistBatchError",
+    "DistributedBatchMemory",
+    "EngineError",
+    "FieldMeta",
     "InvalidArgumentError",
     "InvalidIdError",
+    "MetaFormatError",
     "NodeError",
     "ProtocolError",
     "PutResult",
+    "RemoteController",
     "RequestError",
+    "SchemaConflictError",
     "ServerError",
     "ShardClient",
     "ShardKey",
     "ShardNotFoundError",
     "ShardRef",
+    "StreamingDataLoader",
+    "StreamingDataset",
     "UnknownFieldError",
     "UnknownPartitionError",
     "WireFormatError",
+    "WorkerGroup",
     "WorkerUnavailableError",
+    "default_client",
+    "serve_controller",
+    "set_default_client",
 ]
