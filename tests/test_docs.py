@@ -75,13 +75,13 @@ def test_the_reference_builds_and_links_resolve(tmp_path: Path) -> None:
     ("path", "old", "new", "error"),
     [
         (  # a docstring naming nothing
-            "distbatch/controller.py",
+            "distbatch/controller/core.py",
             "(default `SequentialSampler`)",
             "(default `SequentialSamplr`)",
-            "`SequentialSamplr` in the docstring of distbatch.controller.Controller names nothing",
+            "`SequentialSamplr` in the docstring of distbatch.controller.core.Controller names nothing",
         ),
         (  # a documented parameter the signature lacks
-            "distbatch/client.py",
+            "distbatch/client/shard_client.py",
             "        retries: extra attempts",
             "        retry: extra attempts",
             "Parameter 'retry' does not appear in the function signature",
