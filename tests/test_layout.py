@@ -4,6 +4,9 @@
   `distbatch` never imports `rpc_server`, not even lazily inside a function.
 - `rpc_server`'s modules import each other without circles.
 - The worker's data path (store, routes) imports neither torch nor aiohttp.
+- `distbatch`'s modules sit in layers (`LAYERS`, drawn in docs/architecture.md): a module imports
+  its own layer and those below, never one above; the package has no import circle; the worker
+  imports only the parts of the library it needs.
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ def _import_graph(package: str, *, top_level_only: bool) -> dict[str, dict[str, 
     for name, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
         for node in _runtime_imports(tree, top_level_only=top_level_only):
-            for target in _imported(node):
+            targets = _imported(node)
+            if isinstance(node, ast.ImportFrom) and all(t in paths for t in targets[1:]) and len(targets) > 1:
+                targets = targets[1:]  # `from pkg import sub`: the submodules, not pkg's own __init__
+            for target in targets:
                 if target in paths and target != name:
                     graph[name].setdefault(target, _where(path, node))
     return graph
@@ -151,3 +157,85 @@ def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], f"torch, aiohttp imported: {out.stdout.strip()}"
+
+
+# ----------------------------------------------------------------------------- the layers
+# docs/architecture.md draws these. A module may import its own layer and the layers below it,
+# never one above (function-level imports included): the rule that keeps each concern in one room.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.protocol", "distbatch.auth",
+                    "distbatch.atomic", "distbatch.gc_pause")),
+    ("wire", ("distbatch.wire",)),
+    ("transport pieces", ("distbatch.shm", "distbatch.recv_pool", "distbatch.serving")),
+    ("client", ("distbatch.client",)),
+    ("batch", ("distbatch.batch", "distbatch.balance")),
+    ("calls and samplers", ("distbatch.calls", "distbatch.samplers")),
+    ("controller", ("distbatch.controller",)),
+    ("launch", ("distbatch.launch", "distbatch.ray_group")),
+    ("applications", ("distbatch.dataloader", "distbatch.cli")),
+]
+# What the worker may use of the library: its data path needs the bytes and the shared pieces;
+# only the engine host (rpc_server.engine) reaches for batches, the client and engine calls.
+WORKER_MAY_IMPORT = ("distbatch.errors", "distbatch.ids", "distbatch.protocol", "distbatch.auth",
+                     "distbatch.atomic", "distbatch.gc_pause", "distbatch.wire", "distbatch.shm",
+                     "distbatch.recv_pool", "distbatch.serving", "distbatch.launch.flags")
+ENGINE_HOST_MAY_ALSO_IMPORT = ("distbatch.batch", "distbatch.client", "distbatch.calls")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _layer(name: str) -> int | None:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if _within(name, prefixes):
+            return rank
+    return None
+
+
+def test_every_library_module_has_a_layer() -> None:
+    modules = _import_graph("distbatch", top_level_only=False)
+    unplaced = [m for m in modules if m != "distbatch" and _layer(m) is None]
+    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+
+
+def test_imports_never_go_up_a_layer() -> None:
+    upward = []
+    for module, targets in _import_graph("distbatch", top_level_only=False).items():
+        if module == "distbatch":
+            continue
+        for target, where in targets.items():
+            if target == "distbatch":  # the package root: importing any submodule runs it anyway
+                continue
+            source_rank, target_rank = _layer(module), _layer(target)
+            if source_rank is not None and target_rank is not None and target_rank > source_rank:
+                upward.append(f"{where}: {module} ({LAYERS[source_rank][0]}) imports {target} "
+                              f"({LAYERS[target_rank][0]})")
+    assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+def test_the_package_root_imports_only_the_foundation_at_run_time() -> None:
+    """`import distbatch` stays cheap: the rest comes on first use (`distbatch._LAZY`)."""
+    targets = _import_graph("distbatch", top_level_only=True)["distbatch"]
+    assert all(_layer(t) == 0 for t in targets), targets
+
+
+def test_distbatch_has_no_import_circle() -> None:
+    cycle = _cycle(_import_graph("distbatch", top_level_only=True))
+    assert cycle is None, "import circle in distbatch: " + " -> ".join(cycle or [])
+
+
+def test_the_worker_imports_only_what_the_worker_needs_of_the_library() -> None:
+    offenders = []
+    for path in _modules(SERVER):
+        module = _module_name(path)
+        allowed = WORKER_MAY_IMPORT + (ENGINE_HOST_MAY_ALSO_IMPORT if module == "rpc_server.engine" else ())
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _runtime_imports(tree, top_level_only=False):
+            for name in _imported(node):
+                if name.startswith("distbatch.") and not _within(name, allowed):
+                    # `from distbatch.wire import codec` names distbatch.wire.codec: judged by its module.
+                    if isinstance(node, ast.ImportFrom) and _within(node.module or "", allowed):
+                        continue
+                    offenders.append(f"{_where(path, node)}: {name}")
+    assert not offenders, "the worker imports library modules it must not:\n" + "\n".join(offenders)
