@@ -54,7 +54,7 @@ def _duration(seconds: Any) -> str:
     return f"{minutes}m{secs:02d}s"
 
 
-def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *rows]]
     return "\n".join(lines)

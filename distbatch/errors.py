@@ -39,10 +39,15 @@ class NodeError(DistBatchError):
 
 
 class ShardNotFoundError(NodeError, KeyError):
-    """Some requested shards are not stored on the node; `keys` lists them."""
+    """Some requested shards are not stored on the node; `keys` lists them.
+
+    `missing_by_node` maps each node to its missing keys (one node, or several when a gather
+    over many nodes merges their answers into one error).
+    """
 
     def __init__(self, node: str, keys: Iterable[tuple[str, str]], message: str = "") -> None:
         self.keys = [tuple(k) for k in keys]
+        self.missing_by_node: dict[str, list[tuple[str, ...]]] = {node: self.keys}
         shown = ", ".join(f"{t}/{f}" for t, f in self.keys[:10])
         more = f" (+{len(self.keys) - 10} more)" if len(self.keys) > 10 else ""
         super().__init__(node, message or f"{len(self.keys)} shard(s) not found: {shown}{more}")

@@ -142,7 +142,8 @@ def checked_size(fd: int) -> int:
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
-        raise ShmError(f"not a sealable memfd ({errno.errorcode.get(exc.errno, exc.errno)})") from None
+        code = errno.errorcode.get(exc.errno, exc.errno) if exc.errno is not None else exc
+        raise ShmError(f"not a sealable memfd ({code})") from None
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise ShmError("the region is not sealed against writing, shrinking and growing")
     return os.fstat(fd).st_size

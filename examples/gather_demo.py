@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -14,13 +15,13 @@ from distbatch import ShardClient
 from distbatch.launch import spawn_worker
 
 
-def make_rollout(num_tasks: int, mean_len: int, seed: int) -> dict[tuple[str, str], object]:
+def make_rollout(num_tasks: int, mean_len: int, seed: int) -> dict[tuple[str, str], Any]:
     """GRPO-like shards: ragged int32 input_ids, fp32 logprobs, bf16 advantages, scalars, uids."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.distributions.LogNormal(torch.log(torch.tensor(float(mean_len))), 0.6).sample(
         (num_tasks,)
     )
-    shards: dict[tuple[str, str], object] = {}
+    shards: dict[tuple[str, str], Any] = {}
     for i, length in enumerate(lengths.clamp(16, 8 * mean_len).int().tolist()):
         task = f"step0-task{i:05d}"
         shards[(task, "input_ids")] = torch.randint(0, 150_000, (length,), dtype=torch.int32, generator=gen)

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,7 +247,7 @@ def run_pipeline(args: argparse.Namespace, centralised: bool = False, quiet: boo
 
         if not ray.is_initialized():  # a new loopback cluster, or join --ray-address
             init_local_ray(address=getattr(args, "ray_address", None))
-        start = WorkerGroup.ray
+        start: Callable[..., WorkerGroup] = WorkerGroup.ray
     else:
         start = WorkerGroup.local
     with (

@@ -25,7 +25,7 @@ import torch
 from distbatch import DistributedBatchMemory, RemoteController, WorkerGroup, serve_controller
 from distbatch.controller import Controller
 from distbatch.dataloader import StreamingDataLoader, StreamingDataset
-from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler
+from distbatch.samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler
 
 PARTITION = "step0"
 FIELDS = ["input_ids", "logprobs"]
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if total % (args.batch_size * args.dp):
         parser.error("producers x prompts x n must be a multiple of batch-size x dp")
     steps = total // (args.batch_size * args.dp)
+    sampler: BaseSampler
     if args.sampler == "seqlen":
         sampler = SeqlenBalancedSampler(n_samples_per_prompt=args.n, dp_size=args.dp)
     else:

@@ -24,7 +24,7 @@ def error_response(status: int, code: str, message: str, **extra: object) -> Res
 
 def register_json_errors(
     app: Flask,
-    table: Mapping[type[BaseException], tuple[int, str]],
+    table: Mapping[type[Exception], tuple[int, str]],
     respond: Callable[..., Response],
     log: logging.Logger,
 ) -> None:

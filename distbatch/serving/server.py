@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Collection
-from typing import Any, Self
+from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
 from flask import Flask
@@ -219,7 +219,7 @@ class _TimedRequestHandler(WSGIRequestHandler):
         # the socket's readiness does not show them: peek without blocking first.
         self.connection.settimeout(0)
         try:
-            ahead = self.rfile.peek(1)
+            ahead = cast(io.BufferedReader, self.rfile).peek(1)
         finally:
             self.connection.settimeout(self.timeout)
         return bool(ahead) or server.wait_for_request(self.connection, self.idle_timeout)
