@@ -78,10 +78,10 @@ def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bo
     k = k_partitions
     if equal_size and len(lengths) % k:
         raise ValueError(f"{len(lengths)} items cannot be split into {k} equal-size partitions")
-    return refine_by_swaps(_merged(lengths, k, equal_size), lengths, keep_counts=equal_size)
+    return refine_by_swaps(karmarkar_karp_merges(lengths, k, equal_size), lengths, keep_counts=equal_size)
 
 
-def _merged(lengths: list[int], k: int, equal_size: bool) -> list[list[int]]:
+def karmarkar_karp_merges(lengths: list[int], k: int, equal_size: bool) -> list[list[int]]:
     """The Karmarkar-Karp merges alone (verl's and TransferQueue's order), members unsorted."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     heap: list[_State] = []
@@ -134,7 +134,8 @@ def balanced_group_partitions(group_lengths: Sequence[int], k_partitions: int) -
     # zero-length group into the first k-item chunk, whose items all land in
     # different partitions, so no partition receives two of them.
     padded = [0] * padding + lengths
-    parts = _merged(padded, k_partitions, equal_size=True)  # no swaps yet: they could pair placeholders
+    # No swaps yet: they could pair placeholders.
+    parts = karmarkar_karp_merges(padded, k_partitions, equal_size=True)
     real = [[i - padding for i in part if i >= padding] for part in parts]
     return refine_by_swaps(real, lengths)
 

@@ -16,7 +16,7 @@ from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, WireFormatError
-from distbatch.wire.codec import _check_json
+from distbatch.wire.codec import check_json
 
 
 def encode_value(value: Any) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def encode_value(value: Any) -> dict[str, Any]:
         if status is BatchStatus.EMPTY:
             return {"batch": None}
         return {"batch": value.meta.to_dict()}  # type: ignore[union-attr]
-    return {"json": _check_json(value)}
+    return {"json": check_json(value)}
 
 
 def decode_value(tagged: Any, client: ShardClient | None = None) -> Any:

@@ -49,18 +49,6 @@ def validate_key(key: Any) -> ShardKey:
     return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
 
 
-_WIRE_NAME = re.compile(r"([A-Za-z0-9._:@=+-]{1,200})/([A-Za-z0-9._:@=+-]{1,200})")
-
-
-def parse_wire_name(name: str) -> ShardKey:
-    """Split a `task/field` tensor name from a container back into a key."""
-    match = _WIRE_NAME.fullmatch(name) if isinstance(name, str) else None
-    if match is not None:  # one regex for the common, valid case
-        return ShardKey(match[1], match[2])
-    task_id, sep, field = name.partition(KEY_SEPARATOR)
-    if not sep:
-        raise InvalidIdError(f"invalid shard name {name!r}: expected 'task_id/field'")
-    return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
 
 
 _NODE_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")

@@ -14,10 +14,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 
 from distbatch.atomic import write_text_atomically
-from distbatch.launch.flags import build_parser, check_flag_values, parse_flags
+from distbatch.launch.flags import build_parser, check_flag_values
 from rpc_server.app import create_app
 from rpc_server.config import ServerConfig
 from rpc_server.errors import EngineLoadError
@@ -47,11 +46,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         read_timeout=args.read_timeout,
         shm_max_bytes=args.shm_max_bytes,
     )
-
-
-def server_config_from_flags(flags: Sequence[str]) -> ServerConfig:
-    """A `ServerConfig` from store flags (`--max-bytes N`, ...); ValueError, never an exit, on bad ones."""
-    return server_config(parse_flags(flags))
 
 
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:

@@ -1,4 +1,4 @@
-"""What a worker's views share: the per-app `ServerState`, `state()` to reach it, and `ApiError`.
+"""What a worker's views share: the per-app `ServerState`, and `state()` to reach it.
 
 Its own module so that the views (`routes`, `engine`) and the app factory (`app`) all import
 it, instead of the views importing the factory that registers them (an import circle).
@@ -15,7 +15,6 @@ from flask import current_app
 
 from distbatch.recv_pool import RecvPool
 from rpc_server.config import ServerConfig
-from rpc_server.errors import ApiError  # noqa: F401  (views import it from here)
 from rpc_server.metrics import Metrics
 from rpc_server.store import IdleSweeper, ShardStore
 
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
     from rpc_server.engine import EngineHost
     from rpc_server.shm_server import SharedMemoryService
 
-__all__ = ["ApiError", "ServerState", "state"]
+__all__ = ["ServerState", "state"]
 
 BODY_POOL_BYTES = 512 << 20
 BODY_POOL_IDLE_SECONDS = 2.0

@@ -23,7 +23,7 @@ from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.calls import decode_call, encode_value
 from distbatch.client.shard_client import ShardClient, default_client
 from distbatch.errors import WireFormatError
-from distbatch.wire.codec import Bundle, _check_json, find_non_json, tensor_problem
+from distbatch.wire.codec import Bundle, check_json, find_non_json, tensor_problem
 from rpc_server.errors import (
     ApiError,
     BadArgumentsError,
@@ -31,6 +31,7 @@ from rpc_server.errors import (
     EngineLoadError,
     ShuttingDownError,
     UnknownMethodError,
+    UnstorableResultError,
 )
 from rpc_server.store import PutReceipt, ShardStore, StoreCapacityError
 
@@ -96,14 +97,6 @@ RESULT_KINDS = (
 )
 
 
-class _UnstorableResult(Exception):
-    """Our own account of why an engine's result cannot be stored or sent (reported as `kind`)."""
-
-    def __init__(self, message: str, kind: type[Exception] = TypeError) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 def _is_array(value: Any) -> bool:
     """A torch tensor or a numpy array: a value with a first dimension that is not JSON."""
     return isinstance(value, torch.Tensor) or (
@@ -141,7 +134,7 @@ def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], 
 def _json_problem(value: Any) -> str | None:
     """Where and what in `value` JSON cannot carry (e.g. "result['loss'] is a Tensor"), or None."""
     try:
-        _check_json(value)
+        check_json(value)
     except WireFormatError as exc:
         where, inner = find_non_json(value)
         if _is_array(inner) or not isinstance(inner, (dict, list, tuple)):
@@ -155,7 +148,7 @@ def _storable_result(result: Any, input_batch: DistributedBatchMemory | None) ->
 
     A dict whose every value has one entry per task of the batch argument becomes a
     LOCAL batch under those task ids (an EMPTY batch for a zero-task chunk); any other
-    dict must be JSON. Anything else raises `_UnstorableResult` saying what to return.
+    dict must be JSON. Anything else raises `UnstorableResultError` saying what to return.
     """
     if isinstance(result, DistributedBatchMemory):
         return result
@@ -172,18 +165,18 @@ def _storable_result(result: Any, input_batch: DistributedBatchMemory | None) ->
             detail += f", but the input batch has {count} tasks and a column needs one entry per task"
         if not any(_is_array(v) and v.ndim for v in result.values()):  # maybe meant as JSON
             detail += f"; as JSON, {json_problem} (.item() / .tolist() it)"
-        raise _UnstorableResult(f"{detail}. To fix, {RESULT_KINDS}" if shape_off else detail, ValueError)
+        raise UnstorableResultError(f"{detail}. To fix, {RESULT_KINDS}" if shape_off else detail, ValueError)
     json_problem = _json_problem(result)
     if json_problem is None:
         return result
     if _is_array(result):
         shape = list(result.shape)
-        raise _UnstorableResult(
+        raise UnstorableResultError(
             f"a bare {type(result).__name__} of shape {shape} has no field name to be stored under. "
             f"To fix, {RESULT_KINDS}"
         )
     if not isinstance(result, (Mapping, list, tuple)):
-        raise _UnstorableResult(f"it is neither a batch nor JSON. To fix, {RESULT_KINDS}")
+        raise UnstorableResultError(f"it is neither a batch nor JSON. To fix, {RESULT_KINDS}")
     detail = f"{json_problem}, which JSON cannot carry (.item() / .tolist() it)"
     if input_batch is None and isinstance(result, Mapping):
         detail += (
@@ -191,7 +184,7 @@ def _storable_result(result: Any, input_batch: DistributedBatchMemory | None) ->
             "call has no batch argument: to store tensors, return a LOCAL batch "
             "(DistributedBatchMemory.from_dict(columns, task_ids=...))"
         )
-    raise _UnstorableResult(detail)
+    raise UnstorableResultError(detail)
 
 
 def _result_error(name: str, result: Any, exc: Exception) -> Exception:
@@ -199,7 +192,7 @@ def _result_error(name: str, result: Any, exc: Exception) -> Exception:
     kind = type(result).__name__
     article = "an" if kind[:1].lower() in "aeiou" else "a"
     what = f"engine method {name!r} returned {article} {kind} that could not be stored or sent"
-    if isinstance(exc, _UnstorableResult):
+    if isinstance(exc, UnstorableResultError):
         return exc.kind(f"{what}: {exc}")
     error = (ValueError if isinstance(exc, ValueError) else TypeError)(f"{what}: {exc}")
     error.__cause__ = exc  # shows in the remote traceback

@@ -1,11 +1,23 @@
-"""Exceptions the worker turns into HTTP answers (kept free of heavy imports)."""
+"""Every exception the worker raises on purpose, under `WorkerError` (kept free of heavy imports).
+
+The store's, the engine host's and the views' refusals all live here, so each face of the worker
+(HTTP routes, the same-host socket) maps them to answers in one table (`rpc_server.checks`)."""
 
 from __future__ import annotations
 
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distbatch.ids import ShardKey
 
 
-class ApiError(Exception):
+class WorkerError(Exception):
+    """Base class of every error the worker raises on purpose; each face (HTTP routes, the
+    same-host socket) turns one into its answer."""
+
+
+class ApiError(WorkerError):
     """A refusal to answer with ``{"error": code, "message": ...}`` and HTTP-like `status`
     (over HTTP by the app's handler, over the same-host socket by its server)."""
 
@@ -16,15 +28,15 @@ class ApiError(Exception):
         self.extra = extra
 
 
-class EngineLoadError(Exception):
+class EngineLoadError(WorkerError):
     """The `--engine` spec could not be imported or instantiated."""
 
 
-class UnknownMethodError(Exception):
+class UnknownMethodError(WorkerError):
     """No public engine method of that name."""
 
 
-class EngineCallFailed(Exception):
+class EngineCallFailed(WorkerError):
     """The engine method raised; carries what to report."""
 
     def __init__(self, exc: BaseException) -> None:
@@ -33,9 +45,41 @@ class EngineCallFailed(Exception):
         self.traceback = "".join(traceback.format_exception(exc))
 
 
-class BadArgumentsError(Exception):
+class BadArgumentsError(WorkerError):
     """An engine call's arguments do not fit the method's signature (HTTP 400); it never ran."""
 
 
-class ShuttingDownError(Exception):
+class ShuttingDownError(WorkerError):
     """The worker is shutting down: an engine call still queued, or arriving now, is not run (503)."""
+
+
+class StoreCapacityError(WorkerError):
+    """The put would exceed the store's capacity; nothing was stored."""
+
+
+class UnknownStageError(WorkerError):
+    """A commit or abort named a stage that does not exist (never staged, or expired)."""
+
+
+class SharedMemoryUnavailable(WorkerError):
+    """A same-host request cannot be served from shared memory (over `--shm-max-bytes`, or the
+    kernel refused a region); the client falls back to HTTP for it."""
+
+
+class MissingShardsError(WorkerError):
+    """Some requested keys are not stored; `keys` lists them (the first `MAX_MISSING_LISTED`
+    when there are more: `count` says how many)."""
+
+    def __init__(self, keys: list[ShardKey], count: int | None = None) -> None:
+        self.count = len(keys) if count is None else count
+        more = f", the first {len(keys)} listed" if self.count > len(keys) else ""
+        super().__init__(f"{self.count} shard(s) not found{more}")
+        self.keys = keys
+
+
+class UnstorableResultError(WorkerError):
+    """Our own account of why an engine's result cannot be stored or sent (reported as `kind`)."""
+
+    def __init__(self, message: str, kind: type[Exception] = TypeError) -> None:
+        super().__init__(message)
+        self.kind = kind

@@ -33,6 +33,12 @@ from distbatch.shm import SharedRegion, aligned_offsets
 from distbatch.wire.codec import LAYER_MARK, Bundle, RawColumn, column_field
 from distbatch.wire.container import RawTensor, parts_size
 from distbatch.wire.shapes import RowShapes, unique_ints
+from rpc_server.errors import (
+    MissingShardsError,
+    SharedMemoryUnavailable,
+    StoreCapacityError,
+    UnknownStageError,
+)
 
 logger = logging.getLogger("rpc_server")
 
@@ -46,30 +52,6 @@ COMPACT_MIN_BYTES = 1 << 20
 # them into one buffer instead of sending each run as its own part.
 MAX_SEND_RUNS = 64
 GATHER_RUN_BYTES = 64 << 10
-
-
-class StoreCapacityError(Exception):
-    """The put would exceed the store's capacity; nothing was stored."""
-
-
-class UnknownStageError(Exception):
-    """A commit or abort named a stage that does not exist (never staged, or expired)."""
-
-
-class SharedMemoryUnavailable(Exception):
-    """A same-host request cannot be served from shared memory (over `--shm-max-bytes`, or the
-    kernel refused a region); the client falls back to HTTP for it."""
-
-
-class MissingShardsError(Exception):
-    """Some requested keys are not stored; `keys` lists them (the first `MAX_MISSING_LISTED`
-    when there are more: `count` says how many)."""
-
-    def __init__(self, keys: list[ShardKey], count: int | None = None) -> None:
-        self.count = len(keys) if count is None else count
-        more = f", the first {len(keys)} listed" if self.count > len(keys) else ""
-        super().__init__(f"{self.count} shard(s) not found{more}")
-        self.keys = keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.calls import decode_value, encode_call
-from distbatch.client.shard_client import _LoopThread
+from distbatch.client.shard_client import LoopThread
 from distbatch.errors import ClearError, EngineError, ShardNotFoundError, WorkerUnavailableError
 from distbatch.errors import ClearError as ControllerClearError
 from distbatch.launch import WorkerProcess, spawn_worker, spawn_workers
@@ -358,7 +358,7 @@ def test_clear_with_a_killed_worker_reports_per_node_and_a_restarted_node_clears
 def test_result_completing_at_the_wait_boundary_is_not_lost(shared: WorkerGroup) -> None:
     """The waiting thread is held up right after its wait timed out (as a busy machine may do):
     the call completes meanwhile, and its own result must come back, not the wait's timeout."""
-    submit_code = _LoopThread.submit.__code__
+    submit_code = LoopThread.submit.__code__
 
     def local_trace(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "exception" and issubclass(arg[0], TimeoutError):

@@ -20,7 +20,7 @@ import torch
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
-from distbatch.controller.core import _Partition
+from distbatch.controller.core import Partition
 from distbatch.errors import ClearError, UnknownFieldError, UnknownPartitionError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
@@ -232,7 +232,7 @@ def test_schema_conflicts_register_nothing(shared_workers: list[WorkerProcess]) 
 
 
 def test_allocate_aligned_blocks_and_reuse() -> None:
-    p = _Partition("p")
+    p = Partition("p")
 
     def take(count: int) -> int:
         start = p.allocate(count)

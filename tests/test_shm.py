@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distbatch import CapacityError, DistributedBatchMemory, ShardClient, wire
-from distbatch.client.same_host import _Resolver
+from distbatch.client.same_host import RegionResolver
 from distbatch.errors import WireFormatError
 from distbatch.launch import WorkerProcess
 from distbatch.shm import (
@@ -439,7 +439,7 @@ def test_readers_get_regions_they_cannot_change(client: ShardClient, plain_worke
 
 def test_a_forged_run_or_a_reference_over_http_is_refused() -> None:
     region = SharedRegion.from_parts([bytes(range(256)) * 16])
-    resolver = _Resolver([region.array], lambda n: bytearray(n))
+    resolver = RegionResolver([region.array], lambda n: bytearray(n))
     assert bytes(resolver(np.array([[0, 16, 32]]), 32)[0]) == bytes(range(16, 48))
     with pytest.raises(WireFormatError, match="past the end"):
         resolver(np.array([[0, 4000, 200]]), 200)

@@ -23,7 +23,7 @@ import torch
 from distbatch import wire
 from distbatch.balance import balanced_group_partitions
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
-from distbatch.client.shard_client import DeleteResult, ShardClient, _cut_points, default_client
+from distbatch.client.shard_client import DeleteResult, ShardClient, cut_points, default_client
 from distbatch.errors import BatchStatusError, ClearError, NodeError, WireFormatError
 from distbatch.gc_pause import paused_gc
 from distbatch.ids import validate_id, validate_node
@@ -84,15 +84,6 @@ def _column_for_pickle(col: Column) -> Column:
     if isinstance(col, torch.Tensor):
         return _compact_tensor(col)
     return [_compact_tensor(v) if isinstance(v, torch.Tensor) else v for v in col]
-
-
-def _column_meta(name: str, col: Column) -> tuple[str | None, list[tuple[int, ...]]]:
-    """(wire dtype or None for JSON, per-task shapes) of a LOCAL column."""
-    if isinstance(col, torch.Tensor):
-        return wire.dtype_name(col.dtype), [tuple(col.shape[1:])] * col.shape[0]
-    if col and isinstance(col[0], torch.Tensor):
-        return wire.dtype_name(col[0].dtype), [tuple(v.shape) for v in col]
-    return None, [()] * len(col)
 
 
 def _to_column(name: str, value: Any) -> Column:
@@ -555,7 +546,7 @@ class DistributedBatchMemory:
             max_bytes = client.request_bytes_bound(node)
             for rows, fields in products:
                 per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
-                cuts = _cut_points(per_task, max_bytes, client.max_keys_per_request)
+                cuts = cut_points(per_task, max_bytes, client.max_keys_per_request)
                 for a, b in zip(cuts, cuts[1:]):
                     chunk = rows[a:b]
                     requests.append((node, pick(self._task_ids, chunk), fields))
@@ -683,10 +674,6 @@ class DistributedBatchMemory:
             fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes)
         return wire.Bundle(list(self._task_ids), columns), BatchMeta(list(self._task_ids), [node], fields)
 
-    def export_shards(self, node: str) -> tuple[dict[tuple[str, str], Any], BatchMeta]:
-        """A LOCAL batch as `{(task_id, field): value}` plus the metadata naming `node` as holder."""
-        bundle, meta = self.export_bundle(node)
-        return dict(wire.bundle_to_shards(bundle)), meta
 
     def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
         """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them."""

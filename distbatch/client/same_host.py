@@ -293,7 +293,7 @@ class SameHostPaths:
             ]
         finally:
             close_all(fds)
-        return wire.parse_bundle(rest, _Resolver(regions, self._allocate))
+        return wire.parse_bundle(rest, RegionResolver(regions, self._allocate))
 
     def put(
         self, channel: SameHostChannel, parts: Sequence[Buffer], stage: str | None, part: str | None
@@ -314,7 +314,7 @@ class SameHostPaths:
         return answer
 
 
-class _Resolver:
+class RegionResolver:
     """Turns a column's runs into its bytes: one run is a view of the mapping (no copy); several
     are gathered into one buffer from the client's pool (one copy)."""
 

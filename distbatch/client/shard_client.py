@@ -84,7 +84,7 @@ class DeleteResult:
         return DeleteResult(self.deleted + other.deleted, self.bytes_freed + other.bytes_freed)
 
 
-class _LoopThread:
+class LoopThread:
     """An event loop running on a daemon thread, owned by one client in one process.
 
     `wait_interval`: how often a waiting sync caller checks that the loop thread still runs.
@@ -204,7 +204,7 @@ class _Runtime:
     """
 
     def __init__(self, max_connections: int, max_connections_per_node: int, same_host: SameHostPaths) -> None:
-        self.loop_thread = _LoopThread()
+        self.loop_thread = LoopThread()
         # This process's same-host channels: a forked child gets a runtime, so channels, of its
         # own (the parent's Unix connections, and locks it may have held, are not the child's).
         self.same_host = same_host
@@ -756,7 +756,7 @@ class ShardClient:
                     per_task += column.row_nbytes()
                 else:
                     np.add.at(per_task, column.rows, column.row_nbytes())
-            cuts = _cut_points(per_task, self.max_bytes_per_request, self.max_keys_per_request)
+            cuts = cut_points(per_task, self.max_bytes_per_request, self.max_keys_per_request)
         else:
             cuts = [*range(0, n, self.max_keys_per_request), n]
         if len(cuts) == 2:
@@ -1090,7 +1090,7 @@ class ShardClient:
                 [sum(sizes[ShardKey(t, f)] for f in fields) for t in task_ids], dtype=np.int64
             )
             max_tasks = max(1, self.max_keys_per_request // len(fields))
-            cuts = _cut_points(per_task, self.max_bytes_per_request, max_tasks)
+            cuts = cut_points(per_task, self.max_bytes_per_request, max_tasks)
             requests += [(node, task_ids[a:b], list(fields)) for a, b in zip(cuts, cuts[1:])]
         out: dict[ShardKey, Any] = {}
         for bundle in await self._fetch_products(requests, progress):
@@ -1466,7 +1466,7 @@ def set_default_client(client: ShardClient | None) -> None:
     _default_holder.set(client)
 
 
-def _cut_points(per_task: np.ndarray, max_bytes: int, max_tasks: int) -> list[int]:
+def cut_points(per_task: np.ndarray, max_bytes: int, max_tasks: int) -> list[int]:
     """Task indexes cutting `per_task` bytes into runs under `max_bytes` and `max_tasks` each
     (a task over `max_bytes` alone gets a run of its own); first 0, last len(per_task)."""
     n = len(per_task)

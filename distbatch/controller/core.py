@@ -83,7 +83,7 @@ class _Answer:
 
 
 @dataclass
-class _Partition:
+class Partition:
     partition_id: str
     index_of: dict[str, int] = field(default_factory=dict)
     task_of: dict[int, str] = field(default_factory=dict)
@@ -249,7 +249,7 @@ class Controller:
             raise InvalidArgumentError(f"request_ttl must be a number of seconds >= 0, got {request_ttl!r}")
         self.sampler = sampler if sampler is not None else SequentialSampler()
         self._client = client
-        self._partitions: dict[str, _Partition] = {}
+        self._partitions: dict[str, Partition] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._waiting = 0  # get_meta calls now waiting for producers
@@ -274,7 +274,7 @@ class Controller:
         validate_id(partition_id, "partition_id")
         names = _id_list(expected_fields, "expected_fields", "field")
         with self._changed:
-            partition = self._partitions.setdefault(partition_id, _Partition(partition_id))
+            partition = self._partitions.setdefault(partition_id, Partition(partition_id))
             partition.expected.update(names)
             self._changed.notify_all()
 
@@ -302,7 +302,7 @@ class Controller:
             return 0
         _check_meta(meta)
         with self._changed:
-            partition = self._partitions.get(partition_id) or _Partition(partition_id)
+            partition = self._partitions.get(partition_id) or Partition(partition_id)
             for name, fm in meta.fields.items():
                 column = partition.columns.get(name)
                 if column is not None and column.dtype != fm.dtype:
@@ -713,12 +713,12 @@ class Controller:
         """
         if not isinstance(state, Mapping) or state.get("version") != CHECKPOINT_VERSION:
             raise InvalidArgumentError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
-        partitions: dict[str, _Partition] = {}
+        partitions: dict[str, Partition] = {}
         try:
             if not isinstance(state["partitions"], Mapping):
                 raise ValueError("'partitions' must be an object")
             for pid, raw in state["partitions"].items():
-                p = _Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
+                p = Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
                 for i, t in raw["tasks"]:
                     i = _count(i)
                     if i in p.task_of or validate_id(t, "task_id") in p.index_of:
@@ -784,7 +784,7 @@ def _forget_in_sampler(sampler: BaseSampler, partition_id: str, indexes: list[in
         sampler.clear_cache(partition_id)
 
 
-def _rows_with(partition: _Partition, task_ids: Sequence[str], fields: Sequence[str]) -> list[int] | None:
+def _rows_with(partition: Partition, task_ids: Sequence[str], fields: Sequence[str]) -> list[int] | None:
     """The indexes of `task_ids` if every one is still there with every field, else None."""
     rows = []
     for task_id in task_ids:

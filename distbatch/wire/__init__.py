@@ -23,6 +23,7 @@ from distbatch.wire.codec import (
     build_bundle,
     bundle_from_shards,
     bundle_to_shards,
+    check_json,
     column_field,
     column_tensor,
     concat_bundles,
@@ -46,7 +47,6 @@ from distbatch.wire.codec import (
     tensor_to_raw,
     torch_dtype,
     validate_id_list,
-    value_to_wire,
 )
 from distbatch.wire.container import (
     CONTENT_TYPE,
@@ -87,6 +87,7 @@ __all__ = [
     "ShapeError",
     "build_bundle",
     "build_container",
+    "check_json",
     "bundle_from_shards",
     "bundle_to_shards",
     "column_field",
@@ -118,5 +119,4 @@ __all__ = [
     "unique_ints",
     "unique_keys",
     "validate_id_list",
-    "value_to_wire",
 ]

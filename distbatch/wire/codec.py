@@ -569,19 +569,19 @@ def raw_to_tensor(raw: RawTensor) -> torch.Tensor:
     return tensor.reshape(raw.shape)
 
 
-def _check_json(value: Any, depth: int = 0) -> Any:
+def check_json(value: Any, depth: int = 0) -> Any:
     """Return `value` as plain JSON types, or raise if it would not round-trip exactly."""
     if depth > MAX_JSON_DEPTH:
         raise WireFormatError(f"JSON value nested deeper than {MAX_JSON_DEPTH}")
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_check_json(v, depth + 1) for v in value]
+        return [check_json(v, depth + 1) for v in value]
     if isinstance(value, dict):
         for k in value:
             if not isinstance(k, str):
                 raise WireFormatError(f"JSON object keys must be strings, got {k!r}")
-        return {k: _check_json(v, depth + 1) for k, v in value.items()}
+        return {k: check_json(v, depth + 1) for k, v in value.items()}
     name = type(value).__name__
     if type(value).__module__.partition(".")[0] in ("torch", "numpy"):  # no torch import: raw layer
         # A shard value is a tensor or JSON; a tensor cannot be *part of* a JSON value.
@@ -619,7 +619,7 @@ def find_non_json(value: Any) -> tuple[str, Any]:
 
 def _not_json(value: Any) -> bool:
     try:
-        _check_json(value)
+        check_json(value)
     except WireFormatError:
         return True
     return False
@@ -629,27 +629,6 @@ def is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
-
-
-def value_to_wire(value: Any) -> RawTensor | str:
-    """One shard value as a `RawTensor` (tensors, numpy arrays) or JSON text."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return tensor_to_raw(value)
-    if type(value).__module__ == "numpy" and hasattr(value, "__array_interface__"):
-        if getattr(value, "ndim", 0) or type(value).__name__ == "ndarray":
-            if any(stride < 0 for stride in value.strides):
-                value = value.copy()  # torch.from_numpy refuses negative strides
-            try:
-                return tensor_to_raw(torch.from_numpy(value))
-            except TypeError:
-                raise WireFormatError(f"unsupported numpy dtype {value.dtype}") from None
-    checked = _check_json(value)
-    try:
-        return json.dumps(checked, separators=(",", ":"), ensure_ascii=False)
-    except ValueError as exc:  # e.g. an int longer than sys.get_int_max_str_digits()
-        raise WireFormatError(f"cannot encode JSON value: {exc}") from None
 
 
 def shard_problem(key: ShardKey, value: Any, exc: Exception) -> str:
@@ -681,7 +660,7 @@ def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
             for i, value in enumerate(values):
                 if type(value) not in _JSON_SCALARS:
                     try:
-                        values[i] = _check_json(value)
+                        values[i] = check_json(value)
                     except WireFormatError as exc:
                         key = ShardKey(task_ids[i], name) if i < len(task_ids) else ShardKey("?", name)
                         raise WireFormatError(shard_problem(key, value, exc)) from None
