@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run t
         default_client,
         set_default_client,
     )
+    from distbatch.controller.api import ControllerAPI
     from distbatch.controller.core import Controller
     from distbatch.controller.http import RemoteController, serve_controller
     from distbatch.dataloader import StreamingDataLoader, StreamingDataset
@@ -68,6 +69,7 @@ _LAZY = {
     "default_client": "distbatch.client.shard_client",
     "set_default_client": "distbatch.client.shard_client",
     "Controller": "distbatch.controller.core",
+    "ControllerAPI": "distbatch.controller.api",
     "RemoteController": "distbatch.controller.http",
     "serve_controller": "distbatch.controller.http",
     "StreamingDataLoader": "distbatch.dataloader",
@@ -94,6 +96,7 @@ __all__ = [
     "ClearError",
     "ClearInProgressError",
     "Controller",
+    "ControllerAPI",
     "DeleteResult",
     "DistBatchError",
     "DistributedBatchMemory",

@@ -67,7 +67,7 @@ from typing import Any
 import torch.utils.data
 
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
-from distbatch.controller.core import Controller
+from distbatch.controller.api import ControllerAPI
 from distbatch.errors import ReplayUnavailableError, ServerError, UnknownPartitionError
 from distbatch.ids import validate_id
 
@@ -122,8 +122,14 @@ _LOCAL_CONTROLLER_IN_WORKERS = (
 # ----------------------------------------------------------------------------- default functions
 
 
+def _process_local(controller: ControllerAPI) -> bool:
+    """Whether a copy of `controller` in a loader worker would be another controller. Objects
+    written before `ControllerAPI` had `process_local` are taken as shareable, as they were."""
+    return bool(getattr(controller, "process_local", False))
+
+
 def fetch_batch(
-    controller: Any,
+    controller: ControllerAPI,
     partition_id: str,
     task_name: str,
     fields: Sequence[str],
@@ -252,7 +258,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        controller: Any,
+        controller: ControllerAPI,
         partition_id: str,
         task_name: str,
         fields: Sequence[str],
@@ -355,7 +361,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         if info is None:
             return 0, 1
-        if isinstance(self.controller, Controller):
+        if _process_local(self.controller):
             raise ValueError(_LOCAL_CONTROLLER_IN_WORKERS)
         if self._buffer and self._buffer_pid != os.getpid():
             raise ValueError(
@@ -525,7 +531,7 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
                 raise ValueError(f"{name}= does not apply to a streaming dataset")
         kwargs.pop("batch_size", None)
         num_workers = kwargs.get("num_workers", 0)
-        if isinstance(num_workers, int) and num_workers > 0 and isinstance(dataset.controller, Controller):
+        if isinstance(num_workers, int) and num_workers > 0 and _process_local(dataset.controller):
             raise ValueError(_LOCAL_CONTROLLER_IN_WORKERS)
         super().__init__(dataset, batch_size=None, **kwargs)
 

@@ -231,6 +231,9 @@ class Controller:
         request_ttl: seconds an answer is remembered.
     """
 
+    process_local = True
+    """This object is the controller: a copy in another process would be a different one."""
+
     def __init__(
         self,
         sampler: BaseSampler | None = None,

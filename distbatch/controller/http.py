@@ -341,6 +341,9 @@ class RemoteController:
     connection pool after a fork).
     """
 
+    process_local = False
+    """Every copy talks to the same served controller, so it may cross into other processes."""
+
     def __init__(self, address: str, *, client: ShardClient | None = None, timeout: float = 60.0) -> None:
         self.address = validate_node(address)
         self._client = client
