@@ -350,65 +350,97 @@ def _parse_bundle(
     fields = description.get("fields")
     if not isinstance(fields, dict):
         raise WireFormatError("the bundle description's 'fields' must be an object")
-    n = len(task_ids)
-    claimed: set[str] = set()
-    json_keys: set[str] = set()
-    columns: dict[str, RawColumn] = {}
-    for name, info in fields.items():
+    parser = _BundleParser(tensors, metadata, resolve, len(task_ids))
+    columns = {name: parser.column(name, info) for name, info in fields.items()}
+    parser.check_nothing_left_over()
+    if any(LAYER_MARK in key for key in columns):
+        _check_layers(columns, len(task_ids))
+    return Bundle(task_ids, columns)
+
+
+class _BundleParser:
+    """Reads a bundle's columns one field description at a time, and remembers which entries
+    the fields claimed, so entries no field describes are refused at the end."""
+
+    def __init__(
+        self, tensors: dict[str, RawTensor], metadata: dict[str, str], resolve: Resolver | None, n: int
+    ) -> None:
+        self.tensors = tensors
+        self.metadata = metadata
+        self.resolve = resolve
+        self.n = n
+        self.claimed: set[str] = set()
+        self.json_keys: set[str] = set()
+
+    def column(self, name: str, info: Any) -> RawColumn:
         _check_column_key(name)
         if not isinstance(info, dict):
             raise WireFormatError(f"field {name!r}: description must be an object")
-        rows: np.ndarray | None = None
-        if info.get("rows", False) is True:
-            claimed.add(f"{name}/rows")
-            raw_rows = tensors.get(f"{name}/rows")
-            if raw_rows is not None and len(raw_rows.shape) != 1:
-                raise WireFormatError(f"table '{name}/rows' must be 1-D, has shape {list(raw_rows.shape)}")
-            rows = _int_table(tensors, f"{name}/rows")
-            if rows.size and int(rows.max()) >= n:
-                raise WireFormatError(f"field {name!r}: a row index is past the {n} tasks")
-            if len(unique_ints(rows)) != len(rows):
-                raise WireFormatError(f"field {name!r}: rows repeat a task")
-            m = len(rows)
-        elif info.get("rows", False) is not False:
-            raise WireFormatError(f"field {name!r}: 'rows' must be true or false")
-        else:
-            m = n
+        rows = self._rows(name, info)
+        m = self.n if rows is None else len(rows)
         dtype = info.get("dtype")
         if dtype is None:
-            key = JSON_PREFIX + name
-            if key not in metadata:
-                raise WireFormatError(f"JSON field {name!r} has no {key!r} metadata")
-            values = _load_json(key, metadata[key])
-            if not isinstance(values, list) or len(values) != m:
-                raise WireFormatError(f"JSON field {name!r} must be an array of {m} values")
-            columns[name] = RawColumn(None, values=values, rows=rows, text=metadata[key])
-            json_keys.add(key)
-            continue
+            return self._json_column(name, m, rows)
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise WireFormatError(f"field {name!r}: unsupported dtype {dtype!r}")
         external = info.get("external", False) is True
-        data = _external_data(tensors, name, dtype, info, claimed) if external else tensors.get(name)
+        tensors = self.tensors
+        data = _external_data(tensors, name, dtype, info, self.claimed) if external else tensors.get(name)
         if data is None:
             raise WireFormatError(f"field {name!r} has no data entry")
         if data.dtype != dtype:
             raise WireFormatError(f"field {name!r}: data entry is {data.dtype}, described as {dtype}")
-        claimed.add(name)
-        layout = info.get("layout")
+        self.claimed.add(name)
+        shapes = self._shapes(name, info.get("layout"), data, m)
+        if external:
+            return self._external_column(name, dtype, data, shapes, rows)
+        return RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows)
+
+    def _rows(self, name: str, info: dict[str, Any]) -> np.ndarray | None:
+        """The tasks a column covers (its `rows` table), or None when it covers all of them."""
+        flag = info.get("rows", False)
+        if flag is False:
+            return None
+        if flag is not True:
+            raise WireFormatError(f"field {name!r}: 'rows' must be true or false")
+        self.claimed.add(f"{name}/rows")
+        raw_rows = self.tensors.get(f"{name}/rows")
+        if raw_rows is not None and len(raw_rows.shape) != 1:
+            raise WireFormatError(f"table '{name}/rows' must be 1-D, has shape {list(raw_rows.shape)}")
+        rows = _int_table(self.tensors, f"{name}/rows")
+        if rows.size and int(rows.max()) >= self.n:
+            raise WireFormatError(f"field {name!r}: a row index is past the {self.n} tasks")
+        if len(unique_ints(rows)) != len(rows):
+            raise WireFormatError(f"field {name!r}: rows repeat a task")
+        return rows
+
+    def _json_column(self, name: str, m: int, rows: np.ndarray | None) -> RawColumn:
+        key = JSON_PREFIX + name
+        if key not in self.metadata:
+            raise WireFormatError(f"JSON field {name!r} has no {key!r} metadata")
+        values = _load_json(key, self.metadata[key])
+        if not isinstance(values, list) or len(values) != m:
+            raise WireFormatError(f"JSON field {name!r} must be an array of {m} values")
+        self.json_keys.add(key)
+        return RawColumn(None, values=values, rows=rows, text=self.metadata[key])
+
+    def _shapes(self, name: str, layout: Any, data: RawTensor, m: int) -> RowShapes:
+        """The tasks' shapes from the column's layout and its tables, checked against the data."""
+        tensors = self.tensors
         if layout == "uniform":
             if not data.shape or data.shape[0] != m:
                 raise WireFormatError(
                     f"field {name!r}: uniform data must have {m} rows, has shape {list(data.shape)}"
                 )
-            shapes = RowShapes.uniform(m, data.shape[1:])
-        elif layout == "ragged":
-            claimed.add(f"{name}/lengths")
+            return RowShapes.uniform(m, data.shape[1:])
+        if layout == "ragged":
+            self.claimed.add(f"{name}/lengths")
             lengths = _int_table(tensors, f"{name}/lengths", (m,))
             if not data.shape or _exact_sum(lengths) != data.shape[0]:
                 raise WireFormatError(f"field {name!r}: lengths do not add up to the data's first dimension")
-            shapes = RowShapes(m, tail=data.shape[1:], lengths=lengths).normalized()
-        elif layout == "general":
-            claimed.update((f"{name}/ranks", f"{name}/dims"))
+            return RowShapes(m, tail=data.shape[1:], lengths=lengths).normalized()
+        if layout == "general":
+            self.claimed.update((f"{name}/ranks", f"{name}/dims"))
             ranks = _int_table(tensors, f"{name}/ranks", (m,))
             dims_raw = tensors.get(f"{name}/dims")
             width = dims_raw.shape[1] if dims_raw is not None and len(dims_raw.shape) == 2 else -1
@@ -418,30 +450,30 @@ def _parse_bundle(
             shapes = RowShapes.general(ranks, dims)
             if data.shape != (_exact_sum(shapes.counts()),):
                 raise WireFormatError(f"field {name!r}: general data must be 1-D with one element per value")
-        else:
-            raise WireFormatError(f"field {name!r}: unknown layout {layout!r}")
-        if external:
-            if resolve is None:
-                raise WireFormatError(
-                    f"field {name!r} refers to shared memory; only a same-host reply may do that"
-                )
-            runs = _int_table(tensors, f"{name}/runs")
-            nbytes = math.prod(data.shape) * ITEMSIZE[dtype]
-            if _exact_sum(runs[:, 2]) != nbytes:
-                raise WireFormatError(f"field {name!r}: runs hold other than {nbytes} bytes")
-            parts = resolve(runs, nbytes)
-            columns[name] = RawColumn(dtype, shapes, parts, nbytes, rows=rows)
-            continue
-        columns[name] = RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows)
-    stray = set(tensors) - claimed
-    if stray:
-        raise WireFormatError(f"entries no field describes: {sorted(stray)[:5]}")
-    stray_json = {k for k in metadata if k.startswith(JSON_PREFIX)} - json_keys
-    if stray_json:
-        raise WireFormatError(f"JSON entries no JSON field describes: {sorted(stray_json)[:5]}")
-    if any(LAYER_MARK in key for key in columns):
-        _check_layers(columns, n)
-    return Bundle(task_ids, columns)
+            return shapes
+        raise WireFormatError(f"field {name!r}: unknown layout {layout!r}")
+
+    def _external_column(
+        self, name: str, dtype: str, data: RawTensor, shapes: RowShapes, rows: np.ndarray | None
+    ) -> RawColumn:
+        """A column whose bytes travel by reference (shared-memory runs a same-host reply names)."""
+        if self.resolve is None:
+            raise WireFormatError(
+                f"field {name!r} refers to shared memory; only a same-host reply may do that"
+            )
+        runs = _int_table(self.tensors, f"{name}/runs")
+        nbytes = math.prod(data.shape) * ITEMSIZE[dtype]
+        if _exact_sum(runs[:, 2]) != nbytes:
+            raise WireFormatError(f"field {name!r}: runs hold other than {nbytes} bytes")
+        return RawColumn(dtype, shapes, self.resolve(runs, nbytes), nbytes, rows=rows)
+
+    def check_nothing_left_over(self) -> None:
+        stray = set(self.tensors) - self.claimed
+        if stray:
+            raise WireFormatError(f"entries no field describes: {sorted(stray)[:5]}")
+        stray_json = {k for k in self.metadata if k.startswith(JSON_PREFIX)} - self.json_keys
+        if stray_json:
+            raise WireFormatError(f"JSON entries no JSON field describes: {sorted(stray_json)[:5]}")
 
 
 def _external_data(

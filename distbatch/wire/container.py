@@ -172,6 +172,25 @@ def parse_container(buf: Buffer) -> Container:
     overlapping / out-of-range / gapped offsets, non-string metadata.
     """
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    header, header_len = _read_header(view)
+    data = view[8 + header_len :]
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is None:  # absent, or null (which safetensors accepts too)
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise WireFormatError("__metadata__ must map strings to strings")
+    tensors: dict[str, RawTensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        dtype, shape, start, end = _parse_entry(name, info)
+        spans.append((start, end, name))
+        tensors[name] = RawTensor(dtype, shape, data[start:end])
+    _check_spans_tile(spans, data.nbytes)
+    return Container(tensors, metadata)
+
+
+def _read_header(view: memoryview) -> tuple[dict[str, Any], int]:
+    """The container's JSON header (an object) and its length, checked against the buffer."""
     if view.nbytes < 8:
         raise WireFormatError(f"container truncated: {view.nbytes} bytes, need at least 8")
     header_len = int.from_bytes(view[:8], "little")
@@ -189,18 +208,11 @@ def parse_container(buf: Buffer) -> Container:
         raise WireFormatError(f"container header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise WireFormatError("container header must be a JSON object")
-    data = view[8 + header_len :]
-    metadata = header.pop(METADATA_KEY, None)
-    if metadata is None:  # absent, or null (which safetensors accepts too)
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise WireFormatError("__metadata__ must map strings to strings")
-    tensors: dict[str, RawTensor] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, info in header.items():
-        dtype, shape, start, end = _parse_entry(name, info)
-        spans.append((start, end, name))
-        tensors[name] = RawTensor(dtype, shape, data[start:end])
+    return header, header_len
+
+
+def _check_spans_tile(spans: list[tuple[int, int, str]], nbytes: int) -> None:
+    """The entries' byte ranges cover the data exactly: no overlap, no gap, nothing past the end."""
     spans.sort()
     position = 0
     for start, end, name in spans:
@@ -208,6 +220,5 @@ def parse_container(buf: Buffer) -> Container:
             problem = "overlaps the previous tensor" if start < position else "leaves a gap"
             raise WireFormatError(f"{name!r}: data_offsets start at {start}, {problem}")
         position = end
-    if position != data.nbytes:
-        raise WireFormatError(f"tensor data covers {position} bytes but the container carries {data.nbytes}")
-    return Container(tensors, metadata)
+    if position != nbytes:
+        raise WireFormatError(f"tensor data covers {position} bytes but the container carries {nbytes}")
