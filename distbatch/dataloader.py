@@ -67,6 +67,7 @@ from typing import Any
 import torch.utils.data
 
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.checks import check_int
 from distbatch.controller.api import ControllerAPI
 from distbatch.errors import ReplayUnavailableError, ServerError, UnknownPartitionError
 from distbatch.ids import validate_id
@@ -174,12 +175,6 @@ def split_micro_batches(
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _fields(value: Any) -> tuple[str, ...]:
@@ -294,20 +289,20 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self._partition_id = validate_id(partition_id, "partition_id")
         self.task_name = validate_id(task_name, "task_name")
         self.fields = _fields(fields)
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.batch_size = check_int(batch_size, "batch_size", 1)
         self.micro_batch_size = (
-            None if micro_batch_size is None else _positive_int(micro_batch_size, "micro_batch_size")
+            None if micro_batch_size is None else check_int(micro_batch_size, "micro_batch_size", 1)
         )
-        self.dp_rank = _positive_int(dp_rank, "dp_rank", minimum=0)
+        self.dp_rank = check_int(dp_rank, "dp_rank", 0)
         self.fetch_batch_fn: FetchBatchFn = fetch_batch_fn or fetch_batch
         self.process_batch_fn: ProcessBatchFn = process_batch_fn or split_micro_batches
         self.should_check_consumption_status = should_check_consumption_status
         self.poll_interval = _poll_interval(poll_interval)
         self._sampling_config = _sampling_config(sampling_config)
         self.max_empty_polls = (
-            None if max_empty_polls is None else _positive_int(max_empty_polls, "max_empty_polls")
+            None if max_empty_polls is None else check_int(max_empty_polls, "max_empty_polls", 1)
         )
-        self.fetch_retries = _positive_int(fetch_retries, "fetch_retries", minimum=0)
+        self.fetch_retries = check_int(fetch_retries, "fetch_retries", 0)
         # (partition_id, batch_index, request_id) of the batch being fetched, until it is buffered:
         # a re-ask after a failure (also in a later iteration) reuses the id and gets the same tasks.
         self._pending: tuple[str, int, str] | None = None

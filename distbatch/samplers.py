@@ -66,13 +66,13 @@ its lock.
 from __future__ import annotations
 
 import logging
-import operator
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from distbatch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
+from distbatch.checks import check_int
 from distbatch.errors import InvalidArgumentError
 
 __all__ = [
@@ -107,21 +107,6 @@ class LengthSource(Protocol):
 # --------------------------------------------------------------------------- validation
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    """`value` as an int >= minimum (0 or 1), else ValueError (bools and floats are refused)."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None
-    if number < minimum:
-        # Phrased as TransferQueue's samplers phrase it: ported tests match on these words.
-        bound = "positive" if minimum else "greater than or equal to 0"
-        raise InvalidArgumentError(f"{name} must be {bound}, got {number}")
-    return number
-
-
 def _check_str(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentError(f"{name} must be a str, got {value!r}")
@@ -132,7 +117,7 @@ def _index_list(values: Any, name: str) -> list[int]:
     """A fresh list of non-negative ints (sample indexes), else ValueError."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise InvalidArgumentError(f"{name} must be a list of sample indexes, got {type(values).__name__}")
-    return [_check_int(v, name, 0) for v in values]
+    return [check_int(v, name, 0) for v in values]
 
 
 def _rank_key(dp_rank: Any, batch_index: Any) -> tuple[int, int] | None:
@@ -143,7 +128,7 @@ def _rank_key(dp_rank: Any, batch_index: Any) -> tuple[int, int] | None:
         raise InvalidArgumentError(
             f"dp_rank and batch_index go together, got dp_rank={dp_rank!r}, batch_index={batch_index!r}"
         )
-    return _check_int(dp_rank, "dp_rank", 0), _check_int(batch_index, "batch_index", 0)
+    return check_int(dp_rank, "dp_rank", 0), check_int(batch_index, "batch_index", 0)
 
 
 def _required_rank_key(dp_rank: Any, batch_index: Any, who: str) -> tuple[int, int]:
@@ -179,8 +164,8 @@ def _checked_row(row: Sequence[Any]) -> list[Any]:
     return [
         _check_str(row[0], "partition_id"),
         _check_str(row[1], "task_name"),
-        _check_int(row[2], "dp_rank", 0),
-        _check_int(row[3], "batch_index", 0),
+        check_int(row[2], "dp_rank", 0),
+        check_int(row[3], "batch_index", 0),
         _index_list(row[4], "sampled"),
         _index_list(row[5], "consumed"),
     ]
@@ -367,6 +352,24 @@ class BaseSampler(ABC):
 
     def _parse_state(self, state: Mapping[str, Any]) -> _States:
         """Validate a `state_dict` and build the `_states` it describes, changing nothing."""
+        state = self._checked_header(state)
+        raw = state.get("cache", [])
+        if not isinstance(raw, list):
+            raise InvalidArgumentError("sampler state 'cache' must be a list")
+        states: _States = {}
+        for row in raw:
+            if not isinstance(row, (list, tuple)) or len(row) != 6:
+                raise InvalidArgumentError(f"sampler cache rows have 6 items, got {row!r}")
+            partition_id, task_name, dp_rank, batch_index, sampled, consumed = _checked_row(row)
+            batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
+            if batch_index in batches:
+                raise InvalidArgumentError(f"sampler state lists {row[:4]} twice")
+            batches[batch_index] = self._entry(sampled, consumed)
+        self._trim(states)
+        return states
+
+    def _checked_header(self, state: Any) -> Mapping[str, Any]:
+        """A state's keys, version and config checked (TransferQueue's layout converted first)."""
         if not isinstance(state, Mapping):
             raise InvalidArgumentError(f"sampler state must be a mapping, got {type(state).__name__}")
         if "_states" in state:  # TransferQueue's save_checkpoint(): {"_states": ..., "_balanced_cache": ...}
@@ -384,24 +387,15 @@ class BaseSampler(ABC):
             raise InvalidArgumentError(
                 f"sampler state was saved with config {config!r}; this sampler has {self._config()}"
             )
-        raw = state.get("cache", [])
-        if not isinstance(raw, list):
-            raise InvalidArgumentError("sampler state 'cache' must be a list")
-        states: _States = {}
-        for row in raw:
-            if not isinstance(row, (list, tuple)) or len(row) != 6:
-                raise InvalidArgumentError(f"sampler cache rows have 6 items, got {row!r}")
-            partition_id, task_name, dp_rank, batch_index, sampled, consumed = _checked_row(row)
-            batches = states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
-            if batch_index in batches:
-                raise InvalidArgumentError(f"sampler state lists {row[:4]} twice")
-            batches[batch_index] = self._entry(sampled, consumed)
+        return state
+
+    def _trim(self, states: _States) -> None:
+        """Keep at most `max_cached_batches` per rank, the newest (a checkpoint may hold more)."""
         for tasks in states.values():
             for ranks in tasks.values():
                 for batches in ranks.values():
                     while len(batches) > self.max_cached_batches:
                         del batches[next(iter(batches))]
-        return states
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the cache with a `state_dict` (an empty mapping empties it); ValueError if invalid."""
@@ -419,7 +413,7 @@ class BaseSampler(ABC):
 
 
 def _check_bound(max_cached_batches: Any) -> int:
-    return _check_int(max_cached_batches, "max_cached_batches", 1)
+    return check_int(max_cached_batches, "max_cached_batches", 1)
 
 
 # --------------------------------------------------------------------------- samplers
@@ -437,7 +431,7 @@ class SequentialSampler(BaseSampler):
         self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
     ) -> tuple[list[int], list[int]]:
         """(the first batch_size ready indexes, the same); batch_size 0 gives ([], [])."""
-        batch_size = _check_int(batch_size, "batch_size", 0)
+        batch_size = check_int(batch_size, "batch_size", 0)
         sampled = _index_list(ready_indexes[:batch_size], "ready_indexes")
         return sampled, list(sampled)
 
@@ -456,7 +450,7 @@ class GRPOGroupNSampler(BaseSampler):
         self, n_samples_per_prompt: int = 1, *, max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES
     ) -> None:
         super().__init__()
-        self.n_samples_per_prompt = _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1)
+        self.n_samples_per_prompt = check_int(n_samples_per_prompt, "n_samples_per_prompt", 1)
         self.max_cached_batches = _check_bound(max_cached_batches)
 
     def _config(self) -> dict[str, int]:
@@ -467,7 +461,7 @@ class GRPOGroupNSampler(BaseSampler):
         n = self.n_samples_per_prompt
         if (
             n_samples_per_prompt is not None
-            and _check_int(n_samples_per_prompt, "n_samples_per_prompt", 1) != n
+            and check_int(n_samples_per_prompt, "n_samples_per_prompt", 1) != n
         ):
             raise InvalidArgumentError(
                 f"n_samples_per_prompt={n_samples_per_prompt!r} but this sampler was built with {n}"
@@ -495,7 +489,7 @@ class GRPOGroupNSampler(BaseSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """`batch_size // n` complete groups (batch_size must be a multiple of n), or ([], [])."""
-        batch_size = _check_int(batch_size, "batch_size", 0)
+        batch_size = check_int(batch_size, "batch_size", 0)
         n = self._check_n(n_samples_per_prompt)
         if batch_size % n:
             raise InvalidArgumentError(
@@ -559,7 +553,7 @@ class RankAwareSampler(BaseSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """The cached result for this rank and batch index, else a fresh full one (then cached)."""
-        batch_size = _check_int(batch_size, "batch_size", 0)
+        batch_size = check_int(batch_size, "batch_size", 0)
         key = _required_rank_key(dp_rank, batch_index, type(self).__name__)
         if batch_size == 0:
             return [], []
@@ -659,7 +653,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         max_cached_batches: int = DEFAULT_MAX_CACHED_BATCHES,
     ) -> None:
         super().__init__(n_samples_per_prompt, max_cached_batches=max_cached_batches)
-        self.dp_size = _check_int(dp_size, "dp_size", 1)
+        self.dp_size = check_int(dp_size, "dp_size", 1)
         self.length_field = _check_str(length_field, "length_field")
 
     def _config(self) -> dict[str, int]:
@@ -675,7 +669,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             missing = [i for i in indexes if i not in lengths]
             if missing:
                 raise InvalidArgumentError(f"lengths has no entry for sample indexes {missing[:5]}")
-            return [_check_int(lengths[i], "sample length", 0) for i in indexes]
+            return [check_int(lengths[i], "sample length", 0) for i in indexes]
         if partition is None:
             self._no_lengths("no partition", "no partition= was given")
             return None
@@ -684,7 +678,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             meta = get_custom_meta(indexes) or {}
             found = [(meta.get(i) or {}).get("total_lengths") for i in indexes]
             if any(v is not None for v in found):
-                return [1 if v is None else _check_int(v, "total_lengths", 0) for v in found]
+                return [1 if v is None else check_int(v, "total_lengths", 0) for v in found]
         sample_lengths = getattr(partition, "sample_lengths", None)
         if not callable(sample_lengths):
             self._no_lengths("no lengths", "no sample has custom_meta total_lengths")
@@ -696,7 +690,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             return [1] * len(indexes)
         if len(values) != len(indexes):
             raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
-        return [_check_int(v, "sample length", 0) for v in values]
+        return [check_int(v, "sample length", 0) for v in values]
 
     def _no_lengths(self, kind: str, why: str) -> None:
         """Log that this batch is split by count: a warning the first time for each kind of
@@ -721,7 +715,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """This rank's balanced portion of batch `batch_index`; consumed = the whole batch on first call."""
-        batch_size = _check_int(batch_size, "batch_size", 0)
+        batch_size = check_int(batch_size, "batch_size", 0)
         n = self._check_n(n_samples_per_prompt)
         total = batch_size * self.dp_size
         if batch_size % n:

@@ -20,7 +20,7 @@ import torch
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
-from distbatch.controller.core import Partition
+from distbatch.controller.partitions import Partition
 from distbatch.errors import ClearError, UnknownFieldError, UnknownPartitionError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler

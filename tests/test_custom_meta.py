@@ -12,7 +12,7 @@ import torch
 from distbatch import DistributedBatchMemory
 from distbatch.client import ShardClient
 from distbatch.controller import Controller
-from distbatch.controller.core import MAX_CUSTOM_META_BYTES
+from distbatch.controller.arguments import MAX_CUSTOM_META_BYTES
 from distbatch.controller.http import ControllerServer, RemoteController
 from distbatch.errors import InvalidArgumentError, UnknownPartitionError
 from distbatch.launch import WorkerProcess

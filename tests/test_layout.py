@@ -163,8 +163,8 @@ def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
 # docs/architecture.md draws these. A module may import its own layer and the layers below it,
 # never one above (function-level imports included): the rule that keeps each concern in one room.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.protocol", "distbatch.auth",
-                    "distbatch.atomic", "distbatch.gc_pause")),
+    ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.checks", "distbatch.protocol",
+                    "distbatch.auth", "distbatch.atomic", "distbatch.gc_pause")),
     ("wire", ("distbatch.wire",)),
     ("transport pieces", ("distbatch.shm", "distbatch.recv_pool", "distbatch.serving")),
     ("client", ("distbatch.client",)),

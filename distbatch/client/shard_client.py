@@ -21,7 +21,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import numpy as np
@@ -256,6 +256,19 @@ class _Runtime:
             self.loop_thread.stop([self.session, self.probe_session, self.fresh_session], self.background)
 
 
+class _Attempt(NamedTuple):
+    """What every try of one request sends, and the deadline they share."""
+
+    node: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes | list[wire.Buffer] | None
+    binary_response: bool
+    waits: bool
+    deadline: float | None
+
+
 class ShardClient:
     """Puts, gathers and deletes shards on worker nodes over HTTP.
 
@@ -448,60 +461,16 @@ class ShardClient:
         loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is ... else timeout
         deadline = None if limit is None else loop.time() + float(limit)  # type: ignore[arg-type]
-        if json_body is not None:
-            body = json.dumps(json_body, separators=(",", ":")).encode()
-            headers = self._headers("application/json")
-        else:
-            content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
-            headers = self._headers(content_type if body is not None else None)
-        if extra_headers:
-            headers.update(extra_headers)
-        size = 0 if body is None else len(body) if not isinstance(body, list) else wire.parts_size(body)
-        if isinstance(body, list):
-            headers["Content-Length"] = str(size)
-        url = f"http://{node}{path}"
+        body, headers, size = self._request_body(path, body, json_body, extra_headers)
         runtime = runtime or self._get_runtime()
         session = self._session(runtime) if idempotent else self._fresh_session(runtime)
+        request = _Attempt(node, method, path, headers, body, binary_response, waits, deadline)
         attempt = waited = 0  # attempts that count against `retries`; all retries (for the backoff)
         while True:
-            remaining = None if deadline is None else deadline - loop.time()
             self._traffic.requests += 1
             self._traffic.bytes_sent += size
             try:
-                async with runtime.slot(node, waits, remaining):
-                    remaining = None if deadline is None else deadline - loop.time()  # after the slot
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError
-                    connect = (
-                        self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
-                    )
-                    if binary_response and isinstance(body, bytes):
-                        # Data fetches: the body lands in its final buffer (see `http_recv`).
-                        async with asyncio.timeout(remaining):
-                            status, raw = await self._fetch_into_buffer(node, method, path, headers, body)
-                        self._traffic.bytes_received += len(raw)
-                        if status < 400:
-                            return raw
-                        error = _error_from_response(node, status, bytes(raw))
-                        raise AnsweredError(error)
-                    client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
-                    data = _send_slices(body) if isinstance(body, list) else body
-                    async with session.request(
-                        method, url, data=data, headers=headers, timeout=client_timeout
-                    ) as response:
-                        if response.status < 400:
-                            payload = (
-                                await _read_into_bytearray(response)
-                                if binary_response
-                                else await response.read()
-                            )
-                            self._traffic.bytes_received += len(payload)
-                            if binary_response:
-                                return payload
-                            return _json_reply(node, f"{method} {path}", response, payload)
-                        raw = await response.read()
-                        self._traffic.bytes_received += len(raw)
-                        error = _error_from_response(node, response.status, raw)
+                return await self._attempt(runtime, session, request)
             except AnsweredError as answered:
                 error = answered.error
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, OSError) as exc:
@@ -524,6 +493,67 @@ class ShardClient:
             if attempt > self.retries or (deadline is not None and loop.time() + delay >= deadline):
                 raise error
             await asyncio.sleep(delay)
+
+    def _request_body(
+        self,
+        path: str,
+        body: bytes | list[wire.Buffer] | None,
+        json_body: Any,
+        extra_headers: Mapping[str, str] | None,
+    ) -> tuple[bytes | list[wire.Buffer] | None, dict[str, str], int]:
+        """A request's body (JSON encoded once, for every attempt), its headers and its size."""
+        if json_body is not None:
+            body = json.dumps(json_body, separators=(",", ":")).encode()
+            headers = self._headers("application/json")
+        else:
+            content_type = "application/json" if path.startswith("/v1/call/") else wire.CONTENT_TYPE
+            headers = self._headers(content_type if body is not None else None)
+        if extra_headers:
+            headers.update(extra_headers)
+        size = 0 if body is None else len(body) if not isinstance(body, list) else wire.parts_size(body)
+        if isinstance(body, list):
+            headers["Content-Length"] = str(size)
+        return body, headers, size
+
+    async def _attempt(self, runtime: _Runtime, session: aiohttp.ClientSession, request: _Attempt) -> Any:
+        """One try of a request: its answer (JSON, or a bytearray for `binary_response`), else
+        `AnsweredError` carrying the error a worker's error status means."""
+        loop = asyncio.get_running_loop()
+        node, deadline = request.node, request.deadline
+        remaining = None if deadline is None else deadline - loop.time()
+        async with runtime.slot(node, request.waits, remaining):
+            remaining = None if deadline is None else deadline - loop.time()  # after the slot
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError
+            if request.binary_response and isinstance(request.body, bytes):
+                # Data fetches: the body lands in its final buffer (see `http_recv`).
+                async with asyncio.timeout(remaining):
+                    status, raw = await self._fetch_into_buffer(
+                        node, request.method, request.path, request.headers, request.body
+                    )
+                self._traffic.bytes_received += len(raw)
+                if status < 400:
+                    return raw
+                raise AnsweredError(_error_from_response(node, status, bytes(raw)))
+            connect = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
+            client_timeout = aiohttp.ClientTimeout(total=remaining, sock_connect=connect)
+            body = request.body
+            data = _send_slices(body) if isinstance(body, list) else body
+            async with session.request(
+                request.method, f"http://{node}{request.path}", data=data, headers=request.headers,
+                timeout=client_timeout,
+            ) as response:
+                if response.status < 400:
+                    if request.binary_response:
+                        payload = await _read_into_bytearray(response)
+                        self._traffic.bytes_received += len(payload)
+                        return payload
+                    reply = await response.read()
+                    self._traffic.bytes_received += len(reply)
+                    return _json_reply(node, f"{request.method} {request.path}", response, reply)
+                raw = await response.read()
+                self._traffic.bytes_received += len(raw)
+                raise AnsweredError(_error_from_response(node, response.status, raw))
 
     async def _fetch_into_buffer(
         self, node: str, method: str, path: str, headers: Mapping[str, str], body: bytes
@@ -640,9 +670,6 @@ class ShardClient:
             for (node, method, body), call_id in zip(calls, call_ids)
         ]
         node_of = {task: node for (node, _, _), task in zip(calls, tasks)}
-        left: dict[str, int] = {}  # per node, its calls not done yet
-        for node in node_of.values():
-            left[node] = left.get(node, 0) + 1
         watched: dict[str, asyncio.Task[Any]] = {}  # per node, its liveness watcher
         if liveness_timeout is not None:
             for node, method, _ in calls:
@@ -650,23 +677,8 @@ class ShardClient:
                     watch = self._watch(runtime, node, method, liveness_timeout)
                     watched[node] = asyncio.ensure_future(watch)
         watchers = list(watched.values())
-        error: BaseException | None = None
         try:
-            # A worker that dies (or stops answering its probes) is reported at once, not after
-            # the others' (maybe long) calls end.
-            pending: set[asyncio.Task[Any]] = {*tasks, *watchers}
-            while error is None and not all(t.done() for t in tasks):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                error = next((e for t in tasks if t in done and (e := _failure(t)) is not None), None)
-                for task in done:
-                    if task in node_of:
-                        left[node_of[task]] -= 1
-                for node, watcher in watched.items():
-                    if left[node] == 0:  # its calls are over: whether it still answers does not matter
-                        watcher.cancel()
-                        pending.discard(watcher)
-                    elif error is None and watcher in done:
-                        error = _failure(watcher)
+            error = await _first_failure(tasks, node_of, watched)
         finally:
             # Also when our caller gave up (cancelled, interrupted): the calls still running are
             # abandoned, so their workers store nothing nobody holds a handle to.
@@ -1419,6 +1431,34 @@ def _error_from_response(node: str, status: int, body: bytes) -> NodeError:
 def _failure(task: asyncio.Future[Any]) -> BaseException | None:
     """A done task's exception; None if it succeeded or was cancelled."""
     return None if task.cancelled() else task.exception()
+
+
+async def _first_failure(
+    tasks: list[asyncio.Future[Any]],
+    node_of: Mapping[asyncio.Future[Any], str],
+    watched: Mapping[str, asyncio.Future[Any]],
+) -> BaseException | None:
+    """Wait for the calls until they all succeed (None) or one call or one node's liveness
+    watcher fails (that error). A worker that dies, or stops answering its probes, is reported
+    at once, not after the others' (maybe long) calls end."""
+    left: dict[str, int] = {}  # per node, its calls not done yet
+    for node in node_of.values():
+        left[node] = left.get(node, 0) + 1
+    pending: set[asyncio.Future[Any]] = {*tasks, *watched.values()}
+    error: BaseException | None = None
+    while error is None and not all(t.done() for t in tasks):
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        error = next((e for t in tasks if t in done and (e := _failure(t)) is not None), None)
+        for task in done:
+            if task in node_of:
+                left[node_of[task]] -= 1
+        for node, watcher in watched.items():
+            if left[node] == 0:  # its calls are over: whether it still answers does not matter
+                watcher.cancel()
+                pending.discard(watcher)
+            elif error is None and watcher in done:
+                error = _failure(watcher)
+    return error
 
 
 def _merge_errors(errors: list[BaseException]) -> BaseException:

@@ -22,22 +22,25 @@ consuming new ones.
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
-from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.shard_client import DeleteResult, ShardClient, default_client
+from distbatch.controller.answers import DEFAULT_REQUEST_MEMORY, DEFAULT_REQUEST_TTL, AnswerMemory
+from distbatch.controller.arguments import (
+    check_get_meta_args,
+    check_put_meta,
+    custom_meta_object,
+    id_list,
+)
+from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
+from distbatch.controller.partitions import Column, Partition
 from distbatch.errors import (
     BatchStatusError,
     ClearError,
@@ -49,177 +52,11 @@ from distbatch.errors import (
     UnknownFieldError,
     UnknownPartitionError,
 )
-from distbatch.ids import ShardKey, validate_id, validate_node
+from distbatch.ids import ShardKey, validate_id
 from distbatch.samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SequentialSampler
-from distbatch.wire.container import ITEMSIZE
 
-CHECKPOINT_VERSION = 1
-# Keyword arguments the controller itself gives the sampler.
-RESERVED_SAMPLING_KEYS = frozenset({"partition", "partition_id", "task_name"})
-# Per-task custom metadata (`Controller.set_custom_meta`): JSON bytes allowed per task.
-MAX_CUSTOM_META_BYTES = 64 << 10
+
 # Answers remembered per request id (see `Controller`): how many, and for how long.
-DEFAULT_REQUEST_MEMORY = 4096
-DEFAULT_REQUEST_TTL = 600.0
-
-
-@dataclass
-class _Column:
-    """One field of a partition: dtype, and per task index its node and shape."""
-
-    dtype: str | None
-    node: dict[int, int] = field(default_factory=dict)
-    shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-
-@dataclass
-class _Answer:
-    """What one `get_meta` request id was answered: the request, the tasks handed out, when."""
-
-    request: tuple[Any, ...]
-    partition_id: str
-    task_ids: list[str]
-    at: float
-
-
-@dataclass
-class Partition:
-    partition_id: str
-    index_of: dict[str, int] = field(default_factory=dict)
-    task_of: dict[int, str] = field(default_factory=dict)
-    nodes: list[str] = field(default_factory=list)
-    node_index: dict[str, int] = field(default_factory=dict)
-    columns: dict[str, _Column] = field(default_factory=dict)
-    consumed: dict[str, set[int]] = field(default_factory=dict)
-    next_index: int = 0
-    # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
-    clearing: dict[int, int] = field(default_factory=dict)
-    # Fields declared with create_partition: a consumer may wait for them before any put.
-    expected: set[str] = field(default_factory=set)
-    # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
-    custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    def knows(self, name: str) -> bool:
-        """Whether `name` was ever put into this partition or declared for it."""
-        return name in self.columns or name in self.expected
-
-    def known_fields(self) -> list[str]:
-        return list(self.columns) + sorted(self.expected.difference(self.columns))
-
-    def intern_node(self, node: str) -> int:
-        if node not in self.node_index:
-            self.node_index[node] = len(self.nodes)
-            self.nodes.append(node)
-        return self.node_index[node]
-
-    def allocate(self, count: int) -> int:
-        """First index of a free block of `count` indexes, aligned to `count`.
-
-        Freed indexes are reused, and a put of whole GRPO groups always lands
-        on group-aligned indexes (a block of k*n starts at a multiple of n).
-        """
-        if len(self.task_of) < self.next_index:  # there are holes to reuse
-            for start in range(0, self.next_index, count):
-                if all(i not in self.task_of for i in range(start, start + count)):
-                    self.next_index = max(self.next_index, start + count)
-                    return start
-        start = -(-self.next_index // count) * count
-        self.next_index = start + count
-        return start
-
-    def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
-        """Indexes that have every field produced and are not consumed by `task_name`."""
-        if not fields or any(f not in self.columns for f in fields):
-            return []
-        columns = sorted((self.columns[f] for f in fields), key=lambda c: len(c.node))
-        have = set(columns[0].node)
-        for column in columns[1:]:
-            have.intersection_update(column.node)
-        have.difference_update(self.consumed.get(task_name, ()))
-        have.difference_update(self.clearing)
-        return sorted(have)
-
-    def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]:
-        """Per-sample lengths (first dimension of `field`), for length-aware samplers."""
-        column = self.columns.get(field)
-        if column is None or column.dtype is None:
-            raise InvalidArgumentError(
-                f"partition {self.partition_id!r} has no tensor field {field!r} for lengths"
-            )
-        out = []
-        for i in indexes:
-            shape = column.shape.get(i)
-            if shape is None:
-                raise InvalidArgumentError(
-                    f"task {self.task_of.get(i, i)!r} has no field {field!r} for lengths"
-                )
-            out.append(shape[0] if shape else 1)
-        return out
-
-    def get_custom_meta(self, indexes: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """Custom metadata of those `indexes` that have some, by index (TransferQueue's
-        ``DataPartitionStatus.get_custom_meta``, which samplers such as
-        `SeqlenBalancedSampler` read ``total_lengths`` from)."""
-        return {i: self.custom_meta[i] for i in indexes if i in self.custom_meta}
-
-    def meta_for(self, indexes: Sequence[int], fields: Sequence[str]) -> BatchMeta:
-        node_map: dict[int, int] = {}
-        nodes: list[str] = []
-        cols: dict[str, FieldMeta] = {}
-        for name in fields:
-            column = self.columns[name]
-            node_list = []
-            for i in indexes:
-                n = column.node[i]
-                if n not in node_map:
-                    node_map[n] = len(nodes)
-                    nodes.append(self.nodes[n])
-                node_list.append(node_map[n])
-            cols[name] = FieldMeta(column.dtype, node_list, [column.shape[i] for i in indexes])
-        return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
-
-    def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:
-        out: dict[str, list[ShardKey]] = {}
-        index_set = set(indexes)
-        for name, column in self.columns.items():
-            for i in index_set:
-                n = column.node.get(i)
-                if n is not None:
-                    out.setdefault(self.nodes[n], []).append(ShardKey(self.task_of[i], name))
-        return out
-
-    def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
-        """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
-        n = self.node_index.get(node)
-        for key in keys:
-            i = self.index_of.get(key.task_id)
-            column = self.columns.get(key.field)
-            if i is not None and column is not None and column.node.get(i) == n:
-                del column.node[i]
-                column.shape.pop(i, None)
-
-    def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
-        for i in indexes:
-            count = self.clearing.get(i, 0) + delta
-            if count > 0:
-                self.clearing[i] = count
-            else:
-                self.clearing.pop(i, None)
-
-    def forget(self, indexes: Iterable[int]) -> None:
-        for i in list(indexes):
-            task_id = self.task_of.pop(i, None)
-            if task_id is None:
-                continue
-            del self.index_of[task_id]
-            self.custom_meta.pop(i, None)
-            for column in self.columns.values():
-                column.node.pop(i, None)
-                column.shape.pop(i, None)
-            for consumed in self.consumed.values():
-                consumed.discard(i)
-
-
 class Controller:
     """Per-partition, per-task bookkeeping of produced fields and consumption.
 
@@ -242,23 +79,13 @@ class Controller:
         request_memory: int = DEFAULT_REQUEST_MEMORY,
         request_ttl: float = DEFAULT_REQUEST_TTL,
     ) -> None:
-        if isinstance(request_memory, bool) or not isinstance(request_memory, int) or request_memory < 0:
-            raise InvalidArgumentError(f"request_memory must be an int >= 0, got {request_memory!r}")
-        if (
-            isinstance(request_ttl, bool)
-            or not isinstance(request_ttl, (int, float))
-            or not request_ttl >= 0  # NaN too
-        ):
-            raise InvalidArgumentError(f"request_ttl must be a number of seconds >= 0, got {request_ttl!r}")
+        self._answers = AnswerMemory(request_memory, request_ttl)  # checks both before anything else
         self.sampler = sampler if sampler is not None else SequentialSampler()
         self._client = client
         self._partitions: dict[str, Partition] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._waiting = 0  # get_meta calls now waiting for producers
-        self._request_memory = request_memory
-        self._request_ttl = float(request_ttl)
-        self._answers: OrderedDict[str, _Answer] = OrderedDict()  # by request id, oldest first
 
     @property
     def client(self) -> ShardClient:
@@ -275,7 +102,7 @@ class Controller:
         times (prompts first, responses later). Declared fields add up.
         """
         validate_id(partition_id, "partition_id")
-        names = _id_list(expected_fields, "expected_fields", "field")
+        names = id_list(expected_fields, "expected_fields", "field")
         with self._changed:
             partition = self._partitions.setdefault(partition_id, Partition(partition_id))
             partition.expected.update(names)
@@ -303,7 +130,7 @@ class Controller:
         meta = batch.meta
         if meta is None:  # REMOTE always has meta; keeps type checkers honest
             return 0
-        _check_meta(meta)
+        check_put_meta(meta)
         with self._changed:
             partition = self._partitions.get(partition_id) or Partition(partition_id)
             for name, fm in meta.fields.items():
@@ -336,7 +163,7 @@ class Controller:
             rows = [partition.index_of[t] for t in meta.task_ids]
             local_nodes = [partition.intern_node(n) for n in meta.nodes]
             for name, fm in meta.fields.items():
-                column = partition.columns.setdefault(name, _Column(fm.dtype))
+                column = partition.columns.setdefault(name, Column(fm.dtype))
                 for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
                     column.node[row] = local_nodes[node]
                     column.shape[row] = shape
@@ -371,29 +198,9 @@ class Controller:
         have (when not waiting), `UnknownFieldError` for a field the partition
         has never had nor declared, `InvalidArgumentError` for bad arguments.
         """
-        validate_id(partition_id, "partition_id")
-        validate_id(task_name, "task_name")
-        fields = _id_list(fields, "fields", "field")
-        if not fields:
-            raise InvalidArgumentError("ask for at least one field")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-        reserved = sorted(RESERVED_SAMPLING_KEYS.intersection(sampling_config))
-        if reserved:
-            raise InvalidArgumentError(
-                f"sampling config may not set {reserved}: the controller passes them itself"
-            )
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or math.isnan(timeout)
-            or timeout < 0
-        ):
-            raise InvalidArgumentError(
-                f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
-            )
-        if request_id is not None:
-            validate_id(request_id, "request_id")
+        fields = check_get_meta_args(
+            partition_id, task_name, fields, batch_size, timeout, request_id, sampling_config
+        )
         request = (partition_id, task_name, tuple(fields), batch_size, sampling_config)
         deadline = None if not timeout else time.monotonic() + timeout
         with self._changed:
@@ -406,37 +213,9 @@ class Controller:
                 if partition is None and deadline is None:
                     raise UnknownPartitionError(partition_id, self._partitions)
                 if partition is not None:
-                    unknown = [f for f in fields if not partition.knows(f)]
-                    if unknown:
-                        raise UnknownFieldError(partition_id, unknown, partition.known_fields())
-                    ready = partition.ready(task_name, fields)
-                    # As TransferQueue's controller does, a sampler is called only when the ready
-                    # list holds a batch, or when it can answer this rank from its cache; else its
-                    # check_call (if it has one) refuses bad arguments at once.
-                    call = {
-                        "partition_id": partition_id,
-                        "task_name": task_name,
-                        "partition": partition,
-                        **sampling_config,
-                    }
-                    if len(ready) >= batch_size or _has_cached_result(
-                        self.sampler, partition_id, task_name, sampling_config
-                    ):
-                        sampled, consumed = self.sampler(ready, batch_size, **call)
-                    else:
-                        check_call = getattr(self.sampler, "check_call", None)
-                        if callable(check_call):
-                            check_call(batch_size, **call)
-                        sampled, consumed = [], []
-                    if sampled:
-                        missing = [i for i in sampled if i not in partition.task_of]
-                        if missing:
-                            raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
-                        meta = partition.meta_for(sampled, fields)
-                        partition.consumed.setdefault(task_name, set()).update(consumed)
-                        if request_id is not None:
-                            self._remember_answer(request_id, request, partition_id, meta.task_ids)
-                        return DistributedBatchMemory.from_meta(meta, self._client)
+                    batch = self._sample(partition, request, request_id)
+                    if batch is not None:
+                        return batch
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     return DistributedBatchMemory()
@@ -446,49 +225,58 @@ class Controller:
                 finally:
                     self._waiting -= 1
 
+    def _sample(
+        self, partition: Partition, request: tuple[Any, ...], request_id: str | None
+    ) -> DistributedBatchMemory | None:
+        """Ask the sampler for a batch of `partition`'s ready tasks; None when it gives none.
+
+        Called with the lock held. As TransferQueue's controller does, a sampler is called only
+        when the ready list holds a batch, or when it can answer this rank from its cache; else
+        its check_call (if it has one) refuses bad arguments at once.
+        """
+        partition_id, task_name, field_tuple, batch_size, sampling_config = request
+        fields = list(field_tuple)
+        unknown = [f for f in fields if not partition.knows(f)]
+        if unknown:
+            raise UnknownFieldError(partition_id, unknown, partition.known_fields())
+        ready = partition.ready(task_name, fields)
+        call = {
+            "partition_id": partition_id,
+            "task_name": task_name,
+            "partition": partition,
+            **sampling_config,
+        }
+        cached = _has_cached_result(self.sampler, partition_id, task_name, sampling_config)
+        if len(ready) >= batch_size or cached:
+            sampled, consumed = self.sampler(ready, batch_size, **call)
+        else:
+            check_call = getattr(self.sampler, "check_call", None)
+            if callable(check_call):
+                check_call(batch_size, **call)
+            return None
+        if not sampled:
+            return None
+        missing = [i for i in sampled if i not in partition.task_of]
+        if missing:
+            raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
+        meta = partition.meta_for(sampled, fields)
+        partition.consumed.setdefault(task_name, set()).update(consumed)
+        if request_id is not None:
+            self._answers.remember(request_id, request, partition_id, meta.task_ids)
+        return DistributedBatchMemory.from_meta(meta, self._client)
+
     def _recall_answer(self, request_id: str, request: tuple[Any, ...]) -> DistributedBatchMemory | None:
         """The batch `request_id` was answered with, rebuilt (None if forgotten or its tasks are gone)."""
-        self._expire_answers()
-        answer = self._answers.get(request_id)
+        answer = self._answers.lookup(request_id, request)
         if answer is None:
             return None
-        if answer.request != request:
-            raise InvalidArgumentError(
-                f"request_id {request_id!r} was already used for another get_meta request "
-                "(another partition, task, fields, batch size or sampling config): use a new id per request"
-            )
         fields = request[2]
         partition = self._partitions.get(answer.partition_id)
         rows = _rows_with(partition, answer.task_ids, fields) if partition is not None else None
         if partition is None or rows is None:
-            del self._answers[request_id]  # cleared since: nothing of it can be delivered any more
+            self._answers.drop(request_id)  # cleared since: nothing of it can be delivered any more
             return None
         return DistributedBatchMemory.from_meta(partition.meta_for(rows, fields), self._client)
-
-    def _remember_answer(
-        self, request_id: str, request: tuple[Any, ...], partition_id: str, task_ids: list[str]
-    ) -> None:
-        if self._request_memory == 0:
-            return
-        self._answers[request_id] = _Answer(request, partition_id, list(task_ids), time.monotonic())
-        self._answers.move_to_end(request_id)
-        while len(self._answers) > self._request_memory:
-            self._answers.popitem(last=False)
-
-    def _expire_answers(self) -> None:
-        limit = time.monotonic() - self._request_ttl
-        while self._answers:
-            oldest = next(iter(self._answers.values()))
-            if oldest.at >= limit:
-                break
-            self._answers.popitem(last=False)
-
-    def _forget_answers(self, partition_id: str, task_ids: Iterable[str] | None = None) -> None:
-        """Drop remembered answers of the partition (those naming any of `task_ids`, if given)."""
-        gone = None if task_ids is None else set(task_ids)
-        for request_id, answer in list(self._answers.items()):
-            if answer.partition_id == partition_id and (gone is None or gone.intersection(answer.task_ids)):
-                del self._answers[request_id]
 
     # ------------------------------------------------------------------ status
 
@@ -508,7 +296,7 @@ class Controller:
         """
         validate_id(partition_id, "partition_id")
         if fields is not None:
-            fields = _id_list(fields, "fields", "field")
+            fields = id_list(fields, "fields", "field")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -532,7 +320,7 @@ class Controller:
         validate_id(partition_id, "partition_id")
         if not isinstance(custom_meta, Mapping):
             raise InvalidArgumentError(f"custom_meta must map task ids to objects, got {type(custom_meta)}")
-        checked = {validate_id(t, "task_id"): _custom_meta_object(meta, t) for t, meta in custom_meta.items()}
+        checked = {validate_id(t, "task_id"): custom_meta_object(meta, t) for t, meta in custom_meta.items()}
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -546,7 +334,7 @@ class Controller:
     def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The custom metadata of those `task_ids` that have some, by task id."""
         validate_id(partition_id, "partition_id")
-        wanted = _id_list(task_ids, "task_ids", "task_id")
+        wanted = id_list(task_ids, "task_ids", "task_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -609,7 +397,7 @@ class Controller:
         tasks whose shards all went are forgotten, the others kept for a retry.
         """
         validate_id(partition_id, "partition_id")
-        ids = _id_list(task_ids, "task_ids", "task_id")
+        ids = id_list(task_ids, "task_ids", "task_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
             if partition is None:
@@ -645,7 +433,7 @@ class Controller:
                 for node, keys in plan.items():
                     if node not in failed:
                         partition.drop_rows(node, keys)
-                self._forget_answers(
+                self._answers.forget(
                     partition_id, [partition.task_of[i] for i in forgotten if i in partition.task_of]
                 )
                 partition.forget(forgotten)
@@ -672,7 +460,7 @@ class Controller:
             if partition is not None and not partition.task_of:
                 del self._partitions[partition_id]
                 self.sampler.clear_cache(partition_id)
-                self._forget_answers(partition_id)
+                self._answers.forget(partition_id)
         return deleted
 
     # ------------------------------------------------------------------ checkpoint
@@ -686,23 +474,7 @@ class Controller:
                 "checkpointed: subclass distbatch.samplers.BaseSampler (TransferQueue's own classes cannot)"
             )
         with self._lock:
-            partitions = {}
-            for pid, p in self._partitions.items():
-                partitions[pid] = {
-                    "tasks": [[i, t] for i, t in sorted(p.task_of.items())],
-                    "next_index": p.next_index,
-                    "nodes": list(p.nodes),
-                    "columns": {
-                        name: {
-                            "dtype": c.dtype,
-                            "rows": [[i, c.node[i], list(c.shape[i])] for i in sorted(c.node)],
-                        }
-                        for name, c in p.columns.items()
-                    },
-                    "consumed": {name: sorted(s) for name, s in p.consumed.items()},
-                    "expected_fields": sorted(p.expected),
-                    "custom_meta": [[i, meta] for i, meta in sorted(p.custom_meta.items())],
-                }
+            partitions = partitions_to_state(self._partitions)
             return {
                 "version": CHECKPOINT_VERSION,
                 "partitions": partitions,
@@ -714,50 +486,7 @@ class Controller:
 
         Remembered `get_meta` answers are not part of a checkpoint: they are forgotten.
         """
-        if not isinstance(state, Mapping) or state.get("version") != CHECKPOINT_VERSION:
-            raise InvalidArgumentError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
-        partitions: dict[str, Partition] = {}
-        try:
-            if not isinstance(state["partitions"], Mapping):
-                raise ValueError("'partitions' must be an object")
-            for pid, raw in state["partitions"].items():
-                p = Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
-                for i, t in raw["tasks"]:
-                    i = _count(i)
-                    if i in p.task_of or validate_id(t, "task_id") in p.index_of:
-                        raise ValueError(f"task index {i} or task id {t!r} is listed twice")
-                    p.task_of[i] = t
-                    p.index_of[t] = i
-                if p.task_of and p.next_index <= max(p.task_of):
-                    raise ValueError(f"next_index {p.next_index} is not past every task index")
-                for node in raw["nodes"]:
-                    p.intern_node(validate_node(node))
-                for name, col in raw["columns"].items():
-                    dtype = col["dtype"]
-                    if dtype is not None and dtype not in ITEMSIZE:
-                        raise ValueError(f"field {name!r} has unknown dtype {dtype!r}")
-                    column = p.columns.setdefault(validate_id(name, "field"), _Column(dtype))
-                    for i, n, shape in col["rows"]:
-                        if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
-                            raise ValueError(f"field {name!r} names unknown task index {i} or node {n}")
-                        column.node[i] = n
-                        column.shape[i] = tuple(_count(d) for d in shape)
-                for name, indexes in raw["consumed"].items():
-                    consumed = {_count(i) for i in indexes}
-                    if not consumed <= p.task_of.keys():
-                        raise ValueError(f"consumer {name!r} consumed unknown task indexes")
-                    p.consumed[validate_id(name, "task_name")] = consumed
-                expected = raw.get("expected_fields", [])
-                if not isinstance(expected, list):
-                    raise ValueError("'expected_fields' must be a list")
-                p.expected = {validate_id(f, "field") for f in expected}
-                for i, meta in raw.get("custom_meta", []):
-                    if _count(i) not in p.task_of:
-                        raise ValueError(f"custom_meta names unknown task index {i}")
-                    p.custom_meta[i] = _custom_meta_object(meta, p.task_of[i])
-                partitions[pid] = p
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"invalid controller checkpoint: {exc}") from None
+        partitions = partitions_from_state(state)
         with self._changed:
             self.sampler.load_state_dict(state.get("sampler", {}))
             self._partitions = partitions
@@ -813,76 +542,3 @@ def _group_size(sampler: BaseSampler) -> int:
     return sampler.n_samples_per_prompt if isinstance(sampler, GRPOGroupNSampler) else 1
 
 
-def _id_list(values: Any, name: str, what: str) -> list[str]:
-    """`values` as a list of valid ids (`what`: "field" or "task_id"); one string is refused, as a
-    caller who passed ``"x"`` for ``["x"]`` would otherwise get one id per character."""
-    refuse_one_string(values, name, what)
-    return [validate_id(v, what) for v in _iterable(values, name)]
-
-
-def refuse_one_string(values: Any, name: str, what: str) -> None:
-    """InvalidArgumentError when a list of ids (`what`: "field" or "task_id") is one string."""
-    if isinstance(values, (str, bytes)):
-        noun = "field names" if what == "field" else "task ids"
-        raise InvalidArgumentError(f"{name} must be a list of {noun}, not one string: {values!r}")
-
-
-def _iterable(value: Any, name: str) -> Iterable[Any]:
-    """`value` if it is a list-like of names, else `InvalidArgumentError` (an int, a dict, None...)."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise InvalidArgumentError(f"{name} must be a list of names, got {type(value).__name__}")
-    return value
-
-
-def _custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
-    """A JSON object of at most `MAX_CUSTOM_META_BYTES`, as a fresh copy; else InvalidArgumentError."""
-    if not isinstance(meta, Mapping):
-        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must be an object, got {type(meta)}")
-    try:
-        text = json.dumps(dict(meta), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"custom_meta of task {task_id!r} is not JSON: {exc}") from None
-    if len(text) > MAX_CUSTOM_META_BYTES:
-        raise InvalidArgumentError(
-            f"custom_meta of task {task_id!r} is {len(text)} bytes of JSON, over {MAX_CUSTOM_META_BYTES}"
-        )
-    copy = json.loads(text)
-    if not all(isinstance(k, str) for k in meta):
-        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must have string keys")
-    length = copy.get("total_lengths")
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
-        raise InvalidArgumentError(
-            f"custom_meta total_lengths of task {task_id!r} must be a non-negative int, got {length!r}"
-        )
-    return copy
-
-
-def _count(value: Any) -> int:
-    """A non-negative int from a checkpoint (an index, a node number, a dimension), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative int, got {value!r}")
-    return value
-
-
-def _check_meta(meta: BatchMeta) -> None:
-    """Refuse metadata that `BatchMeta.from_dict` would refuse (a hand-built one may be anything)."""
-    for task_id in meta.task_ids:
-        validate_id(task_id, "task_id")
-    if len(set(meta.task_ids)) != len(meta.task_ids):
-        raise InvalidArgumentError("the batch lists a task id twice")
-    for node in meta.nodes:
-        try:
-            validate_node(node)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-    for name, fm in meta.fields.items():
-        validate_id(name, "field")
-        if fm.dtype is not None and fm.dtype not in ITEMSIZE:
-            raise InvalidArgumentError(f"field {name!r} has unknown dtype {fm.dtype!r}")
-        if len(fm.nodes) != len(meta.task_ids) or len(fm.shapes) != len(meta.task_ids):
-            raise InvalidArgumentError(f"field {name!r} does not have one node and one shape per task")
-        nodes = np.asarray(fm.nodes)
-        if nodes.dtype.kind not in "iu" or (
-            len(nodes) and not 0 <= int(nodes.min()) <= int(nodes.max()) < len(meta.nodes)
-        ):
-            raise InvalidArgumentError(f"field {name!r} names a node the batch does not list")

@@ -28,7 +28,8 @@ from distbatch.auth import bearer_ok, token_from_env
 from distbatch.batch.memory import DistributedBatchMemory
 from distbatch.calls import decode_value, encode_value
 from distbatch.client.shard_client import ShardClient, default_client
-from distbatch.controller.core import Controller, refuse_one_string
+from distbatch.controller.arguments import refuse_one_string
+from distbatch.controller.core import Controller
 from distbatch.errors import (
     BatchStatusError,
     ClearError,

@@ -233,6 +233,35 @@ def start_ray_workers(
     `runtime_env` is Ray's, per actor (env_vars, pip, container, ...).
     """
     check_ray_worker_flags(args)
+    envs = _checked_placement(n, env, placement, node_ids)
+    bundle = _bundle(resources)
+    if not ray.is_initialized():
+        init_local_ray()
+    group, strategies = _strategies(n, bundle, placement, node_ids)
+    actors: list[Any] = []
+    workers = RayWorkers(actors, group, [])
+    try:
+        if group is not None:
+            _wait_placed(group, n, bundle, placement, startup_timeout)
+        options = _actor_options(bundle, runtime_env)
+        actor_class = ray.remote(_WorkerActor)
+        for extra, strategy in zip(envs, strategies):
+            actor = actor_class.options(**options, scheduling_strategy=strategy)
+            actors.append(actor.remote(engine, dict(extra), list(args), startup_timeout))
+        workers.nodes = _wait_serving(actors, startup_timeout)
+    except BaseException:
+        workers.stop(timeout=1.0)
+        raise
+    return workers
+
+
+def _checked_placement(
+    n: int,
+    env: Mapping[str, str] | Sequence[Mapping[str, str]] | None,
+    placement: str,
+    node_ids: Sequence[str] | None,
+) -> list[Mapping[str, str]]:
+    """Refuse a bad count, strategy or per-worker list before Ray is touched; the per-worker envs."""
     if n < 1:
         raise ValueError(f"worker count must be >= 1, got {n}")
     if placement not in STRATEGIES:
@@ -242,63 +271,62 @@ def start_ray_workers(
         raise ValueError(f"{len(envs)} env mappings for {n} workers")
     if node_ids is not None and len(node_ids) != n:
         raise ValueError(f"{len(node_ids)} node ids for {n} workers")
+    return envs
+
+
+def _bundle(resources: Mapping[str, float] | None) -> dict[str, float]:
+    """One worker's Ray resources (`num_cpus` / `num_gpus` named as Ray's bundles name them)."""
     bundle = {"CPU": DEFAULT_CPUS_PER_WORKER}
     for key, value in (resources or {}).items():
         bundle[{"num_cpus": "CPU", "num_gpus": "GPU"}.get(key, key)] = float(value)
-    bundle = {k: v for k, v in bundle.items() if v > 0}
-    if not ray.is_initialized():
-        init_local_ray()
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def _strategies(
+    n: int, bundle: dict[str, float], placement: str, node_ids: Sequence[str] | None
+) -> tuple[Any, list[Any]]:
+    """(placement group or None, one scheduling strategy per worker)."""
     if node_ids is not None:
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
         unknown = sorted(set(node_ids) - alive)
         if unknown:
             raise ValueError(f"no live Ray node with id {unknown[0]!r} (live: {sorted(alive)})")
-        strategies = [NodeAffinitySchedulingStrategy(node_id, soft=False) for node_id in node_ids]
-        group = None
-    else:
-        group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
-        strategies = [
-            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)
-        ]
-    actors: list[Any] = []
-    workers = RayWorkers(actors, group, [])
+        return None, [NodeAffinitySchedulingStrategy(node_id, soft=False) for node_id in node_ids]
+    group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
+    return group, [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)]
+
+
+def _wait_placed(group: Any, n: int, bundle: dict[str, float], placement: str, timeout: float) -> None:
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        raise WorkerUnavailableError(
+            f"ray placement group {group.id.hex()}",
+            f"{n} bundles of {bundle} ({STRATEGIES[placement]}) not placed within "
+            f"{timeout}s (cluster resources: {ray.available_resources()})",
+        )
+
+
+def _actor_options(bundle: dict[str, float], runtime_env: Mapping[str, Any] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+    others = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    if others:
+        options["resources"] = others
+    if runtime_env:
+        options["runtime_env"] = dict(runtime_env)
+    return options
+
+
+def _wait_serving(actors: list[Any], timeout: float) -> list[str]:
+    """The workers' addresses once every one serves; `WorkerUnavailableError` otherwise."""
+    refs = [actor.node.remote() for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if len(ready) < len(refs):
+        raise WorkerUnavailableError(
+            "ray actors",
+            f"{len(refs) - len(ready)} of {len(refs)} workers did not start within {timeout}s "
+            f"(cluster resources: {ray.available_resources()})",
+        )
     try:
-        if group is not None:
-            ready, _ = ray.wait([group.ready()], timeout=startup_timeout)
-            if not ready:
-                raise WorkerUnavailableError(
-                    f"ray placement group {group.id.hex()}",
-                    f"{n} bundles of {bundle} ({STRATEGIES[placement]}) not placed within "
-                    f"{startup_timeout}s (cluster resources: {ray.available_resources()})",
-                )
-        others = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        actor_class = ray.remote(_WorkerActor)
-        for extra, strategy in zip(envs, strategies):
-            options: dict[str, Any] = {
-                "num_cpus": bundle.get("CPU", 0),
-                "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": strategy,
-            }
-            if others:
-                options["resources"] = others
-            if runtime_env:
-                options["runtime_env"] = dict(runtime_env)
-            actors.append(
-                actor_class.options(**options).remote(engine, dict(extra), list(args), startup_timeout)
-            )
-        refs = [actor.node.remote() for actor in actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout)
-        if len(ready) < len(refs):
-            raise WorkerUnavailableError(
-                "ray actors",
-                f"{len(refs) - len(ready)} of {n} workers did not start within {startup_timeout}s "
-                f"(cluster resources: {ray.available_resources()})",
-            )
-        try:
-            workers.nodes = list(ray.get(refs))
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerUnavailableError("ray actor", f"worker failed to start: {exc}") from None
-    except BaseException:
-        workers.stop(timeout=1.0)
-        raise
-    return workers
+        return list(ray.get(refs))
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerUnavailableError("ray actor", f"worker failed to start: {exc}") from None

@@ -1,0 +1,127 @@
+"""The controller's argument checks: id lists, `get_meta` arguments, custom metadata, a put's
+metadata. Refusals are `InvalidArgumentError`s raised before anything changes; the HTTP face
+uses the same checks, so a `RemoteController` refuses exactly what a `Controller` refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from distbatch.batch.meta import BatchMeta
+from distbatch.errors import InvalidArgumentError
+from distbatch.ids import validate_id, validate_node
+from distbatch.wire.container import ITEMSIZE
+
+# Keyword arguments the controller itself gives the sampler.
+RESERVED_SAMPLING_KEYS = frozenset({"partition", "partition_id", "task_name"})
+
+# Per-task custom metadata (`Controller.set_custom_meta`): JSON bytes allowed per task.
+MAX_CUSTOM_META_BYTES = 64 << 10
+
+
+def check_get_meta_args(
+    partition_id: str,
+    task_name: str,
+    fields: Sequence[str],
+    batch_size: int,
+    timeout: float | None,
+    request_id: str | None,
+    sampling_config: Mapping[str, Any],
+) -> list[str]:
+    """Refuse bad `get_meta` arguments before anything is looked at; returns the field list."""
+    validate_id(partition_id, "partition_id")
+    validate_id(task_name, "task_name")
+    fields = id_list(fields, "fields", "field")
+    if not fields:
+        raise InvalidArgumentError("ask for at least one field")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+    reserved = sorted(RESERVED_SAMPLING_KEYS.intersection(sampling_config))
+    if reserved:
+        raise InvalidArgumentError(
+            f"sampling config may not set {reserved}: the controller passes them itself"
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or math.isnan(timeout)
+        or timeout < 0
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
+        )
+    if request_id is not None:
+        validate_id(request_id, "request_id")
+    return fields
+
+
+def id_list(values: Any, name: str, what: str) -> list[str]:
+    """`values` as a list of valid ids (`what`: "field" or "task_id"); one string is refused, as a
+    caller who passed ``"x"`` for ``["x"]`` would otherwise get one id per character."""
+    refuse_one_string(values, name, what)
+    return [validate_id(v, what) for v in names_iterable(values, name)]
+
+
+def refuse_one_string(values: Any, name: str, what: str) -> None:
+    """InvalidArgumentError when a list of ids (`what`: "field" or "task_id") is one string."""
+    if isinstance(values, (str, bytes)):
+        noun = "field names" if what == "field" else "task ids"
+        raise InvalidArgumentError(f"{name} must be a list of {noun}, not one string: {values!r}")
+
+
+def names_iterable(value: Any, name: str) -> Iterable[Any]:
+    """`value` if it is a list-like of names, else `InvalidArgumentError` (an int, a dict, None...)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be a list of names, got {type(value).__name__}")
+    return value
+
+
+def custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
+    """A JSON object of at most `MAX_CUSTOM_META_BYTES`, as a fresh copy; else InvalidArgumentError."""
+    if not isinstance(meta, Mapping):
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must be an object, got {type(meta)}")
+    try:
+        text = json.dumps(dict(meta), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} is not JSON: {exc}") from None
+    if len(text) > MAX_CUSTOM_META_BYTES:
+        raise InvalidArgumentError(
+            f"custom_meta of task {task_id!r} is {len(text)} bytes of JSON, over {MAX_CUSTOM_META_BYTES}"
+        )
+    copy = json.loads(text)
+    if not all(isinstance(k, str) for k in meta):
+        raise InvalidArgumentError(f"custom_meta of task {task_id!r} must have string keys")
+    length = copy.get("total_lengths")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise InvalidArgumentError(
+            f"custom_meta total_lengths of task {task_id!r} must be a non-negative int, got {length!r}"
+        )
+    return copy
+
+
+def check_put_meta(meta: BatchMeta) -> None:
+    """Refuse metadata that `BatchMeta.from_dict` would refuse (a hand-built one may be anything)."""
+    for task_id in meta.task_ids:
+        validate_id(task_id, "task_id")
+    if len(set(meta.task_ids)) != len(meta.task_ids):
+        raise InvalidArgumentError("the batch lists a task id twice")
+    for node in meta.nodes:
+        try:
+            validate_node(node)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+    for name, fm in meta.fields.items():
+        validate_id(name, "field")
+        if fm.dtype is not None and fm.dtype not in ITEMSIZE:
+            raise InvalidArgumentError(f"field {name!r} has unknown dtype {fm.dtype!r}")
+        if len(fm.nodes) != len(meta.task_ids) or len(fm.shapes) != len(meta.task_ids):
+            raise InvalidArgumentError(f"field {name!r} does not have one node and one shape per task")
+        nodes = np.asarray(fm.nodes)
+        if nodes.dtype.kind not in "iu" or (
+            len(nodes) and not 0 <= int(nodes.min()) <= int(nodes.max()) < len(meta.nodes)
+        ):
+            raise InvalidArgumentError(f"field {name!r} names a node the batch does not list")

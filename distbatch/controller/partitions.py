@@ -1,0 +1,165 @@
+"""A partition's bookkeeping: its tasks (id <-> per-partition index), per field which node holds
+each task's shard and its shape, who consumed what, what is being cleared, custom metadata.
+
+Plain data plus the queries the controller and samplers make of it (ready tasks, lengths, the
+metadata of a batch); the `Controller` holds the lock around every use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distbatch.batch.meta import BatchMeta, FieldMeta
+from distbatch.errors import InvalidArgumentError
+from distbatch.ids import ShardKey
+
+
+@dataclass
+class Column:
+    """One field of a partition: dtype, and per task index its node and shape."""
+
+    dtype: str | None
+    node: dict[int, int] = field(default_factory=dict)
+    shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Partition:
+    """One partition: its tasks, where each field of each task lives, and who consumed what."""
+
+    partition_id: str
+    index_of: dict[str, int] = field(default_factory=dict)
+    task_of: dict[int, str] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
+    node_index: dict[str, int] = field(default_factory=dict)
+    columns: dict[str, Column] = field(default_factory=dict)
+    consumed: dict[str, set[int]] = field(default_factory=dict)
+    next_index: int = 0
+    # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
+    clearing: dict[int, int] = field(default_factory=dict)
+    # Fields declared with create_partition: a consumer may wait for them before any put.
+    expected: set[str] = field(default_factory=set)
+    # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
+    custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` was ever put into this partition or declared for it."""
+        return name in self.columns or name in self.expected
+
+    def known_fields(self) -> list[str]:
+        return list(self.columns) + sorted(self.expected.difference(self.columns))
+
+    def intern_node(self, node: str) -> int:
+        if node not in self.node_index:
+            self.node_index[node] = len(self.nodes)
+            self.nodes.append(node)
+        return self.node_index[node]
+
+    def allocate(self, count: int) -> int:
+        """First index of a free block of `count` indexes, aligned to `count`.
+
+        Freed indexes are reused, and a put of whole GRPO groups always lands
+        on group-aligned indexes (a block of k*n starts at a multiple of n).
+        """
+        if len(self.task_of) < self.next_index:  # there are holes to reuse
+            for start in range(0, self.next_index, count):
+                if all(i not in self.task_of for i in range(start, start + count)):
+                    self.next_index = max(self.next_index, start + count)
+                    return start
+        start = -(-self.next_index // count) * count
+        self.next_index = start + count
+        return start
+
+    def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
+        """Indexes that have every field produced and are not consumed by `task_name`."""
+        if not fields or any(f not in self.columns for f in fields):
+            return []
+        columns = sorted((self.columns[f] for f in fields), key=lambda c: len(c.node))
+        have = set(columns[0].node)
+        for column in columns[1:]:
+            have.intersection_update(column.node)
+        have.difference_update(self.consumed.get(task_name, ()))
+        have.difference_update(self.clearing)
+        return sorted(have)
+
+    def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]:
+        """Per-sample lengths (first dimension of `field`), for length-aware samplers."""
+        column = self.columns.get(field)
+        if column is None or column.dtype is None:
+            raise InvalidArgumentError(
+                f"partition {self.partition_id!r} has no tensor field {field!r} for lengths"
+            )
+        out = []
+        for i in indexes:
+            shape = column.shape.get(i)
+            if shape is None:
+                raise InvalidArgumentError(
+                    f"task {self.task_of.get(i, i)!r} has no field {field!r} for lengths"
+                )
+            out.append(shape[0] if shape else 1)
+        return out
+
+    def get_custom_meta(self, indexes: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """Custom metadata of those `indexes` that have some, by index (TransferQueue's
+        ``DataPartitionStatus.get_custom_meta``, which samplers such as
+        `SeqlenBalancedSampler` read ``total_lengths`` from)."""
+        return {i: self.custom_meta[i] for i in indexes if i in self.custom_meta}
+
+    def meta_for(self, indexes: Sequence[int], fields: Sequence[str]) -> BatchMeta:
+        node_map: dict[int, int] = {}
+        nodes: list[str] = []
+        cols: dict[str, FieldMeta] = {}
+        for name in fields:
+            column = self.columns[name]
+            node_list = []
+            for i in indexes:
+                n = column.node[i]
+                if n not in node_map:
+                    node_map[n] = len(nodes)
+                    nodes.append(self.nodes[n])
+                node_list.append(node_map[n])
+            cols[name] = FieldMeta(column.dtype, node_list, [column.shape[i] for i in indexes])
+        return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
+
+    def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:
+        out: dict[str, list[ShardKey]] = {}
+        index_set = set(indexes)
+        for name, column in self.columns.items():
+            for i in index_set:
+                n = column.node.get(i)
+                if n is not None:
+                    out.setdefault(self.nodes[n], []).append(ShardKey(self.task_of[i], name))
+        return out
+
+    def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
+        """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
+        n = self.node_index.get(node)
+        for key in keys:
+            i = self.index_of.get(key.task_id)
+            column = self.columns.get(key.field)
+            if i is not None and column is not None and column.node.get(i) == n:
+                del column.node[i]
+                column.shape.pop(i, None)
+
+    def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
+        for i in indexes:
+            count = self.clearing.get(i, 0) + delta
+            if count > 0:
+                self.clearing[i] = count
+            else:
+                self.clearing.pop(i, None)
+
+    def forget(self, indexes: Iterable[int]) -> None:
+        for i in list(indexes):
+            task_id = self.task_of.pop(i, None)
+            if task_id is None:
+                continue
+            del self.index_of[task_id]
+            self.custom_meta.pop(i, None)
+            for column in self.columns.values():
+                column.node.pop(i, None)
+                column.shape.pop(i, None)
+            for consumed in self.consumed.values():
+                consumed.discard(i)
