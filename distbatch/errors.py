@@ -46,8 +46,8 @@ class ShardNotFoundError(NodeError, KeyError):
     """
 
     def __init__(self, node: str, keys: Iterable[tuple[str, str]], message: str = "") -> None:
-        self.keys = [tuple(k) for k in keys]
-        self.missing_by_node: dict[str, list[tuple[str, ...]]] = {node: self.keys}
+        self.keys = [(k[0], k[1]) for k in keys]
+        self.missing_by_node: dict[str, list[tuple[str, str]]] = {node: self.keys}
         shown = ", ".join(f"{t}/{f}" for t, f in self.keys[:10])
         more = f" (+{len(self.keys) - 10} more)" if len(self.keys) > 10 else ""
         super().__init__(node, message or f"{len(self.keys)} shard(s) not found: {shown}{more}")

@@ -44,7 +44,8 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     app.url_map.merge_slashes = False
     # One byte of slack: `routes._read_body` enforces the exact bound and must be able
     # to see that a chunked body (no Content-Length) runs past it.
-    app.json.sort_keys = False  # keep field order as the engine returned it  # type: ignore[attr-defined]
+    # Keep field order as the engine returned it (Flask's default provider has `sort_keys`).
+    app.json.sort_keys = False  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
     server_state = ServerState(
         config=config,

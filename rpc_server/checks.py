@@ -16,7 +16,7 @@ from rpc_server.store import MissingShardsError, StoreCapacityError, UnknownStag
 MAX_FIELDS_PER_REQUEST = 4096
 
 # Exceptions that are the client's doing (or the worker's state), by HTTP status and error code.
-ERROR_ANSWERS: dict[type[BaseException], tuple[int, str]] = {
+ERROR_ANSWERS: dict[type[Exception], tuple[int, str]] = {
     WireFormatError: (400, "bad_container"),
     MetaFormatError: (400, "bad_metadata"),
     InvalidIdError: (400, "invalid_id"),

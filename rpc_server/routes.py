@@ -91,7 +91,7 @@ def _receive_body(limit: int, what: str = "request body") -> Any:
         body = None
     if body is None:
         return _read_body(limit, what)
-    with memoryview(body) as view:
+    with memoryview(body) as view:  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs disagree
         received = _fill(view, what, 0, length)
     if received < length:  # type: ignore[operator]
         raise ApiError(400, "truncated_body", f"{what} ended after {received} of {length} bytes")
@@ -109,7 +109,7 @@ def _fill(view: memoryview, what: str, received: int, length: int | None) -> int
     while filled < len(view):
         with view[filled:] as target:
             try:
-                n = stream.readinto(target)
+                n = stream.readinto(target)  # type: ignore[attr-defined]  # werkzeug hands a raw reader
             except ClientDisconnected as exc:
                 _raise_body_error(exc, what, received + filled, length)
         if not n:
@@ -251,7 +251,7 @@ def fetch_shards() -> Response:
     size = wire.parts_size(parts)
     check_response_size(shards, size, limit)
     response = Response(
-        _stream(parts, bool(request.environ.get(SENDS_BUFFERS))),
+        _stream(parts, bool(request.environ.get(SENDS_BUFFERS))),  # type: ignore[arg-type]  # see _stream
         mimetype=wire.CONTENT_TYPE,
         direct_passthrough=True,
     )

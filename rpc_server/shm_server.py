@@ -77,7 +77,7 @@ MAX_CONNECTIONS = 128
 HELLO_SECONDS = 10.0
 MAX_HELLO_BYTES = 4096
 # The worker's error answers, and a region that is not a sealed memfd of the stated size.
-_ERRORS: dict[type[BaseException], tuple[int, str]] = {**ERROR_ANSWERS, ShmError: (400, "bad_region")}
+_ERRORS: dict[type[Exception], tuple[int, str]] = {**ERROR_ANSWERS, ShmError: (400, "bad_region")}
 
 
 class SharedMemoryService:
@@ -256,7 +256,7 @@ class SharedMemoryService:
             validate_id(stage, "stage")
         if part:
             validate_id(part, "part")
-        bundle = wire.parse_bundle(region.array)
+        bundle = wire.parse_bundle(region.array.data)
         check_put(bundle, self.config.max_keys_per_request)
         if stage is not None:
             staged, nbytes = self.store.stage(stage, bundle, region.size, part, region)

@@ -158,6 +158,20 @@ class _Segment:
         self.region_offset = region.offset_of(data) if region is not None and data is not None else None
 
     @property
+    def bytes_array(self) -> np.ndarray:
+        """A tensor segment's bytes (a JSON segment has none: `values` holds its rows)."""
+        if self.data is None:
+            raise TypeError("a JSON segment has no bytes")
+        return self.data
+
+    @property
+    def tensor_shapes(self) -> RowShapes:
+        """A tensor segment's rows' shapes."""
+        if self.shapes is None:
+            raise TypeError("a JSON segment has no shapes")
+        return self.shapes
+
+    @property
     def outside_region(self) -> bool:
         """Tensor bytes not in a shared region yet (a same-host reader moves them into one)."""
         return (
@@ -458,8 +472,8 @@ class ShardStore:
             sizes = seg.sizes[keep]
             own = _Buffer(int(sizes.sum()))
             if seg.dtype is not None:
-                data = _gather_bytes(seg.data, seg.starts[keep], sizes)
-                column = RawColumn(seg.dtype, seg.shapes.take(keep), [data], len(data))
+                data = _gather_bytes(seg.bytes_array, seg.starts[keep], sizes)
+                column = RawColumn(seg.dtype, seg.tensor_shapes.take(keep), [data.data], len(data))
             else:
                 values = seg.values or []
                 column = RawColumn(None, values=[values[i] for i in keep.tolist()])
@@ -1101,7 +1115,7 @@ def _column_of(
         return RawColumn(first.dtype, shapes, (), int(runs[:, 2].sum()), runs=runs)
     parts = [part for seg, rows in chunks for part in _parts(seg, rows)]
     if len(chunks) > 1 and len(parts) > MAX_SEND_RUNS:
-        parts = [memoryview(np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]))]
+        parts = [np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]).data]
     return RawColumn(first.dtype, shapes, parts, parts_size(parts))
 
 
@@ -1152,14 +1166,14 @@ def _parts(seg: _Segment, positions: np.ndarray) -> list[memoryview]:
     runs = list(_runs(starts, sizes))
     total = int(sizes.sum())
     if len(runs) <= MAX_SEND_RUNS or total >= len(runs) * GATHER_RUN_BYTES:
-        view = memoryview(seg.data)
+        view = seg.bytes_array.data
         return [view[start:stop] for start, stop, _ in runs if stop > start]
     shapes = seg.shapes
     if shapes is not None and shapes.shape is not None and len(seg.sizes) and int(seg.sizes[0]):
         width = int(seg.sizes[0])  # equal rows: one C-level take
-        rows = seg.data[: len(seg.sizes) * width].reshape(-1, width)
-        return [memoryview(np.take(rows, positions, axis=0).reshape(-1))]
-    return [memoryview(_gather_bytes(seg.data, starts, sizes))]
+        rows = seg.bytes_array[: len(seg.sizes) * width].reshape(-1, width)
+        return [np.take(rows, positions, axis=0).reshape(-1).data]
+    return [_gather_bytes(seg.bytes_array, starts, sizes).data]
 
 
 class IdleSweeper:

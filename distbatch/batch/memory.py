@@ -108,8 +108,10 @@ def _check_task_ids(task_ids: Iterable[Any], count: int) -> list[str]:
         raise ValueError(f"{len(ids)} task ids given for {count} tasks")
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
-        dup = next(t for t in ids if t in seen or seen.add(t))
-        raise ValueError(f"duplicate task id {dup!r}")
+        for dup in ids:
+            if dup in seen:
+                raise ValueError(f"duplicate task id {dup!r}")
+            seen.add(dup)
     return ids
 
 
@@ -170,6 +172,13 @@ class _Gathered:
         # so the one copy a join costs is not also a page fault per 4 KiB).
         self.allocate = allocate
 
+    @property
+    def tensor_shapes(self) -> RowShapes:
+        """Every task's shape (a JSON field has none)."""
+        if self.shapes is None:
+            raise ValueError("a JSON field has no shapes")
+        return self.shapes
+
     @staticmethod
     def assemble(
         name: str,
@@ -214,8 +223,9 @@ class _Gathered:
         """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
         if self.json is not None:
             return list(self.json)
-        if self.shapes.shape is not None:
-            return self.flat().view(self.shapes.n, *self.shapes.shape)
+        shapes = self.tensor_shapes
+        if shapes.shape is not None:
+            return self.flat().view(shapes.n, *shapes.shape)
         with paused_gc():  # one tensor per task: no collection passes over them mid-build
             return [
                 view
@@ -226,7 +236,7 @@ class _Gathered:
     def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.json is not None:
             raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
-        return _pack(name, self.flat(), self.shapes)
+        return _pack(name, self.flat(), self.tensor_shapes)
 
 
 def _pack(name: str, flat: torch.Tensor, shapes: RowShapes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,6 +286,12 @@ class DistributedBatchMemory:
             batch._task_ids = task_ids
             batch._data = data
         return batch
+
+    def _remote_meta(self) -> BatchMeta:
+        """The metadata of a REMOTE batch (callers have checked the status)."""
+        if self._meta is None:
+            raise BatchStatusError(f"this {self.status.name} batch has no metadata")
+        return self._meta
 
     @classmethod
     def _make_remote(
@@ -464,7 +480,9 @@ class DistributedBatchMemory:
             data = {name: _take_column(col, indices) for name, col in (self._data or {}).items()}
             return self._make_local(pick(self._task_ids, indices), data)
         with self._lock:
-            cache = {name: _take_column(col, indices) for name, col in self._cached_columns().items()}
+            cache: dict[str, Column | _Gathered] = {
+                name: _take_column(col, indices) for name, col in self._cached_columns().items()
+            }
         return self._make_remote(self._meta.take(indices), self._client, cache)
 
     def __setitem__(self, name: str, value: Any) -> None:
@@ -555,7 +573,7 @@ class DistributedBatchMemory:
 
     def _progress_bar(self, names: Sequence[str]) -> Any:
         """A tqdm bar for a big gather when a person is watching (stderr is a terminal), else None."""
-        meta = self._meta
+        meta = self._remote_meta()
         total = meta.select_fields(names).total_bytes()
         if total < self.progress_min_bytes or not sys.stderr.isatty():
             return None
@@ -719,7 +737,7 @@ class DistributedBatchMemory:
     def _clear_plan(self) -> dict[str, list[tuple[list[str], list[str]]]]:
         return {
             node: [(pick(self._task_ids, rows), names) for rows, names in products]
-            for node, products in self._meta.plan(list(self._meta.fields)).items()
+            for node, products in self._remote_meta().plan(list(self._remote_meta().fields)).items()
         }
 
     # ------------------------------------------------------------------ splitting
@@ -824,11 +842,12 @@ class DistributedBatchMemory:
             return self._make_local(list(self._task_ids), {f: data[f] for f in order})
         other_meta = other._meta if other._meta is not None else BatchMeta([], [])
         meta = BatchMeta.merge(list(self._task_ids), [(self._meta, None), (other_meta, rows)], order)
-        cache = {n: c for n, c in self._cache.items() if n not in other.fields}
+        cache: dict[str, Column | _Gathered] = {n: c for n, c in self._cache.items() if n not in other.fields}
         with other._lock:
-            others = dict(other._cache) if rows is None else other._cached_columns()
-        for name, col in others.items():
-            cache[name] = col if rows is None else _take_column(col, rows)
+            if rows is None:
+                cache.update(other._cache)
+            else:
+                cache.update((name, _take_column(col, rows)) for name, col in other._cached_columns().items())
         return self._make_remote(meta, self._client or other._client, cache)
 
     def union_(self, other: DistributedBatchMemory, overwrite: bool = False) -> DistributedBatchMemory:
@@ -863,7 +882,7 @@ class DistributedBatchMemory:
                 if len(dtypes) > 1:
                     raise ValueError(f"field {name!r} has different dtypes across batches: {dtypes}")
             meta = BatchMeta.concat([m.select_fields(names) for m in metas])  # type: ignore[union-attr]
-            cache = {}
+            cache: dict[str, Column | _Gathered] = {}
             for name in names:
                 columns = []
                 for b in parts:

@@ -334,10 +334,10 @@ class RegionResolver:
         if len(runs) == 1:
             region = self.regions[int(slots[0])]
             start = int(starts[0])
-            return [region[start : start + int(lengths[0])]]
+            return [region[start : start + int(lengths[0])].data]
         out = np.frombuffer(self.allocate(nbytes), dtype=np.uint8, count=nbytes)
         at = 0
         for slot, start, length in runs.tolist():
             out[at : at + length] = self.regions[slot][start : start + length]
             at += length
-        return [out]
+        return [out.data]

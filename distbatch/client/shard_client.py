@@ -1434,9 +1434,9 @@ def _failure(task: asyncio.Future[Any]) -> BaseException | None:
 
 
 async def _first_failure(
-    tasks: list[asyncio.Future[Any]],
-    node_of: Mapping[asyncio.Future[Any], str],
-    watched: Mapping[str, asyncio.Future[Any]],
+    tasks: list[asyncio.Task[Any]],
+    node_of: Mapping[asyncio.Task[Any], str],
+    watched: Mapping[str, asyncio.Task[Any]],
 ) -> BaseException | None:
     """Wait for the calls until they all succeed (None) or one call or one node's liveness
     watcher fails (that error). A worker that dies, or stops answering its probes, is reported
@@ -1444,7 +1444,7 @@ async def _first_failure(
     left: dict[str, int] = {}  # per node, its calls not done yet
     for node in node_of.values():
         left[node] = left.get(node, 0) + 1
-    pending: set[asyncio.Future[Any]] = {*tasks, *watched.values()}
+    pending: set[asyncio.Task[Any]] = {*tasks, *watched.values()}
     error: BaseException | None = None
     while error is None and not all(t.done() for t in tasks):
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

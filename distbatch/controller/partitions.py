@@ -11,9 +11,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distbatch.batch.meta import BatchMeta, FieldMeta
+import numpy as np
+
+from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta
 from distbatch.errors import InvalidArgumentError
 from distbatch.ids import ShardKey
+from distbatch.wire.shapes import RowShapes
 
 
 @dataclass
@@ -120,7 +123,8 @@ class Partition:
                     node_map[n] = len(nodes)
                     nodes.append(self.nodes[n])
                 node_list.append(node_map[n])
-            cols[name] = FieldMeta(column.dtype, node_list, [column.shape[i] for i in indexes])
+            shapes = RowShapes.from_list([column.shape[i] for i in indexes])
+            cols[name] = FieldMeta(column.dtype, np.asarray(node_list, dtype=NODE_INDEX), shapes)
         return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
 
     def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:

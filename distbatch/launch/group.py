@@ -267,7 +267,9 @@ class WorkerGroup:
         """After a failed call: name a worker whose launcher (e.g. Ray) knows it is dead."""
         for stopper in self.stoppers:
             dead = getattr(stopper, "dead", None)
-            for node in nodes if dead is not None else ():
+            if dead is None:
+                continue
+            for node in nodes:
                 if node in getattr(stopper, "nodes", ()) and dead(node):
                     raise WorkerUnavailableError(node, "its Ray actor or worker process is dead")
 

@@ -91,7 +91,7 @@ def _reload_ray_auth_config() -> None:
     The same refresh Ray does when it turns token auth on by itself; private API, so best effort.
     """
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

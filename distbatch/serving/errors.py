@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
@@ -22,9 +23,12 @@ def error_response(status: int, code: str, message: str, **extra: object) -> Res
     return response
 
 
+E = TypeVar("E", bound=Exception)
+
+
 def register_json_errors(
     app: Flask,
-    table: Mapping[type[Exception], tuple[int, str]],
+    table: Mapping[type[E], tuple[int, str]],
     respond: Callable[..., Response],
     log: logging.Logger,
 ) -> None:

@@ -105,7 +105,7 @@ class Metrics:
         """The exposition: `gauges` and `counters` (name -> (help, value), read now by the app)
         and every request collector."""
         # generate_latest only calls collect(): the snapshot needs no registry of its own.
-        return generate_latest(_Snapshot(gauges, counters or {})) + generate_latest(self.registry)  # type: ignore[arg-type]
+        return generate_latest(_Snapshot(gauges, counters or {})) + generate_latest(self.registry)
 
 
 def record_requests(app: Flask, metrics: Metrics) -> None:

@@ -174,7 +174,21 @@ class RawColumn:
     def count(self) -> int:
         if self.dtype is None:
             return len(self.values or ())
-        return self.shapes.n
+        return self.tensor_shapes.n
+
+    @property
+    def tensor_dtype(self) -> str:
+        """The wire dtype of a tensor column (`WireFormatError` for a JSON one)."""
+        if self.dtype is None:
+            raise WireFormatError("a JSON column has no dtype")
+        return self.dtype
+
+    @property
+    def tensor_shapes(self) -> RowShapes:
+        """The rows' shapes of a tensor column (`WireFormatError` for a JSON one)."""
+        if self.shapes is None:
+            raise WireFormatError("a JSON column has no shapes")
+        return self.shapes
 
     @property
     def is_tensor(self) -> bool:
@@ -183,7 +197,7 @@ class RawColumn:
     def row_nbytes(self) -> np.ndarray:
         """Bytes per row (int64); for JSON, the array text's length split evenly over the rows."""
         if self.dtype is not None:
-            return self.shapes.counts() * ITEMSIZE[self.dtype]
+            return self.tensor_shapes.counts() * ITEMSIZE[self.dtype]
         n = self.count
         # The array's text less its brackets and commas: each value's own text, exactly when
         # there is one value, near enough otherwise (an even split: no per-value dumps).
@@ -237,7 +251,7 @@ def dump_json_array(values: Sequence[Any]) -> str:
 
 def _table(values: np.ndarray) -> memoryview:
     array = np.ascontiguousarray(values, dtype="<i8")
-    return memoryview(array).cast("B")
+    return array.data.cast("B")
 
 
 def build_bundle(bundle: Bundle) -> list[Buffer]:
@@ -256,7 +270,7 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             metadata[JSON_PREFIX + name] = column.json_text()
             description[name] = info
             continue
-        shapes = column.shapes
+        shapes = column.tensor_shapes
         info["layout"] = shapes.kind
         if shapes.shape is not None:
             data_shape: tuple[int, ...] = (shapes.n, *shapes.shape)
@@ -265,8 +279,9 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             entries.append(Entry(f"{name}/lengths", "I64", (shapes.n,), [_table(shapes.lengths)]))
         else:
             data_shape = (int(shapes.counts().sum()),)
-            entries.append(Entry(f"{name}/ranks", "I64", (shapes.n,), [_table(shapes.ranks)]))
-            entries.append(Entry(f"{name}/dims", "I64", shapes.dims.shape, [_table(shapes.dims)]))
+            ranks, dims = shapes.general_tables()
+            entries.append(Entry(f"{name}/ranks", "I64", (shapes.n,), [_table(ranks)]))
+            entries.append(Entry(f"{name}/dims", "I64", dims.shape, [_table(dims)]))
         if column.runs is not None:
             info["external"] = True
             info["shape"] = list(data_shape)
@@ -584,7 +599,7 @@ def tensor_to_raw(tensor: torch.Tensor) -> RawTensor:
     if tensor.numel() == 0:
         return RawTensor(name, shape, b"")
     flat = tensor.reshape(-1).view(torch.uint8)
-    return RawTensor(name, shape, memoryview(flat.numpy()))
+    return RawTensor(name, shape, flat.numpy().data)
 
 
 def raw_to_tensor(raw: RawTensor) -> torch.Tensor:
@@ -866,9 +881,9 @@ def column_tensor(column: RawColumn) -> torch.Tensor:
     1-D otherwise."""
     import torch
 
-    shapes = column.shapes
+    shapes = column.tensor_shapes
     buffer = column.single_buffer()
-    dtype = torch_dtype(column.dtype)
+    dtype = torch_dtype(column.tensor_dtype)
     if shapes.shape is not None:
         shape: tuple[int, ...] = (shapes.n, *shapes.shape)
     elif shapes.lengths is not None:
@@ -879,7 +894,7 @@ def column_tensor(column: RawColumn) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     if buffer.readonly:
         buffer = memoryview(bytearray(buffer))
-    return raw_to_tensor(RawTensor(column.dtype, shape, buffer))
+    return raw_to_tensor(RawTensor(column.tensor_dtype, shape, buffer))
 
 
 def split_rows(values: torch.Tensor, shapes: RowShapes) -> list[torch.Tensor]:
@@ -904,9 +919,10 @@ def decode_column(column: RawColumn) -> Any:
     if column.dtype is None:
         return list(column.values or [])
     values = column_tensor(column)
-    if column.shapes.shape is not None:
-        return values.reshape(column.shapes.n, *column.shapes.shape)
-    return split_rows(values, column.shapes)
+    shapes = column.tensor_shapes
+    if shapes.shape is not None:
+        return values.reshape(shapes.n, *shapes.shape)
+    return split_rows(values, shapes)
 
 
 def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | None = None) -> RawColumn:
@@ -917,7 +933,8 @@ def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | No
     first = int(sizes[:start].sum())
     last = first + int(sizes[start:stop].sum())
     data = column.single_buffer()[first:last]
-    return RawColumn(column.dtype, column.shapes.take(slice(start, stop)), [data], last - first, rows=rows)
+    shapes = column.tensor_shapes.take(slice(start, stop))
+    return RawColumn(column.dtype, shapes, [data], last - first, rows=rows)
 
 
 def concat_bundles(bundles: Sequence[Bundle]) -> Bundle:
@@ -995,7 +1012,7 @@ def bundle_to_shards(bundle: Bundle) -> dict[ShardKey, Any]:
         if column.dtype is None:
             items = column.values or []
         else:
-            items = split_rows(column_tensor(column), column.shapes)
+            items = split_rows(column_tensor(column), column.tensor_shapes)
         ids = task_ids if column.rows is None else [task_ids[r] for r in column.rows.tolist()]
         for task_id, value in zip(ids, items):
             out[ShardKey(task_id, field)] = value

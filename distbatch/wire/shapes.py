@@ -147,9 +147,9 @@ class RowShapes:
         if self.lengths is not None:
             if n == 0 or bool(np.all(self.lengths == self.lengths[0])):
                 first = int(self.lengths[0]) if n else 0
-                return RowShapes(n, shape=(first, *self.tail)) if n else RowShapes(0, shape=())
+                return RowShapes(n, shape=(first, *(self.tail or ()))) if n else RowShapes(0, shape=())
             return self
-        ranks, dims = self.ranks, self.dims
+        ranks, dims = self._tables()
         if n == 0:
             return RowShapes(0, shape=())
         if bool(np.all(ranks == ranks[0])) and bool(np.all(dims == dims[0])):
@@ -161,19 +161,26 @@ class RowShapes:
             )
         return self
 
-    def _general_tables(self) -> tuple[np.ndarray, np.ndarray]:
+    def general_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """(ranks, dims) for any layout."""
         n = self.n
         if self.shape is not None:
             width = len(self.shape)
             return np.full(n, width, dtype=np.int64), np.tile(np.asarray(self.shape, dtype=np.int64), (n, 1))
         if self.lengths is not None:
-            width = 1 + len(self.tail or ())
+            tail = self.tail or ()
+            width = 1 + len(tail)
             dims = np.empty((n, width), dtype=np.int64)
             dims[:, 0] = self.lengths
             if width > 1:
-                dims[:, 1:] = self.tail
+                dims[:, 1:] = tail
             return np.full(n, width, dtype=np.int64), dims
+        return self._tables()
+
+    def _tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ranks, dims) of a general layout, which the constructors always set together."""
+        if self.ranks is None or self.dims is None:
+            raise ShapeError(f"{self!r} is not a general layout")
         return self.ranks, self.dims
 
     # ------------------------------------------------------------------ queries
@@ -189,7 +196,8 @@ class RowShapes:
             return self.shape
         if self.lengths is not None:
             return (int(self.lengths[i]), *(self.tail or ()))
-        return tuple(int(d) for d in self.dims[i, : int(self.ranks[i])])
+        ranks, dims = self._tables()
+        return tuple(int(d) for d in dims[i, : int(ranks[i])])
 
     def tolist(self) -> list[tuple[int, ...]]:
         if self.shape is not None:
@@ -197,7 +205,8 @@ class RowShapes:
         if self.lengths is not None:
             tail = tuple(self.tail or ())
             return [(length, *tail) for length in self.lengths.tolist()]
-        return [tuple(row[:rank]) for row, rank in zip(self.dims.tolist(), self.ranks.tolist())]
+        ranks, dims = self._tables()
+        return [tuple(row[:rank]) for row, rank in zip(dims.tolist(), ranks.tolist())]
 
     def counts(self) -> np.ndarray:
         """Elements per task (int64)."""
@@ -205,8 +214,9 @@ class RowShapes:
             return np.full(self.n, math.prod(self.shape), dtype=np.int64)
         if self.lengths is not None:
             return self.lengths * math.prod(self.tail or ())
-        width = self.dims.shape[1]
-        masked = np.where(np.arange(width)[None, :] < self.ranks[:, None], self.dims, 1)
+        ranks, dims = self._tables()
+        width = dims.shape[1]
+        masked = np.where(np.arange(width)[None, :] < ranks[:, None], dims, 1)
         return masked.prod(axis=1, dtype=np.int64) if width else np.ones(self.n, dtype=np.int64)
 
     def first_dims(self) -> np.ndarray:
@@ -215,9 +225,10 @@ class RowShapes:
             return np.full(self.n, self.shape[0] if self.shape else 1, dtype=np.int64)
         if self.lengths is not None:
             return self.lengths
-        if self.dims.shape[1] == 0:
+        ranks, dims = self._tables()
+        if dims.shape[1] == 0:
             return np.ones(self.n, dtype=np.int64)
-        return np.where(self.ranks > 0, self.dims[:, 0], 1)
+        return np.where(ranks > 0, dims[:, 0], 1)
 
     def packable(self) -> tuple[int, ...] | None:
         """The trailing dims if the values concatenate along dim 0 (every task rank >= 1, same tail)."""
@@ -235,10 +246,10 @@ class RowShapes:
             return False
         if a.shape is not None:
             return a.shape == b.shape
-        if a.lengths is not None:
+        if a.lengths is not None and b.lengths is not None:  # same kind: both are ragged
             return a.tail == b.tail and bool(np.array_equal(a.lengths, b.lengths))
-        ra, da = a._general_tables()
-        rb, db = b._general_tables()
+        ra, da = a.general_tables()
+        rb, db = b.general_tables()
         width = max(da.shape[1], db.shape[1])
         da = np.pad(da, ((0, 0), (0, width - da.shape[1])))
         db = np.pad(db, ((0, 0), (0, width - db.shape[1])))
@@ -266,7 +277,8 @@ class RowShapes:
             return RowShapes(n, shape=self.shape)
         if self.lengths is not None:
             return RowShapes(n, tail=self.tail, lengths=self.lengths[rows]).normalized()
-        return RowShapes(n, ranks=self.ranks[rows], dims=self.dims[rows]).normalized()
+        ranks, dims = self._tables()
+        return RowShapes(n, ranks=ranks[rows], dims=dims[rows]).normalized()
 
     @staticmethod
     def concat(parts: Sequence[RowShapes]) -> RowShapes:
@@ -281,7 +293,7 @@ class RowShapes:
         if len(tails) == 1 and None not in tails:
             lengths = np.concatenate([p.first_dims() for p in parts])
             return RowShapes(n, tail=next(iter(tails)), lengths=lengths).normalized()
-        tables = [p._general_tables() for p in parts]
+        tables = [p.general_tables() for p in parts]
         width = max(d.shape[1] for _, d in tables)
         ranks = np.concatenate([r for r, _ in tables])
         dims = np.concatenate([np.pad(d, ((0, 0), (0, width - d.shape[1]))) for _, d in tables])
@@ -296,7 +308,7 @@ class RowShapes:
             return {"uniform": list(self.shape)}
         if self.lengths is not None:
             return {"tail": list(self.tail or ()), "lengths": self.lengths.tolist()}
-        ranks, dims = self._general_tables()
+        ranks, dims = self.general_tables()
         width = dims.shape[1]
         flat = np.concatenate([ranks[:, None], dims], axis=1)
         keep = np.arange(width + 1)[None, :] <= ranks[:, None]
