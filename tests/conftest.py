@@ -1,4 +1,17 @@
-"""Shared fixtures: real worker processes on loopback (port 0), stopped by their fixture."""
+"""What every tier shares: the suite's options, and real worker processes on loopback (port 0),
+each stopped by its fixture.
+
+The suite has three tiers, each with its own conftest:
+
+- `tests/unit/`: library code in this process; no worker, no server, no listening socket
+  (its conftest refuses them).
+- `tests/integration/`: real `rpc_server` processes, real HTTP, the controller's HTTP face, the
+  CLI, the examples, the README and the API reference.
+- `tests/system/`: faults, soak, leaks, stress and hostile input, Ray clusters.
+
+Support modules every tier imports (`bundle_support`, `engines_for_tests`, ...) sit beside this
+file; pyproject puts `tests/` on the import path.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +31,7 @@ from distbatch.shm import ENV_SWITCH
 def pytest_configure(config: pytest.Config) -> None:
     # Most tests check the HTTP path (its requests, bounds, retries and faults) with workers on
     # this host, where clients would otherwise take shared memory; tests of the same-host path
-    # (tests/test_shm.py) turn it back on for themselves and the workers they start.
+    # (tests/integration/test_shm.py) turn it back on for themselves and the workers they start.
     os.environ[ENV_SWITCH] = "0"
 
 
@@ -90,7 +103,15 @@ def shared_workers() -> Iterator[list[WorkerProcess]]:
 
 @pytest.fixture
 def client() -> Iterator[ShardClient]:
+    """A client of the test's own, closed after it."""
     with ShardClient(timeout=20.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def module_client() -> Iterator[ShardClient]:
+    """One client for a module's tests and its module-scoped groups (calls wait up to 30 s)."""
+    with ShardClient(timeout=30.0) as c:
         yield c
 
 

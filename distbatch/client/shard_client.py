@@ -50,6 +50,7 @@ from distbatch.errors import (
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_key, validate_node
 from distbatch.protocol import CALL_ID_HEADER, CLIENT_KEEPALIVE_SECONDS
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
+from distbatch.twins import awaiting, blocking, done, first_result
 
 T = TypeVar("T")
 
@@ -380,10 +381,21 @@ class ShardClient:
         """A snapshot of the bytes and requests this client has moved so far."""
         return dataclasses.replace(self._traffic)
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    @property
+    def loop_runner(self) -> ShardClient:
+        """This client: its verbs' coroutines run on its own event-loop thread."""
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on this client's event-loop thread and wait for its result.
+
+        Works from plain code, from a thread whose own event loop is running, and from inside
+        a Flask handler: the coroutine never runs on the caller's loop.
+        """
         return self._get_runtime().loop_thread.submit(coro)
 
-    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro`, run on this client's event-loop thread, from any event loop."""
         loop = self._get_runtime().loop_thread.loop
         if asyncio.get_running_loop() is loop:
             return await coro
@@ -692,13 +704,13 @@ class ShardClient:
         ]
         raise error
 
-    def call_many(
+    def _call_many_verb(
         self,
         calls: Sequence[tuple[str, str, bytes]],
         timeout: float | None = None,
         *,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
-    ) -> list[Any]:
+    ) -> Coroutine[Any, Any, list[Any]]:
         """Run encoded engine calls `(node, method, body)` concurrently; replies in order.
 
         The first failure is raised as soon as it happens (a dead worker does not wait for
@@ -709,26 +721,13 @@ class ShardClient:
         end, each worker's `/health` is probed; one that has not answered for `liveness_timeout`
         seconds fails the call with `WorkerUnavailableError` (None: no probes).
         """
-        return self._run(self._checked_calls(calls, timeout, liveness_timeout))
-
-    def _checked_calls(
-        self, calls: Sequence[tuple[str, str, bytes]], timeout: float | None, liveness_timeout: float | None
-    ) -> Coroutine[Any, Any, list[Any]]:
-        """`_call_many` of `calls`, their nodes and the liveness timeout checked here, in the caller."""
         checked = [(validate_node(n), m, b) for n, m, b in calls]
         return self._call_many(checked, timeout, check_liveness_timeout(liveness_timeout))
 
-    async def acall_many(
-        self,
-        calls: Sequence[tuple[str, str, bytes]],
-        timeout: float | None = None,
-        *,
-        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
-    ) -> list[Any]:
-        """`call_many` awaited from any event loop (it runs on the client's own)."""
-        return await self._on_loop(self._checked_calls(calls, timeout, liveness_timeout))
+    call_many = blocking(_call_many_verb)
+    acall_many = awaiting(_call_many_verb)
 
-    def call_raw(
+    def _call_raw_verb(
         self,
         node: str,
         method: str,
@@ -736,22 +735,13 @@ class ShardClient:
         timeout: float | None = None,
         *,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """POST an encoded engine call (see `distbatch.calls`) and return the decoded JSON reply."""
-        return self._run(self._checked_calls([(node, method, body)], timeout, liveness_timeout))[0]
+        calls = self._call_many_verb([(node, method, body)], timeout, liveness_timeout=liveness_timeout)
+        return first_result(calls)
 
-    async def acall_raw(
-        self,
-        node: str,
-        method: str,
-        body: bytes,
-        timeout: float | None = None,
-        *,
-        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
-    ) -> Any:
-        return (await self._on_loop(self._checked_calls([(node, method, body)], timeout, liveness_timeout)))[
-            0
-        ]
+    call_raw = blocking(_call_raw_verb)
+    acall_raw = awaiting(_call_raw_verb)
 
     # ------------------------------------------------------------------ put
 
@@ -847,27 +837,23 @@ class ShardClient:
             return PutResult(answers[0]["stored"], answers[0]["bytes"])
         return await self._commit_stage(node, stage)
 
-    def put(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
+    def _put_verb(self, node: str, shards: Mapping[Any, Any]) -> Coroutine[Any, Any, PutResult]:
         """Store `{(task_id, field): tensor | JSON value}` on `node`; all or nothing."""
-        node = validate_node(node)
-        return self._run(self._put(node, wire.bundle_from_shards(shards)))
+        return self._put(validate_node(node), wire.bundle_from_shards(shards))
 
-    async def aput(self, node: str, shards: Mapping[Any, Any]) -> PutResult:
-        node = validate_node(node)
-        return await self._on_loop(self._put(node, wire.bundle_from_shards(shards)))
+    put = blocking(_put_verb)
+    aput = awaiting(_put_verb)
 
-    def put_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
+    def _put_bundle_verb(self, node: str, bundle: wire.Bundle) -> Coroutine[Any, Any, PutResult]:
         """Store a bundle (task ids plus one column per field) on `node`; all or nothing.
 
         The columnar path: no object per shard. Bundles over the request bounds travel as
         several requests of consecutive tasks, staged and committed at once.
         """
-        node = validate_node(node)
-        return self._run(self._put(node, bundle))
+        return self._put(validate_node(node), bundle)
 
-    async def aput_bundle(self, node: str, bundle: wire.Bundle) -> PutResult:
-        node = validate_node(node)
-        return await self._on_loop(self._put(node, bundle))
+    put_bundle = blocking(_put_bundle_verb)
+    aput_bundle = awaiting(_put_bundle_verb)
 
     # ------------------------------------------------------------------ same host
 
@@ -1040,12 +1026,12 @@ class ShardClient:
             for node, ids, fields in requests
         ]
 
-    def fetch_products(
+    def _fetch_products_verb(
         self,
         requests: Iterable[tuple[str, Sequence[str], Sequence[str]]],
         *,
         progress: Callable[[int], None] | None = None,
-    ) -> list[wire.Bundle]:
+    ) -> Coroutine[Any, Any, list[wire.Bundle]]:
         """Fetch `(node, task_ids, fields)` products concurrently; one bundle per request, in order.
 
         The columnar path: each response is one buffer, and each field in it one entry
@@ -1054,19 +1040,11 @@ class ShardClient:
         """
         checked = self._check_products(requests)
         if not checked:
-            return []
-        return self._run(self._fetch_products(checked, progress))
+            return done([])
+        return self._fetch_products(checked, progress)
 
-    async def afetch_products(
-        self,
-        requests: Iterable[tuple[str, Sequence[str], Sequence[str]]],
-        *,
-        progress: Callable[[int], None] | None = None,
-    ) -> list[wire.Bundle]:
-        checked = self._check_products(requests)
-        if not checked:
-            return []
-        return await self._on_loop(self._fetch_products(checked, progress))
+    fetch_products = blocking(_fetch_products_verb)
+    afetch_products = awaiting(_fetch_products_verb)
 
     def _plan_fetch(
         self, refs: Iterable[Any]
@@ -1125,9 +1103,9 @@ class ShardClient:
         found = dict(zip(nodes, results))
         return [found[node][key] for node, key in order]  # type: ignore[index]
 
-    def fetch(
+    def _fetch_verb(
         self, refs: Iterable[ShardRef | tuple], *, progress: Callable[[int], None] | None = None
-    ) -> list[Any]:
+    ) -> Coroutine[Any, Any, list[Any]]:
         """Gather single shards, given as `(node, task_id, field[, nbytes])`, in the order asked.
 
         The per-shard API (one value per shard); batches gather columns with
@@ -1137,14 +1115,11 @@ class ShardClient:
         """
         order, per_node = self._plan_fetch(refs)
         if not order:
-            return []
-        return self._run(self._fetch(order, per_node, progress))
+            return done([])
+        return self._fetch(order, per_node, progress)
 
-    async def afetch(self, refs: Iterable[ShardRef | tuple]) -> list[Any]:
-        order, per_node = self._plan_fetch(refs)
-        if not order:
-            return []
-        return await self._on_loop(self._fetch(order, per_node))
+    fetch = blocking(_fetch_verb)
+    afetch = awaiting(_fetch_verb)
 
     # ------------------------------------------------------------------ delete
 
@@ -1192,33 +1167,24 @@ class ShardClient:
             return [validate_id(t, "task_id") for t in task_ids], None, checked_fields
         return None, [validate_key(k) for k in keys or ()], None
 
-    def delete(
+    def _delete_verb(
         self,
         node: str,
         *,
         task_ids: Iterable[str] | None = None,
         keys: Iterable[Any] | None = None,
         fields: Iterable[str] | None = None,
-    ) -> DeleteResult:
+    ) -> Coroutine[Any, Any, DeleteResult]:
         """Delete on `node`: all fields of `task_ids` (only `fields` of them, if given), or `keys`.
 
         Idempotent: deleting what is not there counts zero.
         """
         node = validate_node(node)
         task_ids, keys, fields = self._check_delete_args(task_ids, keys, fields)
-        return self._run(self._delete(node, task_ids=task_ids, keys=keys, fields=fields))
+        return self._delete(node, task_ids=task_ids, keys=keys, fields=fields)
 
-    async def adelete(
-        self,
-        node: str,
-        *,
-        task_ids: Iterable[str] | None = None,
-        keys: Iterable[Any] | None = None,
-        fields: Iterable[str] | None = None,
-    ) -> DeleteResult:
-        node = validate_node(node)
-        task_ids, keys, fields = self._check_delete_args(task_ids, keys, fields)
-        return await self._on_loop(self._delete(node, task_ids=task_ids, keys=keys, fields=fields))
+    delete = blocking(_delete_verb)
+    adelete = awaiting(_delete_verb)
 
     async def _delete_keys_compact(self, node: str, keys: list[ShardKey]) -> DeleteResult:
         """Delete exactly `keys`, sent as (task ids x fields) products: far smaller than key pairs."""
@@ -1246,14 +1212,15 @@ class ShardClient:
             raise _merge_errors(errors)
         return total
 
-    def delete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
+    def _delete_many_verb(
+        self, keys_by_node: Mapping[str, Iterable[Any]]
+    ) -> Coroutine[Any, Any, DeleteResult]:
         """Delete exactly the given keys on several nodes concurrently; returns the summed result."""
         plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
-        return self._run(self._delete_many(plan))
+        return self._delete_many(plan)
 
-    async def adelete_many(self, keys_by_node: Mapping[str, Iterable[Any]]) -> DeleteResult:
-        plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
-        return await self._on_loop(self._delete_many(plan))
+    delete_many = blocking(_delete_many_verb)
+    adelete_many = awaiting(_delete_many_verb)
 
     async def _delete_each(
         self, keys_by_node: dict[str, list[ShardKey]]
@@ -1269,7 +1236,7 @@ class ShardClient:
         that is down) while still clearing the others.
         """
         plan = {validate_node(n): [validate_key(k) for k in ks] for n, ks in keys_by_node.items()}
-        return self._run(self._delete_each(plan))
+        return self.run(self._delete_each(plan))
 
     async def _delete_products(self, node: str, products: list[tuple[list[str], list[str]]]) -> DeleteResult:
         total = DeleteResult(0, 0)
@@ -1295,19 +1262,17 @@ class ShardClient:
             for node, products in plan.items()
         }
 
-    def delete_products_each(
+    def _delete_products_each_verb(
         self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
-    ) -> dict[str, DeleteResult | NodeError]:
+    ) -> Coroutine[Any, Any, dict[str, DeleteResult | NodeError]]:
         """Delete `(task_ids, fields)` products per node, nodes concurrently; each node's outcome.
 
         The columnar delete: a request names tasks and fields, never one key per shard.
         """
-        return self._run(self._delete_products_each(self._check_product_plan(plan)))
+        return self._delete_products_each(self._check_product_plan(plan))
 
-    async def adelete_products_each(
-        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
-    ) -> dict[str, DeleteResult | NodeError]:
-        return await self._on_loop(self._delete_products_each(self._check_product_plan(plan)))
+    delete_products_each = blocking(_delete_products_each_verb)
+    adelete_products_each = awaiting(_delete_products_each_verb)
 
     # ------------------------------------------------------------------ plain JSON requests
 
@@ -1330,7 +1295,7 @@ class ShardClient:
         """
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
-        return self._run(
+        return self.run(
             self._request(
                 validate_node(node),
                 method,
@@ -1351,20 +1316,19 @@ class ShardClient:
         query = f"?limit={int(limit)}" + ("" if after is None else f"&after={validate_id(after, 'after')}")
         return self.request_json(validate_node(node), "GET", f"/v1/tasks{query}")
 
-    def stats(self, node: str) -> dict[str, Any]:
+    def _stats_verb(self, node: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """The node's store statistics (shards, tasks, bytes, capacity, free)."""
-        return self._run(self._request(validate_node(node), "GET", "/v1/stats"))
+        return self._request(validate_node(node), "GET", "/v1/stats")
 
-    async def astats(self, node: str) -> dict[str, Any]:
-        return await self._on_loop(self._request(validate_node(node), "GET", "/v1/stats"))
+    stats = blocking(_stats_verb)
+    astats = awaiting(_stats_verb)
 
-    def health(self, node: str) -> dict[str, Any]:
+    def _health_verb(self, node: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """The node's `/health` answer; `WorkerUnavailableError` if it does not answer."""
-        return self._run(self._request(validate_node(node), "GET", "/health"))
+        return self._request(validate_node(node), "GET", "/health")
 
-    async def ahealth(self, node: str) -> dict[str, Any]:
-        return await self._on_loop(self._request(validate_node(node), "GET", "/health"))
-
+    health = blocking(_health_verb)
+    ahealth = awaiting(_health_verb)
 
 def check_liveness_timeout(value: float | None) -> float | None:
     """A liveness timeout: None (no probes) or a positive number of seconds."""

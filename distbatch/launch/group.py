@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from distbatch.client.shard_client import (
 from distbatch.errors import WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.local import WorkerProcess, spawn_workers
+from distbatch.twins import awaiting, blocking, first_result
 
 
 class Stoppable(Protocol):
@@ -210,30 +211,28 @@ class WorkerGroup:
             raise ValueError(f"{node} is not in this group")
         return node
 
-    def _run(self, calls: list[tuple[str, str, bytes]], call_timeout: float | None) -> list[Any]:
-        nodes = [node for node, _, _ in calls]
-        self._check_alive(nodes)
-        try:
-            replies = self.client.call_many(
-                calls,
-                timeout=self.call_timeout if call_timeout is None else call_timeout,
-                liveness_timeout=self.liveness_timeout,
-            )
-        except Exception as exc:  # any error of a call carries the completed ones' replies
-            raise self._call_error(exc, nodes, self._dead_worker_error(nodes)) from exc
-        return [decode_value(reply["result"], self._client) for reply in replies]
+    @property
+    def loop_runner(self) -> ShardClient:
+        """The client whose event-loop thread runs this group's calls."""
+        return self.client
 
-    async def _arun(self, calls: list[tuple[str, str, bytes]], call_timeout: float | None) -> list[Any]:
+    def _calls(
+        self, calls: list[tuple[str, str, bytes]], call_timeout: float | None
+    ) -> Coroutine[Any, Any, list[Any]]:
+        """The calls' coroutine, once the workers they go to are checked alive (in the caller)."""
+        self._check_alive([node for node, _, _ in calls])
+        return self._run_calls(calls, call_timeout)
+
+    async def _run_calls(self, calls: list[tuple[str, str, bytes]], call_timeout: float | None) -> list[Any]:
         nodes = [node for node, _, _ in calls]
-        self._check_alive(nodes)
         try:
             replies = await self.client.acall_many(
                 calls,
                 timeout=self.call_timeout if call_timeout is None else call_timeout,
                 liveness_timeout=self.liveness_timeout,
             )
-        except Exception as exc:
-            # Asking Ray whether an actor died may block: not on the caller's loop.
+        except Exception as exc:  # any error of a call carries the completed ones' replies
+            # Asking Ray whether an actor died may block: not on the client's loop.
             dead = await asyncio.to_thread(self._dead_worker_error, nodes)
             raise self._call_error(exc, nodes, dead) from exc
         return [decode_value(reply["result"], self._client) for reply in replies]
@@ -273,9 +272,9 @@ class WorkerGroup:
                 if node in getattr(stopper, "nodes", ()) and dead(node):
                     raise WorkerUnavailableError(node, "its Ray actor or worker process is dead")
 
-    def call(
+    def _call_verb(
         self, method: str, chunks: Sequence[Any], *, call_timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
+    ) -> Coroutine[Any, Any, list[Any]]:
         """Call `method(chunks[i], **kwargs)` on worker i, all concurrently; results in worker order.
 
         `call_timeout` overrides the group's deadline for this call; every other keyword
@@ -287,45 +286,34 @@ class WorkerGroup:
         if len(chunks) != len(self.nodes):
             raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
         calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
-        return self._run(calls, call_timeout)
+        return self._calls(calls, call_timeout)
 
-    def call_all(
+    call = blocking(_call_verb)
+    acall = awaiting(_call_verb)
+
+    def _call_all_verb(
         self, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
+    ) -> Coroutine[Any, Any, list[Any]]:
         """Call `method(*args, **kwargs)` on every worker concurrently; results in worker order.
 
         Errors and `call_timeout` as for `call`.
         """
         body = encode_call(args, kwargs)
-        return self._run([(node, method, body) for node in self.nodes], call_timeout)
+        return self._calls([(node, method, body) for node in self.nodes], call_timeout)
 
-    def call_on(
+    call_all = blocking(_call_all_verb)
+    acall_all = awaiting(_call_all_verb)
+
+    def _call_on_verb(
         self, worker: int | str, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Call `method(*args, **kwargs)` on one worker (by index or node); `call_timeout` as for `call`."""
-        return self._run([(self._node(worker), method, encode_call(args, kwargs))], call_timeout)[0]
+        return first_result(
+            self._calls([(self._node(worker), method, encode_call(args, kwargs))], call_timeout)
+        )
 
-    async def acall(
-        self, method: str, chunks: Sequence[Any], *, call_timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
-        """`call` for async controllers: awaits the calls without blocking the caller's loop."""
-        if len(chunks) != len(self.nodes):
-            raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
-        calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
-        return await self._arun(calls, call_timeout)
-
-    async def acall_all(
-        self, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
-        """`call_all` for async controllers."""
-        body = encode_call(args, kwargs)
-        return await self._arun([(node, method, body) for node in self.nodes], call_timeout)
-
-    async def acall_on(
-        self, worker: int | str, method: str, *args: Any, call_timeout: float | None = None, **kwargs: Any
-    ) -> Any:
-        """`call_on` for async controllers."""
-        return (await self._arun([(self._node(worker), method, encode_call(args, kwargs))], call_timeout))[0]
+    call_on = blocking(_call_on_verb)
+    acall_on = awaiting(_call_on_verb)
 
     def stats(self) -> list[dict[str, Any]]:
         """Every worker's `/v1/stats`, in worker order."""

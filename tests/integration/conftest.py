@@ -1,0 +1,68 @@
+"""Fixtures of the integration tier: real worker processes on loopback, real HTTP.
+
+The workers themselves (`start_worker`, `worker`, `shared_workers`, ...) come from the root
+conftest, which the system tier shares; here are the batches built on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from distbatch import BatchStatus, DistributedBatchMemory
+from distbatch.launch import WorkerProcess, spawn_workers
+
+DBM = DistributedBatchMemory
+
+
+@pytest.fixture(scope="module")
+def nodes(shared_workers: list[WorkerProcess]) -> list[str]:
+    return [w.node for w in shared_workers]
+
+
+@pytest.fixture
+def remote(nodes: list[str]) -> Iterator[Callable[..., DistributedBatchMemory]]:
+    """Push a LOCAL batch as contiguous chunks onto the given nodes (all 3 by default).
+
+    Whatever a test pushed is cleared from the shared workers afterwards.
+    """
+    made: list[DistributedBatchMemory] = []
+
+    def push(local: DistributedBatchMemory, on: list[str] | None = None) -> DistributedBatchMemory:
+        on = on or nodes
+        parts = local.chunk(len(on))
+        batch = DBM.concat([part.to_remote(node) for part, node in zip(parts, on)])
+        made.append(batch)
+        return batch
+
+    yield push
+    for batch in made:
+        batch.clear()
+
+
+@pytest.fixture(params=["LOCAL", "REMOTE"])
+def status(request: pytest.FixtureRequest) -> BatchStatus:
+    return BatchStatus[request.param]
+
+
+@pytest.fixture
+def convert(status: BatchStatus, remote: Callable[..., DistributedBatchMemory]) -> Callable[..., Any]:
+    """LOCAL batch -> a batch of the parametrized status (REMOTE: spread over the 3 nodes)."""
+
+    def make(local: DistributedBatchMemory) -> DistributedBatchMemory:
+        if status is BatchStatus.LOCAL or local.status is BatchStatus.EMPTY:
+            return local
+        return remote(local)
+
+    return make
+
+
+@pytest.fixture
+def doomed_workers() -> Iterator[list[WorkerProcess]]:
+    """Two fresh workers of which a test kills one; both stopped at teardown."""
+    workers = spawn_workers(2)
+    yield workers
+    for w in workers:
+        w.stop()

@@ -1,0 +1,241 @@
+"""The package layout's import rules, checked on the source (ast), not by running it.
+
+- Imports flow one way: `rpc_server` (the worker) may import `distbatch` (the library), but
+  `distbatch` never imports `rpc_server`, not even lazily inside a function.
+- `rpc_server`'s modules import each other without circles.
+- The worker's data path (store, routes) imports neither torch nor aiohttp.
+- `distbatch`'s modules sit in layers (`LAYERS`, drawn in docs/architecture.md): a module imports
+  its own layer and those below, never one above; the package has no import circle; the worker
+  imports only the parts of the library it needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = "rpc_server"
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The absolute module names an import statement names (relative imports: none here)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level or node.module is None:
+        return []
+    # `from rpc_server import app` imports rpc_server.app: count the names as submodules too.
+    return [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.Module, *, top_level_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements that run: all of them, or only those at module level (inside module-level
+    `if`/`try` included); `if TYPE_CHECKING:` blocks never run and are skipped."""
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            pending.extend(node.orelse)
+        elif top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(package: str, *, top_level_only: bool) -> dict[str, dict[str, str]]:
+    """For each module of `package`, the package's modules it imports, each with where."""
+    paths = {_module_name(p): p for p in _modules(package)}
+    graph: dict[str, dict[str, str]] = {name: {} for name in paths}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _runtime_imports(tree, top_level_only=top_level_only):
+            targets = _imported(node)
+            if isinstance(node, ast.ImportFrom) and all(t in paths for t in targets[1:]) and len(targets) > 1:
+                targets = targets[1:]  # `from pkg import sub`: the submodules, not pkg's own __init__
+            for target in targets:
+                if target in paths and target != name:
+                    graph[name].setdefault(target, _where(path, node))
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
+    """One import circle as `a (file:line) -> b ...`, or None if the graph is acyclic."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        if name in path:
+            loop = [*path[path.index(name) :], name]
+            return [f"{a} ({graph[a][b]})" for a, b in zip(loop, loop[1:])] + [name]
+        if name in done:
+            return None
+        path.append(name)
+        for target in sorted(graph[name]):
+            found = visit(target)
+            if found:
+                return found
+        path.pop()
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        found = visit(name)
+        if found:
+            return found
+    return None
+
+
+def test_distbatch_never_imports_rpc_server() -> None:
+    offenders = []
+    for path in _modules("distbatch"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):  # everywhere: top level, functions, TYPE_CHECKING blocks
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = _imported(node)
+                if any(name == SERVER or name.startswith(SERVER + ".") for name in names):
+                    offenders.append(f"{_where(path, node)}: {ast.unparse(node)}")
+    assert not offenders, "distbatch must not import rpc_server:\n" + "\n".join(offenders)
+
+
+def test_the_layout_checks_see_imports_everywhere() -> None:
+    """The helpers find function-level imports and skip TYPE_CHECKING ones (no false passes)."""
+    tree = ast.parse(
+        "import a\nif TYPE_CHECKING:\n    import b\ndef f():\n    from c import d\n"
+        "try:\n    import e\nexcept ImportError:\n    pass\n"
+    )
+    top = {n for node in _runtime_imports(tree, top_level_only=True) for n in _imported(node)}
+    every = {n for node in _runtime_imports(tree, top_level_only=False) for n in _imported(node)}
+    assert top == {"a", "e"}
+    assert every == {"a", "c", "c.d", "e"}
+    assert _cycle({"x": {"y": "x.py:1"}, "y": {"x": "y.py:2"}}) == ["x (x.py:1)", "y (y.py:2)", "x"]
+    assert _cycle({"x": {"y": "x.py:1"}, "y": {}}) is None
+
+
+def test_rpc_server_module_level_imports_have_no_circle() -> None:
+    graph = _import_graph(SERVER, top_level_only=True)
+    assert "rpc_server.context" in graph and "rpc_server.routes" in graph
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle in rpc_server: " + " -> ".join(cycle or [])
+
+
+def test_rpc_server_has_no_circle_even_through_function_level_imports() -> None:
+    """No circle hidden by a lazy import either: `app` imports `routes` and `engine` inside
+    `create_app`, so neither may import `app` back (they take `rpc_server.context`)."""
+    cycle = _cycle(_import_graph(SERVER, top_level_only=False))
+    assert cycle is None, "import circle in rpc_server: " + " -> ".join(cycle or [])
+
+
+def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
+    code = (
+        "import rpc_server.store, rpc_server.routes, sys;"
+        " print('torch' in sys.modules, 'aiohttp' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], f"torch, aiohttp imported: {out.stdout.strip()}"
+
+
+# ----------------------------------------------------------------------------- the layers
+# docs/architecture.md draws these. A module may import its own layer and the layers below it,
+# never one above (function-level imports included): the rule that keeps each concern in one room.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.checks", "distbatch.protocol",
+                    "distbatch.auth", "distbatch.atomic", "distbatch.gc_pause", "distbatch.twins")),
+    ("wire", ("distbatch.wire",)),
+    ("transport pieces", ("distbatch.shm", "distbatch.recv_pool", "distbatch.serving")),
+    ("client", ("distbatch.client",)),
+    ("batch", ("distbatch.batch", "distbatch.balance")),
+    ("calls and samplers", ("distbatch.calls", "distbatch.samplers")),
+    ("controller", ("distbatch.controller",)),
+    ("launch", ("distbatch.launch", "distbatch.ray_group")),
+    ("applications", ("distbatch.dataloader", "distbatch.cli")),
+]
+# What the worker may use of the library: its data path needs the bytes and the shared pieces;
+# only the engine host (rpc_server.engine) reaches for batches, the client and engine calls.
+WORKER_MAY_IMPORT = ("distbatch.errors", "distbatch.ids", "distbatch.protocol", "distbatch.auth",
+                     "distbatch.atomic", "distbatch.gc_pause", "distbatch.wire", "distbatch.shm",
+                     "distbatch.recv_pool", "distbatch.serving", "distbatch.launch.flags")
+ENGINE_HOST_MAY_ALSO_IMPORT = ("distbatch.batch", "distbatch.client", "distbatch.calls")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _layer(name: str) -> int | None:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if _within(name, prefixes):
+            return rank
+    return None
+
+
+def test_every_library_module_has_a_layer() -> None:
+    modules = _import_graph("distbatch", top_level_only=False)
+    unplaced = [m for m in modules if m != "distbatch" and _layer(m) is None]
+    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+
+
+def test_imports_never_go_up_a_layer() -> None:
+    upward = []
+    for module, targets in _import_graph("distbatch", top_level_only=False).items():
+        if module == "distbatch":
+            continue
+        for target, where in targets.items():
+            if target == "distbatch":  # the package root: importing any submodule runs it anyway
+                continue
+            source_rank, target_rank = _layer(module), _layer(target)
+            if source_rank is not None and target_rank is not None and target_rank > source_rank:
+                upward.append(f"{where}: {module} ({LAYERS[source_rank][0]}) imports {target} "
+                              f"({LAYERS[target_rank][0]})")
+    assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+def test_the_package_root_imports_only_the_foundation_at_run_time() -> None:
+    """`import distbatch` stays cheap: the rest comes on first use (`distbatch._LAZY`)."""
+    targets = _import_graph("distbatch", top_level_only=True)["distbatch"]
+    assert all(_layer(t) == 0 for t in targets), targets
+
+
+def test_distbatch_has_no_import_circle() -> None:
+    cycle = _cycle(_import_graph("distbatch", top_level_only=True))
+    assert cycle is None, "import circle in distbatch: " + " -> ".join(cycle or [])
+
+
+def test_the_worker_imports_only_what_the_worker_needs_of_the_library() -> None:
+    offenders = []
+    for path in _modules(SERVER):
+        module = _module_name(path)
+        allowed = WORKER_MAY_IMPORT + (ENGINE_HOST_MAY_ALSO_IMPORT if module == "rpc_server.engine" else ())
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _runtime_imports(tree, top_level_only=False):
+            for name in _imported(node):
+                if name.startswith("distbatch.") and not _within(name, allowed):
+                    # `from distbatch.wire import codec` names distbatch.wire.codec: judged by its module.
+                    if isinstance(node, ast.ImportFrom) and _within(node.module or "", allowed):
+                        continue
+                    offenders.append(f"{_where(path, node)}: {name}")
+    assert not offenders, "the worker imports library modules it must not:\n" + "\n".join(offenders)
