@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run t
     )
     from distbatch.controller.api import ControllerAPI
     from distbatch.controller.core import Controller
-    from distbatch.controller.http import RemoteController, serve_controller
+    from distbatch.controller.remote import RemoteController
+    from distbatch.controller.server import serve_controller
     from distbatch.dataloader import StreamingDataLoader, StreamingDataset
     from distbatch.launch.group import WorkerGroup
 
@@ -70,8 +71,8 @@ _LAZY = {
     "set_default_client": "distbatch.client.shard_client",
     "Controller": "distbatch.controller.core",
     "ControllerAPI": "distbatch.controller.api",
-    "RemoteController": "distbatch.controller.http",
-    "serve_controller": "distbatch.controller.http",
+    "RemoteController": "distbatch.controller.remote",
+    "serve_controller": "distbatch.controller.server",
     "StreamingDataLoader": "distbatch.dataloader",
     "StreamingDataset": "distbatch.dataloader",
     "WorkerGroup": "distbatch.launch.group",

@@ -23,7 +23,7 @@ import pytest
 
 from distbatch import ShardClient
 from distbatch.controller import Controller
-from distbatch.controller.http import ControllerServer, serve_controller
+from distbatch.controller.server import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
 from distbatch.shm import ENV_SWITCH
 

@@ -2,8 +2,9 @@
 
 Owns the bookkeeping of streaming pipelines over metadata only: partitions, production and
 consumption per task, samplers' answers, checkpoints (`core`), the protocol both controllers
-implement (`api`: `ControllerAPI`, which the data loader takes), and the controller's HTTP face
-with its client, `RemoteController` (`http`). May import `distbatch.batch`,
+implement (`api`: `ControllerAPI`, which the data loader takes), the controller's HTTP face
+(`server`), its client `RemoteController` (`remote`) and the error codes both share
+(`http_errors`). May import `distbatch.batch`,
 `distbatch.client`, `distbatch.samplers`, `distbatch.serving` and below; never the launchers.
 """
 

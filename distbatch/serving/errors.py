@@ -1,6 +1,6 @@
 """JSON error answers for a Flask app: `{"error": CODE, "message": ..., **extra}` with a status.
 
-Shared by the worker's app (`rpc_server.app`) and the controller's (`distbatch.controller.http`),
+Shared by the worker's app (`rpc_server.app`) and the controller's (`distbatch.controller.server`),
 so both speak the same error shape, which `ShardClient` turns back into exceptions.
 """
 

@@ -1,7 +1,7 @@
 """A threaded WSGI server for a Flask app: keep-alive, bounded threads, read timeouts, reserve threads.
 
 Generic HTTP machinery the worker (`rpc_server.serve.WorkerServer`) and the controller's HTTP
-face (`distbatch.controller.http`) share; it knows nothing of shards or engines. The bounds it
+face (`distbatch.controller.server`) share; it knows nothing of shards or engines. The bounds it
 enforces are constructor arguments, so each server picks its own.
 
 It is werkzeug's threaded server with our own request loop (`_TimedRequestHandler.run_wsgi`).

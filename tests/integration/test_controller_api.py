@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from distbatch import Controller, ControllerAPI, DistributedBatchMemory, RemoteController
-from distbatch.controller.http import ControllerServer
+from distbatch.controller.server import ControllerServer
 from distbatch.dataloader import StreamingDataLoader, StreamingDataset
 
 

@@ -24,7 +24,8 @@ import torch
 from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, WorkerUnavailableError
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
-from distbatch.controller.http import ControllerServer, RemoteController
+from distbatch.controller.remote import RemoteController
+from distbatch.controller.server import ControllerServer
 from distbatch.errors import ClearError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler

@@ -13,7 +13,8 @@ from distbatch import DistributedBatchMemory
 from distbatch.client import ShardClient
 from distbatch.controller import Controller
 from distbatch.controller.arguments import MAX_CUSTOM_META_BYTES
-from distbatch.controller.http import ControllerServer, RemoteController
+from distbatch.controller.remote import RemoteController
+from distbatch.controller.server import ControllerServer
 from distbatch.errors import InvalidArgumentError, UnknownPartitionError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import SeqlenBalancedSampler

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import distbatch
 from distbatch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import Controller
-from distbatch.controller.http import ControllerServer, RemoteController, serve_controller
+from distbatch.controller.remote import RemoteController
+from distbatch.controller.server import ControllerServer, serve_controller
 from distbatch.dataloader import (
     ReplayUnavailableError,
     StreamingDataLoader,

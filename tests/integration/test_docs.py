@@ -63,7 +63,7 @@ def test_the_reference_builds_and_links_resolve(tmp_path: Path) -> None:
     controller = (site / "controller.html").read_text()
     # A backticked name became a link into another page.
     assert 'href="samplers.html#distbatch.samplers.SequentialSampler"' in controller
-    assert 'id="distbatch.controller.http.ControllerServer.shutdown"' in controller
+    assert 'id="distbatch.controller.server.ControllerServer.shutdown"' in controller
     workers = (site / "workers.html").read_text()
     assert re.search(r"call_timeout", workers)
     assert 'id="rpc_server.engine.WorkerContext"' in (site / "engines.html").read_text()

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from distbatch import ShardClient
 from distbatch.controller import Controller
-from distbatch.controller.http import ControllerServer, RemoteController
+from distbatch.controller.remote import RemoteController
+from distbatch.controller.server import ControllerServer
 from distbatch.errors import ShardNotFoundError
 from distbatch.launch import WorkerProcess
 

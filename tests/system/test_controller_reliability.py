@@ -26,7 +26,8 @@ import torch
 from distbatch import ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import Controller, SchemaConflictError
-from distbatch.controller.http import ControllerServer, RemoteController
+from distbatch.controller.remote import RemoteController
+from distbatch.controller.server import ControllerServer
 from distbatch.dataloader import StreamingDataset, fetch_batch
 from distbatch.errors import (
     BatchStatusError,

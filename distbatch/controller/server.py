@@ -1,0 +1,302 @@
+"""The controller over HTTP: a Flask app serving a `Controller`, and `RemoteController`.
+
+Ranks in other processes (loader workers, other hosts) pull batches with the
+same Python API as a local `Controller`. Both sides of the protocol live here.
+Every error comes back as a JSON error response; no request can stop the server.
+
+Validated bad input (the exception types in `VALIDATED`) answers 4xx with a
+code that `RemoteController` turns back into the same exception type. Anything
+else raised while serving a request is a bug: a logged 500 ``internal_error``,
+which the client raises as `ServerError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
+
+from distbatch.auth import bearer_ok, token_from_env
+from distbatch.batch.memory import DistributedBatchMemory
+from distbatch.calls import decode_value, encode_value
+from distbatch.controller.core import Controller
+from distbatch.controller.http_errors import MAX_WAIT_SECONDS, VALIDATED
+from distbatch.errors import (
+    ClearError,
+    InvalidArgumentError,
+    UnknownFieldError,
+    UnknownPartitionError,
+)
+from distbatch.serving.errors import error_response as _error
+from distbatch.serving.errors import register_json_errors
+from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from distbatch.serving.metrics import Metrics, record_requests
+from distbatch.serving.server import HttpServer
+
+logger = logging.getLogger("distbatch.controller")
+
+MAX_BODY_BYTES = 256 << 20
+# get_meta keywords that are not sampling config (a body's sampling_config may not set them).
+_GET_META_KEYWORDS = frozenset(
+    {"partition_id", "task_name", "fields", "batch_size", "timeout", "request_id", "partition"}
+)
+_ROUTES = Blueprint("controller", __name__)
+
+
+def _controller() -> Controller:
+    return current_app.extensions["controller"]
+
+
+def _body() -> dict[str, Any]:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("body must be a JSON object (Content-Type: application/json)")
+    return body
+
+
+def _required(body: Mapping[str, Any], key: str) -> Any:
+    if key not in body:
+        raise InvalidArgumentError(f"the body is missing {key!r}")
+    return body[key]
+
+
+@_ROUTES.get("/health")
+def health() -> Response:
+    return jsonify({"status": "ok", "role": "controller"})
+
+
+@_ROUTES.get("/metrics")
+def metrics() -> Response:
+    """Prometheus exposition: the request metrics every distbatch app keeps, and the
+    controller's partitions and waiting consumers."""
+    controller = _controller()
+    text = current_app.extensions["metrics"].render(
+        {
+            "distbatch_controller_partitions": (
+                "Partitions the controller holds.",
+                len(controller.partitions()),
+            ),
+            "distbatch_controller_waiting_consumers": (
+                "get_meta calls waiting for producers right now (starvation).",
+                controller.waiting_consumers(),
+            ),
+        }
+    )
+    return Response(text, content_type=METRICS_CONTENT_TYPE)
+
+
+@_ROUTES.post("/v1/controller/put")
+def put() -> Response:
+    body = _body()
+    partition_id = _required(body, "partition_id")
+    batch = decode_value(_required(body, "batch"), None)
+    if not isinstance(batch, DistributedBatchMemory):
+        raise InvalidArgumentError("'batch' must be a tagged batch")
+    return jsonify({"added": _controller().put(partition_id, batch)})
+
+
+@_ROUTES.post("/v1/controller/create_partition")
+def create_partition() -> Response:
+    body = _body()
+    _controller().create_partition(_required(body, "partition_id"), body.get("expected_fields") or [])
+    return jsonify({"ok": True})
+
+
+@_ROUTES.post("/v1/controller/get_meta")
+def get_meta() -> Response:
+    body = _body()
+    config = body.get("sampling_config") or {}
+    if not isinstance(config, dict) or not all(isinstance(k, str) and k.isidentifier() for k in config):
+        raise InvalidArgumentError("'sampling_config' must map names to JSON values")
+    reserved = sorted(_GET_META_KEYWORDS.intersection(config))
+    if reserved:
+        raise InvalidArgumentError(f"'sampling_config' may not set {reserved}: they are get_meta's own")
+    timeout = body.get("timeout")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+    ):
+        raise InvalidArgumentError("'timeout' must be a non-negative number")
+    batch = _controller().get_meta(
+        _required(body, "partition_id"),
+        _required(body, "task_name"),
+        _required(body, "fields"),
+        _required(body, "batch_size"),
+        timeout=min(float(timeout), MAX_WAIT_SECONDS) if timeout else None,
+        request_id=body.get("request_id"),
+        **config,
+    )
+    return jsonify({"batch": encode_value(batch)})
+
+
+@_ROUTES.post("/v1/controller/production_status")
+def production_status() -> Response:
+    body = _body()
+    return jsonify(_controller().production_status(_required(body, "partition_id"), body.get("fields")))
+
+
+@_ROUTES.post("/v1/controller/custom_meta")
+def set_custom_meta() -> Response:
+    body = _body()
+    _controller().set_custom_meta(_required(body, "partition_id"), _required(body, "custom_meta"))
+    return jsonify({"ok": True})
+
+
+@_ROUTES.post("/v1/controller/get_custom_meta")
+def get_custom_meta() -> Response:
+    body = _body()
+    return jsonify(
+        {
+            "custom_meta": _controller().get_custom_meta(
+                _required(body, "partition_id"), _required(body, "task_ids")
+            )
+        }
+    )
+
+
+@_ROUTES.post("/v1/controller/consumption_status")
+def consumption_status() -> Response:
+    body = _body()
+    return jsonify(
+        _controller().consumption_status(_required(body, "partition_id"), _required(body, "task_name"))
+    )
+
+
+@_ROUTES.post("/v1/controller/reset_consumption")
+def reset_consumption() -> Response:
+    body = _body()
+    _controller().reset_consumption(_required(body, "partition_id"), body.get("task_name"))
+    return jsonify({"ok": True})
+
+
+@_ROUTES.post("/v1/controller/clear_tasks")
+def clear_tasks() -> Response:
+    body = _body()
+    task_ids = _required(body, "task_ids")
+    if not isinstance(task_ids, list):
+        raise InvalidArgumentError("'task_ids' must be a list")
+    return jsonify({"deleted": _controller().clear_tasks(_required(body, "partition_id"), task_ids)})
+
+
+@_ROUTES.post("/v1/controller/clear_partition")
+def clear_partition() -> Response:
+    return jsonify({"deleted": _controller().clear_partition(_required(_body(), "partition_id"))})
+
+
+@_ROUTES.get("/v1/controller/partitions")
+def partitions() -> Response:
+    return jsonify({"partitions": _controller().partitions()})
+
+
+@_ROUTES.get("/v1/controller/waiting_consumers")
+def waiting_consumers() -> Response:
+    return jsonify({"waiting_consumers": _controller().waiting_consumers()})
+
+
+@_ROUTES.get("/v1/controller/state")
+def state() -> Response:
+    return jsonify(_controller().state_dict())
+
+
+@_ROUTES.post("/v1/controller/state")
+def load_state() -> Response:
+    _controller().load_state_dict(_body())
+    return jsonify({"ok": True})
+
+
+
+
+def create_controller_app(controller: Controller, *, token: str | None = None) -> Flask:
+    """A Flask app serving `controller`; `token` (default `$DISTBATCH_TOKEN`) guards all but /health."""
+    app = Flask("distbatch.controller")
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.extensions["controller"] = controller
+    app.extensions["metrics"] = Metrics()
+    required = token if token is not None else token_from_env()
+    app.register_blueprint(_ROUTES)
+    record_requests(app, app.extensions["metrics"])
+
+    @app.before_request
+    def _authenticate() -> Response | None:
+        if required and request.endpoint != "controller.health":
+            if not bearer_ok(request.headers.get("Authorization"), required):
+                return _error(401, "unauthorized", "missing or wrong bearer token")
+        return None
+
+    @app.errorhandler(ClearError)
+    def _clear_error(exc: ClearError) -> Response:
+        # A 4xx, so the client neither retries it nor drops the payload: RemoteController
+        # turns it back into a ClearError (a 5xx would arrive as a bare ServerError).
+        return _error(
+            424,
+            "clear_incomplete",
+            str(exc),
+            deleted=exc.deleted,
+            undeleted=exc.undeleted,
+            deleted_by_node=exc.deleted_by_node,
+            failed={n: e.detail for n, e in exc.failed.items()},
+        )
+
+    @app.errorhandler(UnknownPartitionError)
+    def _unknown_partition(exc: UnknownPartitionError) -> Response:
+        return _error(404, "unknown_partition", str(exc), partition_id=exc.partition_id, known=exc.known)
+
+    @app.errorhandler(UnknownFieldError)
+    def _unknown_field(exc: UnknownFieldError) -> Response:
+        return _error(
+            404, "unknown_field", str(exc), partition_id=exc.partition_id, fields=exc.fields, known=exc.known
+        )
+
+    plain = {t: v for t, v in VALIDATED.items() if t not in (UnknownPartitionError, UnknownFieldError)}
+    register_json_errors(app, plain, _error, logger)
+
+    return app
+
+
+class ControllerServer:
+    """A `Controller` served over HTTP from a background thread of this process."""
+
+    def __init__(
+        self, controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+    ) -> None:
+        self.controller = controller
+        self._server = HttpServer(create_controller_app(controller, token=token), host, port)
+        self.address = self._server.node
+        self._token_required = token is not None or bool(token_from_env())
+        self._running = True
+        self._server.start_background()
+
+    @property
+    def running(self) -> bool:
+        """True until `shutdown()`."""
+        return self._running
+
+    def shutdown(self) -> None:
+        """Stop serving and close the socket; idempotent. The `Controller` object stays usable."""
+        if self._running:
+            self._running = False
+            self._server.shutdown()
+
+    def __repr__(self) -> str:
+        state = "running" if self._running else "shut down"
+        partitions = len(self.controller.partitions())
+        token = "token required" if self._token_required else "no token"
+        return f"ControllerServer({self.address}, {state}, {partitions} partition(s), {token})"
+
+    def __enter__(self) -> ControllerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def serve_controller(
+    controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+) -> ControllerServer:
+    """Serve `controller` over HTTP (loopback by default); `.address` is its `host:port`."""
+    return ControllerServer(controller, host, port, token=token)
+
+
+__all__ = ["ControllerServer", "create_controller_app", "serve_controller"]
