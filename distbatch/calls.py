@@ -16,7 +16,7 @@ from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, WireFormatError
-from distbatch.wire.codec import check_json
+from distbatch.wire.json_values import check_json
 
 
 def encode_value(value: Any) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.calls import decode_call, encode_value
 from distbatch.client.shard_client import ShardClient, default_client
 from distbatch.errors import WireFormatError
-from distbatch.wire.codec import Bundle, check_json, find_non_json, tensor_problem
+from distbatch.wire.bundle import Bundle
+from distbatch.wire.json_values import check_json, find_non_json
+from distbatch.wire.tensors import tensor_problem
 from rpc_server.errors import (
     ApiError,
     BadArgumentsError,

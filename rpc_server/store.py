@@ -30,7 +30,7 @@ import numpy as np
 
 from distbatch.ids import ShardKey
 from distbatch.shm import SharedRegion, aligned_offsets
-from distbatch.wire.codec import LAYER_MARK, Bundle, RawColumn, column_field
+from distbatch.wire.bundle import LAYER_MARK, Bundle, RawColumn, column_field
 from distbatch.wire.container import RawTensor, parts_size
 from distbatch.wire.shapes import RowShapes, unique_ints
 from rpc_server.errors import (

@@ -20,7 +20,7 @@ import numpy as np
 
 from distbatch.errors import InvalidIdError, MetaFormatError, ShapeError
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_node
-from distbatch.wire.codec import validate_id_list
+from distbatch.wire.bundle import validate_id_list
 from distbatch.wire.container import ITEMSIZE
 from distbatch.wire.shapes import RowShapes
 

@@ -1,51 +1,29 @@
 """The wire format: shards laid out by column in one safetensors container.
 
 Owns everything about bytes on the wire and nothing about where they go: the safetensors
-container (`container`), per-task shapes as numpy arrays (`shapes`), and bundles of columns
-(`codec`): building and parsing them with numpy alone, so the worker's data path never imports
-torch, and turning torch tensors and JSON values into columns and back. May import
+container (`container`), per-task shapes as numpy arrays (`shapes`), bundles of columns built
+and parsed with numpy alone (`bundle`, so the worker's data path never imports torch), JSON
+values (`json_values`), and the torch layer that turns tensors and JSON values into columns and
+back (`tensors`, which imports torch only inside its functions). May import
 `distbatch.errors`, `distbatch.ids` and `distbatch.gc_pause`; nothing else of distbatch (no
 client, no batch, no server).
 """
 
 from distbatch.errors import ShapeError
-from distbatch.wire.codec import (
+from distbatch.wire.bundle import (
     BUNDLE_KEY,
     BUNDLE_VERSION,
     JSON_PREFIX,
     LAYER_MARK,
-    MAX_JSON_DEPTH,
     TABLES,
-    TORCH_DTYPE_NAMES,
     Bundle,
     RawColumn,
     Resolver,
     build_bundle,
-    bundle_from_shards,
-    bundle_to_shards,
-    check_json,
     column_field,
-    column_tensor,
     concat_bundles,
-    decode_bundle,
-    decode_column,
-    dtype_name,
-    dump_json_array,
-    encode_bundle,
-    encode_bundle_bytes,
-    find_non_json,
-    is_tensor,
-    json_column,
-    list_column,
     parse_bundle,
-    raw_to_tensor,
-    shard_problem,
     slice_column,
-    split_rows,
-    tensor_column,
-    tensor_problem,
-    tensor_to_raw,
-    torch_dtype,
     validate_id_list,
 )
 from distbatch.wire.container import (
@@ -63,7 +41,34 @@ from distbatch.wire.container import (
     parts_size,
     unique_keys,
 )
+from distbatch.wire.json_values import (
+    MAX_JSON_DEPTH,
+    check_json,
+    dump_json_array,
+    find_non_json,
+)
 from distbatch.wire.shapes import RowShapes, unique_ints
+from distbatch.wire.tensors import (
+    TORCH_DTYPE_NAMES,
+    bundle_from_shards,
+    bundle_to_shards,
+    column_tensor,
+    decode_bundle,
+    decode_column,
+    dtype_name,
+    encode_bundle,
+    encode_bundle_bytes,
+    is_tensor,
+    json_column,
+    list_column,
+    raw_to_tensor,
+    shard_problem,
+    split_rows,
+    tensor_column,
+    tensor_problem,
+    tensor_to_raw,
+    torch_dtype,
+)
 
 __all__ = [
     "BUNDLE_KEY",

@@ -234,7 +234,7 @@ def test_the_worker_imports_only_what_the_worker_needs_of_the_library() -> None:
         for node in _runtime_imports(tree, top_level_only=False):
             for name in _imported(node):
                 if name.startswith("distbatch.") and not _within(name, allowed):
-                    # `from distbatch.wire import codec` names distbatch.wire.codec: judged by its module.
+                    # `from distbatch.wire import bundle` names distbatch.wire.bundle: judged by its module.
                     if isinstance(node, ast.ImportFrom) and _within(node.module or "", allowed):
                         continue
                     offenders.append(f"{_where(path, node)}: {name}")
