@@ -12,14 +12,24 @@ is sent; encoding a batch happens there too, never on the shared event-loop thre
     aput = awaiting(_put)  # awaits it from any event loop, without blocking that loop
 
 The owner says which loop runs its coroutines with a `loop_runner` property: a `ShardClient`
-is its own; a batch or a worker group uses its client's. Type checkers see both twins with the
-verb's exact parameters; the API reference shows them as methods (docs/griffe_twins.py).
+is its own; a worker group uses its client's. Type checkers see both twins with the verb's
+exact parameters; the API reference shows them as methods (docs/griffe_twins.py).
+
+A verb some of whose steps must run in the caller's thread (a batch's: it takes its own lock
+around the client's work, which must never be taken on the client's loop thread) is written
+instead as an ``async def`` body that takes a `Twin` and sends each waiting step through it:
+`twin.call(blocking_fn, awaitable_fn, ...)` for a pair of client methods, `twin.offload(fn, ...)`
+for work that blocks. The awaitable form awaits the body with `AWAITED`; the blocking form runs
+it with ``run_blocking(body(BLOCKING))``, where no step ever suspends, so the coroutine finishes
+in one step with no event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 P = ParamSpec("P")
@@ -80,3 +90,43 @@ async def first_result(results: Coroutine[Any, Any, list[R]]) -> R:
 async def done(value: R) -> R:
     """A coroutine that has nothing to do (a verb whose arguments leave no work)."""
     return value
+
+
+@dataclass(frozen=True)
+class Twin:
+    """Which form of a verb is running: `blocking` (the caller's thread waits) or awaited."""
+
+    blocking: bool
+
+    async def call(
+        self,
+        blocking_fn: Callable[P, R],
+        awaitable_fn: Callable[P, Awaitable[R]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """One step with a blocking and an awaitable implementation (same arguments): this form's."""
+        if self.blocking:
+            return blocking_fn(*args, **kwargs)
+        return await awaitable_fn(*args, **kwargs)
+
+    async def offload(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)`, which may block: in this thread when blocking, else in a worker
+        thread, so the caller's event loop goes on."""
+        if self.blocking:
+            return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+BLOCKING = Twin(blocking=True)
+AWAITED = Twin(blocking=False)
+
+
+def run_blocking(body: Coroutine[Any, Any, R]) -> R:
+    """The result of a twin body started with `BLOCKING`, run to its end in this thread."""
+    try:
+        body.send(None)
+    except StopIteration as done:
+        return done.value
+    body.close()
+    raise RuntimeError("a twin body suspended under BLOCKING: it awaited something other than its Twin")

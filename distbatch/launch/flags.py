@@ -41,8 +41,22 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rpc_server", description=DESCRIPTION, exit_on_error=exit_on_error
     )
+    # In this order: it is the order `--help` lists them in.
+    _add_address_flags(parser)
+    _add_bound_flags(parser)
+    _add_release_flags(parser)
+    _add_process_flags(parser)
+    return parser
+
+
+def _add_address_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the worker listens."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+
+
+def _add_bound_flags(parser: argparse.ArgumentParser) -> None:
+    """How much the worker stores, accepts and answers at once."""
     parser.add_argument("--max-bytes", type=int, default=None, help="store capacity in bytes")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES)
@@ -73,6 +87,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         metavar="S",
         help="close a connection that sends nothing for S seconds (idle or stalled)",
     )
+
+
+def _add_release_flags(parser: argparse.ArgumentParser) -> None:
+    """When the worker lets go of shards and shared memory."""
     parser.add_argument(
         "--max-idle-seconds",
         type=float,
@@ -88,6 +106,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         help="same-host readers and writers share at most N bytes of shared regions; past it they"
         " use HTTP (default: no bound beyond --max-bytes)",
     )
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """What the worker hosts, how it reports its address, when it exits, what it logs."""
     parser.add_argument("--engine", help="engine factory to host, as pkg.module:Factory")
     parser.add_argument("--address-file", type=Path, help="also write host:port to this file")
     parser.add_argument(
@@ -97,7 +119,6 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
     )
     parser.add_argument("--log-level", default="WARNING")
-    return parser
 
 
 def check_flag_values(args: argparse.Namespace) -> None:

@@ -1,0 +1,242 @@
+"""Columns held in memory: one field's per-task values as a stacked tensor or a list.
+
+Owns what a LOCAL batch does to its data: turning user input into columns, taking rows,
+concatenating, packing for varlen trainers (`pack_rows` serves gathered columns too), making
+columns safe to pickle, and exporting them as a wire bundle. Separate from the batch object
+because none of it depends on the batch's status or state: these are functions of columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distbatch import wire
+from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.errors import WireFormatError
+from distbatch.ids import validate_id
+from distbatch.wire.shapes import RowShapes
+
+Column = torch.Tensor | list[Any]
+
+
+def normalize_column(name: str, values: Sequence[Any]) -> Column:
+    """Per-task values as a column: stacked when all tensors share shape and dtype, else a list."""
+    values = list(values)
+    tensors = [isinstance(v, torch.Tensor) for v in values]
+    if any(tensors) and not all(tensors):
+        raise ValueError(f"field {name!r} mixes tensors and non-tensor values")
+    if not values or not tensors[0]:
+        return values
+    dtypes = {v.dtype for v in values}
+    if len(dtypes) > 1:
+        raise ValueError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+    if len({tuple(v.shape) for v in values}) == 1:
+        return torch.stack(values)
+    return values
+
+
+def to_column(name: str, value: Any) -> Column:
+    """A field's value as given to `from_dict` or `batch[name] = ...`, as a column."""
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:  # has no shape[0]; its components are a ragged column
+            raise ValueError(f"field {name!r} is a nested tensor: pass its components as a list of tensors")
+        if value.dim() == 0:
+            raise ValueError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        return to_column(name, torch.from_numpy(value))
+    if isinstance(value, (list, tuple)):
+        return normalize_column(name, value)
+    raise ValueError(
+        f"field {name!r}: expected a tensor or a list of per-task values, got {type(value).__name__}"
+    )
+
+
+def columns_from_dict(data: Mapping[str, Any]) -> tuple[dict[str, Column], int | None]:
+    """`from_dict`'s input as validated columns of one length, and that length (None: no field)."""
+    columns: dict[str, Column] = {}
+    count: int | None = None
+    first = ""
+    for name, value in data.items():
+        validate_id(name, "field")
+        col = to_column(name, value)
+        n = column_len(col)
+        if count is None:
+            count, first = n, name
+        elif n != count:
+            raise ValueError(f"field {name!r} has {n} entries but field {first!r} has {count}")
+        columns[name] = col
+    return columns, count
+
+
+def fields_of_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """`from_list`'s per-task dicts (all with the same keys) as per-field lists."""
+    if not samples:
+        return {}
+    names = list(samples[0])
+    for i, sample in enumerate(samples):
+        if set(sample) != set(names):
+            raise ValueError(f"sample {i} has fields {sorted(sample)}, sample 0 has {sorted(names)}")
+    return {n: [s[n] for s in samples] for n in names}
+
+
+def column_len(col: Column) -> int:
+    return col.shape[0] if isinstance(col, torch.Tensor) else len(col)
+
+
+def tensor_fields(data: Mapping[str, Column]) -> list[str]:
+    """The fields of `data` that hold tensors (not JSON values)."""
+    return [
+        name
+        for name, col in data.items()
+        if isinstance(col, torch.Tensor) or (col and isinstance(col[0], torch.Tensor))
+    ]
+
+
+def take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
+    rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if isinstance(col, torch.Tensor):
+        return col[torch.from_numpy(rows)]
+    # Re-normalize: the picked tasks of a ragged column may all share one shape.
+    return normalize_column("", pick(col, rows))
+
+
+def column_items(col: Column) -> list[Any]:
+    return list(col.unbind(0)) if isinstance(col, torch.Tensor) else list(col)
+
+
+def concat_columns(name: str, cols: Sequence[Column]) -> Column:
+    """One column of `cols` one after another (stacked again when the tasks' shapes allow)."""
+    if all(isinstance(c, torch.Tensor) for c in cols):
+        tails = {tuple(c.shape[1:]) for c in cols}  # type: ignore[union-attr]
+        dtypes = {c.dtype for c in cols}  # type: ignore[union-attr]
+        if len(dtypes) > 1:
+            raise ValueError(f"field {name!r} has different dtypes across batches: {dtypes}")
+        if len(tails) == 1:
+            return torch.cat(list(cols))  # type: ignore[arg-type]
+    return normalize_column(name, [v for c in cols for v in column_items(c)])
+
+
+def take_columns(data: Mapping[str, Column], rows: np.ndarray) -> dict[str, Column]:
+    return {name: take_column(col, rows) for name, col in data.items()}
+
+
+def merge_columns(
+    mine: Mapping[str, Column], theirs: Mapping[str, Column], rows: np.ndarray | None, order: Sequence[str]
+) -> dict[str, Column]:
+    """A union's columns in `order`: `theirs` win a clash, taken at `rows` unless aligned (None)."""
+    data = dict(mine)
+    for name, col in theirs.items():
+        data[name] = col if rows is None else take_column(col, rows)
+    return {name: data[name] for name in order}
+
+
+def column_lengths(name: str, col: Column) -> list[int]:
+    """Per-task length (first dimension; 1 for a 0-d value) of a tensor column."""
+    if isinstance(col, torch.Tensor):
+        return [col.shape[1] if col.dim() > 1 else 1] * col.shape[0]
+    if col and not isinstance(col[0], torch.Tensor):
+        raise ValueError(f"field {name!r} holds JSON values; lengths need a tensor field")
+    return [v.shape[0] if v.dim() else 1 for v in col]
+
+
+# ----------------------------------------------------------------------------- pickling
+
+
+def compact_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes, so pickling a view does not drag its base along."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def column_for_pickle(col: Column) -> Column:
+    if isinstance(col, torch.Tensor):
+        return compact_tensor(col)
+    return [compact_tensor(v) if isinstance(v, torch.Tensor) else v for v in col]
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def cu_seqlens(lengths: np.ndarray) -> torch.Tensor:
+    """int32 offsets where each of the rows of `lengths` starts, and the total at the end."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{int(offsets[-1])} packed rows do not fit int32 cu_seqlens")
+    return torch.from_numpy(offsets.astype(np.int32))
+
+
+def pack_rows(name: str, flat: torch.Tensor, shapes: RowShapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values along dim 0, int32 cu_seqlens) from a flat tensor of every row's elements."""
+    if shapes.shape == () or (shapes.ranks is not None and not shapes.ranks.any()):
+        return flat.reshape(shapes.n), cu_seqlens(np.ones(shapes.n, dtype=np.int64))  # 0-d: one each
+    tail = shapes.packable()
+    if tail is None:
+        raise ValueError(
+            f"field {name!r}: tasks differ in rank or trailing dimensions, so their values cannot be "
+            "concatenated along dim 0; index the field for a list of per-task tensors instead"
+        )
+    lengths = shapes.first_dims()
+    return flat.reshape(int(lengths.sum()), *tail), cu_seqlens(lengths)
+
+
+def pack_column(name: str, col: Column) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed()` of a column held in memory: a view for a stacked tensor, one `cat` for a list."""
+    if isinstance(col, torch.Tensor):
+        n = col.shape[0]
+        return pack_rows(name, col.reshape(-1), RowShapes.uniform(n, col.shape[1:]))
+    if not col or not isinstance(col[0], torch.Tensor):
+        raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+    shapes = RowShapes.from_list([tuple(v.shape) for v in col])
+    flat = torch.cat([v.reshape(-1) for v in col])
+    return pack_rows(name, flat, shapes)
+
+
+def to_device(
+    values: torch.Tensor, cu: torch.Tensor, device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if device is None:
+        return values, cu
+    return values.to(device), cu.to(device)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_bundle(
+    task_ids: list[str], data: Mapping[str, Column], node: str, copy: bool = False
+) -> tuple[wire.Bundle, BatchMeta]:
+    """Columns as a wire bundle (one column per field) plus the metadata naming `node` as holder.
+
+    `copy=True`: no column shares memory with `data`'s tensors (one copy per column at most).
+    """
+    columns: dict[str, wire.RawColumn] = {}
+    fields: dict[str, FieldMeta] = {}
+    n = len(task_ids)
+    for name, col in data.items():
+        column = _wire_column(name, col, task_ids, copy)
+        columns[name] = column
+        shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
+        fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes)
+    return wire.Bundle(list(task_ids), columns), BatchMeta(list(task_ids), [node], fields)
+
+
+def _wire_column(name: str, col: Column, task_ids: list[str], copy: bool) -> wire.RawColumn:
+    """A stacked tensor travels as it is (no per-task work); a ragged one is packed with one `cat`."""
+    if not isinstance(col, torch.Tensor):
+        return wire.list_column(name, col, task_ids, copy=copy)
+    if (problem := wire.tensor_problem(col)) is not None:
+        raise WireFormatError(f"field {name!r}: {problem}")
+    tensor = col.detach()
+    if copy and tensor.device.type == "cpu":
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    try:
+        return wire.tensor_column(tensor)
+    except WireFormatError as exc:
+        raise WireFormatError(f"field {name!r}: {exc}") from None

@@ -1,0 +1,204 @@
+"""Gathering a REMOTE batch's fields: fetching them through the client, in task order.
+
+Owns the read path: a `FetchPlan`'s requests sent through the client (with a progress bar
+for a big blocking gather), the responses put in batch order as one `Gathered` per field
+(zero-copy when they already are in order), and joins into the client's recycled receive
+buffers. Separate from the batch, which decides what to gather and keeps what was gathered:
+this module turns the workers' responses into columns.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from distbatch import wire
+from distbatch.batch.columns import Column, pack_rows
+from distbatch.batch.meta import BatchMeta
+from distbatch.client.shard_client import ShardClient
+from distbatch.errors import WireFormatError
+from distbatch.gc_pause import paused_gc
+from distbatch.twins import Twin
+from distbatch.wire.shapes import RowShapes
+
+Allocate = Callable[[int], Any]
+
+
+def reorder(items: list[Any], order: np.ndarray) -> list[Any]:
+    """`items` placed so that item k lands at position order[k]."""
+    if len(items) <= 1:
+        return list(items)
+    return list(operator.itemgetter(*np.argsort(order, kind="stable").tolist())(items))
+
+
+def join(tensors: Sequence[torch.Tensor], allocate: Allocate | None) -> torch.Tensor:
+    """One flat tensor of `tensors` (the tensor itself when there is one): joined into a buffer
+    from `allocate` (the client's recycled receive buffers) when given, else into fresh memory."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if not tensors:
+        return torch.empty(0)
+    total = sum(t.numel() for t in tensors)
+    nbytes = total * tensors[0].element_size()
+    if allocate is None or not nbytes:
+        return torch.cat(list(tensors))
+    out = torch.frombuffer(allocate(nbytes), dtype=tensors[0].dtype, count=total)
+    return torch.cat(list(tensors), out=out)
+
+
+class Gathered:
+    """One field gathered from the workers, in task order: JSON values, or the flat tensors of
+    every task's elements (one per response, in order) plus their shapes: the columnar form
+    both views come from. A ragged column's per-task views point into the responses, so
+    several responses are never joined just to be split again."""
+
+    __slots__ = ("pieces", "piece_shapes", "shapes", "json", "allocate")
+
+    def __init__(
+        self,
+        pieces: list[torch.Tensor],
+        piece_shapes: list[RowShapes],
+        json: list[Any] | None = None,
+        allocate: Allocate | None = None,
+    ) -> None:
+        self.pieces, self.piece_shapes, self.json = pieces, piece_shapes, json
+        self.shapes = RowShapes.concat(piece_shapes) if json is None else None
+        # Where joined responses go (the client's recycled receive buffers, already mapped in,
+        # so the one copy a join costs is not also a page fault per 4 KiB).
+        self.allocate = allocate
+
+    @staticmethod
+    def assemble(
+        name: str,
+        n: int,
+        pieces: list[tuple[np.ndarray, wire.RawColumn]],
+        allocate: Allocate | None = None,
+    ) -> Gathered:
+        """Put the responses' columns (each covering some batch rows) in batch order.
+
+        Responses that cover the batch in order are used as they are (zero-copy); rows
+        interleaved across nodes cost one gather.
+        """
+        order = np.concatenate([rows for rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        in_order = bool(np.array_equal(order, np.arange(n)))
+        if pieces[0][1].dtype is None:
+            values = [v for _, column in pieces for v in column.values or []]
+            return Gathered([], [], values if in_order else reorder(values, order))
+        dtypes = {column.dtype for _, column in pieces}
+        if len(dtypes) > 1:
+            raise WireFormatError(
+                f"field {name!r} came back with different dtypes {sorted(map(str, dtypes))}"
+            )
+        flats = [wire.column_tensor(column).reshape(-1) for _, column in pieces]
+        piece_shapes = [column.tensor_shapes for _, column in pieces]
+        if in_order:
+            return Gathered(flats, piece_shapes, allocate=allocate)
+        shapes = RowShapes.concat(piece_shapes)
+        flat = join(flats, allocate)
+        back = np.argsort(order, kind="stable")
+        if shapes.shape is not None:  # equal rows: one C-level take
+            width = max(1, int(np.prod(shapes.shape)))
+            taken = flat.view(-1, width)[torch.from_numpy(back)].reshape(-1) if flat.numel() else flat
+            return Gathered([taken], [shapes.take(back)])
+        rows = list(torch.split(flat, shapes.counts().tolist()))
+        return Gathered([join(reorder(rows, order), allocate) if rows else flat], [shapes.take(back)])
+
+    def flat(self) -> torch.Tensor:
+        """Every task's elements in one tensor (joins several responses: one copy)."""
+        return join(self.pieces, self.allocate)
+
+    def column(self) -> Column:
+        """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
+        if self.json is not None:
+            return list(self.json)
+        shapes = self.tensor_shapes
+        if shapes.shape is not None:
+            return self.flat().view(shapes.n, *shapes.shape)
+        with paused_gc():  # one tensor per task: no collection passes over them mid-build
+            return [
+                view
+                for piece, shapes in zip(self.pieces, self.piece_shapes)
+                for view in wire.split_rows(piece, shapes)
+            ]
+
+    def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.json is not None:
+            raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+        return pack_rows(name, self.flat(), self.tensor_shapes)
+
+    @property
+    def tensor_shapes(self) -> RowShapes:
+        """Every task's shape (a JSON field has none)."""
+        if self.shapes is None:
+            raise ValueError("a JSON field has no shapes")
+        return self.shapes
+
+
+# ----------------------------------------------------------------------------- fetching
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What gathering `names` of the batch `meta` describes asks the workers: one
+    `(node, task_ids, fields)` request per node and field set (cut to the client's bounds),
+    and the batch rows each request covers."""
+
+    meta: BatchMeta
+    names: list[str]
+    requests: list[tuple[str, list[str], list[str]]]
+    placed: list[np.ndarray]
+
+
+async def fetch(
+    twin: Twin, client: ShardClient, plan: FetchPlan, progress_min_bytes: int
+) -> dict[str, Gathered]:
+    """Every field `plan` names, nodes concurrently, each one `Gathered` in task order.
+
+    The blocking form shows a progress bar for a gather of `progress_min_bytes` or more that
+    a person watches; the awaited form never shows one.
+    """
+    bar = progress_bar(plan, progress_min_bytes) if twin.blocking else None
+    try:
+        bundles = await twin.call(
+            client.fetch_products,
+            client.afetch_products,
+            plan.requests,
+            progress=bar.update if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return assemble(plan, bundles, client.receive_buffer)
+
+
+def progress_bar(plan: FetchPlan, min_bytes: int) -> Any:
+    """A tqdm bar for a big gather when a person is watching (stderr is a terminal), else None."""
+    meta = plan.meta
+    total = meta.select_fields(plan.names).total_bytes()
+    if total < min_bytes or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"gather {len(meta)} tasks")
+
+
+def assemble(plan: FetchPlan, bundles: list[wire.Bundle], allocate: Allocate | None) -> dict[str, Gathered]:
+    """The responses to `plan`'s requests as one `Gathered` per field, in batch order."""
+    pieces: dict[str, list[tuple[np.ndarray, wire.RawColumn]]] = {name: [] for name in plan.names}
+    for (node, _, fields), rows, bundle in zip(plan.requests, plan.placed, bundles):
+        for name in fields:
+            column = bundle.columns.get(name)
+            if column is None or column.rows is not None:
+                raise WireFormatError(
+                    f"{node}: field {name!r} came back in several dtypes; the batch's metadata "
+                    f"says {plan.meta.fields[name].dtype}"
+                )
+            pieces[name].append((rows, column))
+    n = len(plan.meta)
+    return {name: Gathered.assemble(name, n, pieces[name], allocate) for name in plan.names}

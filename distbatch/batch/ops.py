@@ -1,0 +1,89 @@
+"""Which rows a rearrangement of a batch takes: an index, chunks, balanced chunks, a union.
+
+Pure index arithmetic over task counts, task ids and lengths, the same for LOCAL and REMOTE
+batches, so it is written once, apart from the batch object that applies the rows: to its
+columns (LOCAL) or to its metadata and gathered cache (REMOTE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distbatch.balance import balanced_group_partitions
+
+
+def task_indices(key: Any, n: int) -> list[int]:
+    """The task positions `batch[key]` selects, for a slice, index list or boolean mask over `n` tasks."""
+    if isinstance(key, slice):
+        return list(range(n))[key]
+    if isinstance(key, torch.Tensor):
+        key = key.tolist()
+    if not isinstance(key, (range, list, tuple)):
+        raise TypeError(f"cannot index a batch with {type(key).__name__}")
+    items = list(key)
+    if items and all(isinstance(v, bool) for v in items):
+        if len(items) != n:
+            raise IndexError(f"boolean mask has {len(items)} entries for {n} tasks")
+        return [i for i, keep in enumerate(items) if keep]
+    out = []
+    for v in items:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"batch indexes must be ints, got {v!r}")
+        if not -n <= v < n:
+            raise IndexError(f"task index {v} out of range for {n} tasks")
+        out.append(v % n)
+    if len(set(out)) != len(out):
+        raise ValueError("indexes repeat a task; a batch holds each task once")
+    return out
+
+
+def length_field(tensor_fields: Sequence[str]) -> str:
+    """The field `lengths()` reads when none is named: input_ids, else the first tensor field."""
+    if "input_ids" in tensor_fields:
+        return "input_ids"
+    if not tensor_fields:
+        raise ValueError("no tensor field to take lengths from; pass length_field")
+    return tensor_fields[0]
+
+
+def check_chunk_count(n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"chunk count must be a positive int, got {n!r}")
+
+
+def chunk_rows(count: int, n: int) -> list[np.ndarray]:
+    """`n` contiguous runs of rows over `count` tasks, in order; sizes differ by at most one."""
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append(np.arange(start, start + size))
+        start += size
+    return out
+
+
+def balanced_rows(lengths: Sequence[int], n: int, group_size: int) -> list[np.ndarray]:
+    """The rows of `n` chunks with balanced total length, groups of `group_size` rows kept
+    together, each chunk in ascending order and the chunks ordered by their first group."""
+    group_lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, group_size).sum(axis=1)
+    parts = balanced_group_partitions(group_lengths.tolist(), n)
+    parts.sort(key=lambda p: p[0] if p else len(group_lengths))
+    offsets = np.arange(group_size)
+    return [(np.asarray(part, dtype=np.int64)[:, None] * group_size + offsets).reshape(-1) for part in parts]
+
+
+def union_rows(mine: list[str], theirs: list[str]) -> np.ndarray | None:
+    """Where each of `mine` is in `theirs` (None when both are in the same order); ValueError
+    unless both hold the same task ids."""
+    if mine == theirs:  # the usual case, checked in C
+        return None
+    if set(mine) != set(theirs):
+        missing = sorted(set(mine) - set(theirs))[:5]
+        extra = sorted(set(theirs) - set(mine))[:5]
+        raise ValueError(f"union needs the same task ids: missing in other {missing}, extra {extra}")
+    position = dict(zip(theirs, range(len(theirs))))
+    return np.fromiter(map(position.__getitem__, mine), dtype=np.int64, count=len(mine))
