@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from distbatch import ShardClient, WorkerGroup
-from distbatch.twins import awaiting, blocking, done, first_result
+from distbatch.twins import AWAITED, BLOCKING, Twin, awaiting, blocking, done, first_result, run_blocking
 
 
 def _pairs(cls: type) -> list[str]:
@@ -97,3 +97,34 @@ def test_helpers_for_verbs_with_nothing_to_do_or_one_target() -> None:
 
     assert asyncio.run(done(3)) == 3
     assert asyncio.run(first_result(many())) == 7
+
+
+def test_a_twin_body_runs_to_its_end_without_a_loop_when_blocking_and_awaits_when_awaited() -> None:
+    """`Twin` bodies (a batch's verbs): blocking steps run in the caller's thread, no event loop."""
+    calls: list[str] = []
+
+    def fetch(x: int) -> int:
+        calls.append(f"blocking in {threading.current_thread().name}")
+        return x + 1
+
+    async def afetch(x: int) -> int:
+        calls.append("awaited")
+        await asyncio.sleep(0)
+        return x + 1
+
+    async def body(twin: Twin) -> int:
+        first = await twin.call(fetch, afetch, 1)
+        return await twin.offload(lambda: first * 10)
+
+    assert run_blocking(body(BLOCKING)) == 20
+    assert calls == [f"blocking in {threading.current_thread().name}"]
+    assert asyncio.run(body(AWAITED)) == 20
+    assert calls[-1] == "awaited"
+
+
+def test_a_twin_body_that_suspends_under_blocking_is_an_error() -> None:
+    async def body(twin: Twin) -> None:
+        await asyncio.sleep(0)  # not through the twin: would need a loop
+
+    with pytest.raises(RuntimeError, match="suspended under BLOCKING"):
+        run_blocking(body(BLOCKING))
