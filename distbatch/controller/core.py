@@ -301,10 +301,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return {"tasks": 0, "produced": {}, "ready": 0}
-            names = list(fields) if fields is not None else partition.known_fields()
-            produced = {n: len(partition.columns[n].node) if n in partition.columns else 0 for n in names}
-            ready = len(partition.ready("\0", names)) if names else 0
-            return {"tasks": len(partition.task_of), "produced": produced, "ready": ready}
+            return partition.production(list(fields) if fields is not None else partition.known_fields())
 
     def set_custom_meta(self, partition_id: str, custom_meta: Mapping[str, Mapping[str, Any]]) -> None:
         """Attach a JSON object to each named task (replacing what it had), as TransferQueue's
@@ -325,11 +322,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 raise UnknownPartitionError(partition_id, self._partitions)
-            unknown = [t for t in checked if t not in partition.index_of]
-            if unknown:
-                raise InvalidArgumentError(f"partition {partition_id!r} has no tasks {unknown[:5]}")
-            for task_id, meta in checked.items():
-                partition.custom_meta[partition.index_of[task_id]] = meta
+            partition.set_custom_meta(checked)
 
     def get_custom_meta(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The custom metadata of those `task_ids` that have some, by task id."""
@@ -337,14 +330,7 @@ class Controller:
         wanted = id_list(task_ids, "task_ids", "task_id")
         with self._lock:
             partition = self._partitions.get(partition_id)
-            if partition is None:
-                return {}
-            out = {}
-            for task_id in wanted:
-                i = partition.index_of.get(task_id)
-                if i is not None and i in partition.custom_meta:
-                    out[task_id] = json.loads(json.dumps(partition.custom_meta[i]))  # a copy
-            return out
+            return {} if partition is None else partition.custom_meta_of(wanted)
 
     def consumption_status(self, partition_id: str, task_name: str) -> dict[str, int]:
         """How many of the partition's tasks `task_name` has consumed."""
@@ -354,8 +340,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return {"tasks": 0, "consumed": 0}
-            consumed = partition.consumed.get(task_name, set())
-            return {"tasks": len(partition.task_of), "consumed": len(consumed)}
+            return {"tasks": len(partition.task_of), "consumed": len(partition.consumed.get(task_name, ()))}
 
     def all_consumed(self, partition_id: str, task_name: str) -> bool:
         status = self.consumption_status(partition_id, task_name)
@@ -420,19 +405,7 @@ class Controller:
         with self._changed:
             partition = self._partitions.get(partition_id)
             if partition is not None:
-                partition.mark_clearing(indexes, -1)
-                stuck = {
-                    partition.index_of[k.task_id]
-                    for n in failed
-                    for k in plan[n]
-                    if k.task_id in partition.index_of
-                }
-                forgotten = [i for i in indexes if i not in stuck]
-                # A kept task keeps only the shards that are still there: the deleted ones must
-                # never be handed out again (they would fail every fetch).
-                for node, keys in plan.items():
-                    if node not in failed:
-                        partition.drop_rows(node, keys)
+                forgotten = partition.settle_clear(indexes, plan, failed)
                 self._answers.forget(
                     partition_id, [partition.task_of[i] for i in forgotten if i in partition.task_of]
                 )

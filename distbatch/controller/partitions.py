@@ -7,7 +7,8 @@ metadata of a batch); the `Controller` holds the lock around every use.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,3 +168,40 @@ class Partition:
                 column.shape.pop(i, None)
             for consumed in self.consumed.values():
                 consumed.discard(i)
+
+    def production(self, names: list[str]) -> dict[str, Any]:
+        """Tasks, how many have each of `names`, and how many have all of them."""
+        produced = {n: len(self.columns[n].node) if n in self.columns else 0 for n in names}
+        ready = len(self.ready("\0", names)) if names else 0
+        return {"tasks": len(self.task_of), "produced": produced, "ready": ready}
+
+    def set_custom_meta(self, checked: Mapping[str, dict[str, Any]]) -> None:
+        """Attach checked objects to tasks; an unknown task sets nothing."""
+        unknown = [t for t in checked if t not in self.index_of]
+        if unknown:
+            raise InvalidArgumentError(f"partition {self.partition_id!r} has no tasks {unknown[:5]}")
+        for task_id, meta in checked.items():
+            self.custom_meta[self.index_of[task_id]] = meta
+
+    def custom_meta_of(self, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Copies of the custom metadata of those `task_ids` that have some."""
+        out = {}
+        for task_id in task_ids:
+            i = self.index_of.get(task_id)
+            if i is not None and i in self.custom_meta:
+                out[task_id] = json.loads(json.dumps(self.custom_meta[i]))
+        return out
+
+    def settle_clear(
+        self, indexes: list[int], plan: Mapping[str, list[ShardKey]], failed: Collection[str]
+    ) -> list[int]:
+        """After a clear's deletes: the tasks whose shards all went (returned, for the caller to
+        forget); a kept task keeps only the shards still there, so a deleted one is never handed
+        out again."""
+        self.mark_clearing(indexes, -1)
+        stuck = {self.index_of[k.task_id] for n in failed for k in plan[n] if k.task_id in self.index_of}
+        forgotten = [i for i in indexes if i not in stuck]
+        for node, keys in plan.items():
+            if node not in failed:
+                self.drop_rows(node, keys)
+        return forgotten
