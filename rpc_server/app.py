@@ -12,14 +12,11 @@ from distbatch.serving.metrics import record_requests
 from rpc_server.checks import ERROR_ANSWERS, missing_shards
 from rpc_server.config import ServerConfig
 from rpc_server.context import ServerState, state
-from rpc_server.errors import ApiError, EngineCallFailed
+from rpc_server.errors import ApiError, EngineCallFailed, MissingShardsError
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
-from rpc_server.store import (
-    IdleSweeper,
-    MissingShardsError,
-    ShardStore,
-)
+from rpc_server.store.shard_store import ShardStore
+from rpc_server.store.sweeper import IdleSweeper
 
 # Names that lived here before `config`, `context` and `distbatch.serving.errors` took them;
 # kept importable from this module for existing code.

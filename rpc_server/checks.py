@@ -8,8 +8,15 @@ from typing import Any
 
 from distbatch import wire
 from distbatch.errors import InvalidIdError, MetaFormatError, WireFormatError
-from rpc_server.errors import ApiError, BadArgumentsError, ShuttingDownError, UnknownMethodError
-from rpc_server.store import MissingShardsError, StoreCapacityError, UnknownStageError
+from rpc_server.errors import (
+    ApiError,
+    BadArgumentsError,
+    MissingShardsError,
+    ShuttingDownError,
+    StoreCapacityError,
+    UnknownMethodError,
+    UnknownStageError,
+)
 
 # Fields (columns) one put or fetch may name: the work per request is per field and task,
 # so both are bounded (tasks by --max-keys-per-request).

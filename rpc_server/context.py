@@ -16,7 +16,8 @@ from flask import current_app
 from distbatch.recv_pool import RecvPool
 from rpc_server.config import ServerConfig
 from rpc_server.metrics import Metrics
-from rpc_server.store import IdleSweeper, ShardStore
+from rpc_server.store.shard_store import ShardStore
+from rpc_server.store.sweeper import IdleSweeper
 
 if TYPE_CHECKING:
     from rpc_server.engine import EngineHost

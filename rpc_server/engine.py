@@ -32,10 +32,11 @@ from rpc_server.errors import (
     EngineCallFailed,
     EngineLoadError,
     ShuttingDownError,
+    StoreCapacityError,
     UnknownMethodError,
     UnstorableResultError,
 )
-from rpc_server.store import PutReceipt, ShardStore, StoreCapacityError
+from rpc_server.store.shard_store import PutReceipt, ShardStore
 
 
 @dataclass

@@ -57,13 +57,9 @@ from rpc_server.checks import (
     missing_shards,
 )
 from rpc_server.config import ServerConfig
-from rpc_server.errors import ApiError
+from rpc_server.errors import ApiError, MissingShardsError, SharedMemoryUnavailable
 from rpc_server.metrics import Metrics
-from rpc_server.store import (
-    MissingShardsError,
-    ShardStore,
-    SharedMemoryUnavailable,
-)
+from rpc_server.store.shard_store import ShardStore
 
 __all__ = ["INLINE_BELOW_BYTES", "SharedMemoryService"]
 

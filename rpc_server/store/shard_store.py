@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,6 +39,8 @@ from rpc_server.errors import (
     StoreCapacityError,
     UnknownStageError,
 )
+from rpc_server.store.columns import Picked, RegionSlots, by_segment, column_of, gather_bytes
+from rpc_server.store.segments import BodyBuffer, FieldIndex, Segment, Stage
 
 logger = logging.getLogger("rpc_server")
 
@@ -48,10 +50,6 @@ MAX_MISSING_LISTED = 10_000
 SHARE_ATTEMPTS = 3
 # A buffer this large or larger is compacted once under half of it is live.
 COMPACT_MIN_BYTES = 1 << 20
-# A fetch whose rows form more runs than this, averaging under `GATHER_RUN_BYTES`, copies
-# them into one buffer instead of sending each run as its own part.
-MAX_SEND_RUNS = 64
-GATHER_RUN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,146 +91,6 @@ class PutReceipt(NamedTuple):
     stored: int
     bytes: int
     segments: tuple[tuple[str, int], ...]
-
-
-class _Buffer:
-    """One put's body (or a compacted segment's own copy): the memory segments point into.
-
-    `region` is set when that memory is a shared region (a same-host put, or a buffer moved
-    into shared memory for a same-host reader): its segments can be handed out by reference.
-    """
-
-    __slots__ = ("size", "live_bytes", "members", "region")
-
-    def __init__(self, size: int, region: SharedRegion | None = None) -> None:
-        self.size = size
-        self.live_bytes = 0
-        self.members: set[int] = set()  # ids of the segments in it
-        self.region = region
-
-
-class _Segment:
-    """One field's rows from one put; never mutated once built (compaction makes a new one)."""
-
-    __slots__ = (
-        "id",
-        "field",
-        "dtype",
-        "data",
-        "starts",
-        "sizes",
-        "shapes",
-        "values",
-        "task_rows",
-        "buffer",
-        "live",
-        "region_offset",
-    )
-
-    def __init__(
-        self,
-        seg_id: int,
-        field: str,
-        column: RawColumn,
-        task_rows: np.ndarray,
-        buffer: _Buffer,
-        data: np.ndarray | None = None,
-    ) -> None:
-        self.id = seg_id
-        self.field = field
-        self.dtype = column.dtype
-        self.sizes = column.row_nbytes()
-        self.starts = np.zeros(len(self.sizes), dtype=np.int64)
-        if len(self.sizes) > 1:
-            np.cumsum(self.sizes[:-1], out=self.starts[1:])
-        self.shapes = column.shapes
-        self.values = column.values
-        if data is None and column.dtype is not None:
-            data = np.frombuffer(column.single_buffer(), dtype=np.uint8)
-        self.data = data
-        self.task_rows = task_rows
-        self.buffer = buffer
-        self.live = len(task_rows)  # rows still the value of their task's field
-        # Where `data` starts in the buffer's shared region (None: not in one).
-        region = buffer.region
-        self.region_offset = region.offset_of(data) if region is not None and data is not None else None
-
-    @property
-    def bytes_array(self) -> np.ndarray:
-        """A tensor segment's bytes (a JSON segment has none: `values` holds its rows)."""
-        if self.data is None:
-            raise TypeError("a JSON segment has no bytes")
-        return self.data
-
-    @property
-    def tensor_shapes(self) -> RowShapes:
-        """A tensor segment's rows' shapes."""
-        if self.shapes is None:
-            raise TypeError("a JSON segment has no shapes")
-        return self.shapes
-
-    @property
-    def outside_region(self) -> bool:
-        """Tensor bytes not in a shared region yet (a same-host reader moves them into one)."""
-        return (
-            self.dtype is not None
-            and self.region_offset is None
-            and self.data is not None
-            and bool(self.data.nbytes)
-        )
-
-    def rehomed(self, data: np.ndarray, buffer: _Buffer, region_offset: int) -> _Segment:
-        """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region)."""
-        fresh = _Segment.__new__(_Segment)
-        for name in _Segment.__slots__:
-            setattr(fresh, name, getattr(self, name))
-        fresh.data, fresh.buffer, fresh.region_offset = data, buffer, region_offset
-        return fresh
-
-
-class _FieldIndex:
-    """Per task row: the segment (-1: none) and the row in it holding this field's value.
-
-    Sized to the highest row the field has touched (rows past it hold nothing), and
-    dropped by the store once the field holds no value: a field costs memory for the
-    rows it spans, never for every task the store knows.
-    """
-
-    __slots__ = ("seg", "pos", "live")
-
-    def __init__(self) -> None:
-        self.seg = np.full(0, -1, dtype=np.int64)
-        self.pos = np.zeros(0, dtype=np.int64)
-        self.live = 0  # rows holding a value
-
-    def ensure(self, max_row: int) -> None:
-        if max_row < len(self.seg):
-            return
-        extra = max(max_row + 1, 2 * len(self.seg), 64) - len(self.seg)
-        self.seg = np.concatenate([self.seg, np.full(extra, -1, dtype=np.int64)])
-        self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
-
-    def segs_at(self, rows: np.ndarray) -> np.ndarray:
-        """The segment at each of `rows` (-1 for none, rows past the index included)."""
-        if len(rows) and int(rows.max()) < len(self.seg):
-            return self.seg[rows]
-        out = np.full(len(rows), -1, dtype=np.int64)
-        inside = rows < len(self.seg)
-        out[inside] = self.seg[rows[inside]]
-        return out
-
-    def nbytes(self) -> int:
-        return self.seg.nbytes + self.pos.nbytes
-
-
-class _Stage:
-    __slots__ = ("touched", "parts", "nbytes")
-
-    def __init__(self, touched: float) -> None:
-        self.touched = touched
-        # part name -> (bundle, its body size, the shared region holding the body if any)
-        self.parts: dict[str, tuple[Bundle, int, SharedRegion | None]] = {}
-        self.nbytes = 0
 
 
 def bundle_from_raw(shards: Mapping[Any, Any]) -> Bundle:
@@ -311,17 +169,17 @@ class ShardStore:
         self._free: list[int] = []
         self._next_row = 0
         self._access = np.zeros(0, dtype=np.float64)  # clock() of each task's last put / fetch
-        self._fields: dict[str, _FieldIndex] = {}
-        self._segments: dict[int, _Segment] = {}
+        self._fields: dict[str, FieldIndex] = {}
+        self._segments: dict[int, Segment] = {}
         self._seg_ids = itertools.count()
-        self._buffers: dict[int, _Buffer] = {}  # id(buffer) -> buffer, for held bytes
+        self._buffers: dict[int, BodyBuffer] = {}  # id(buffer) -> buffer, for held bytes
         self._shards = 0
         self._bytes = 0
         self._evicted_shards = 0
         self._evicted_bytes = 0
         # Puts split over several requests are staged, then committed at once.
         # Staged bytes count against capacity so that a commit cannot overflow.
-        self._stages: dict[str, _Stage] = {}
+        self._stages: dict[str, Stage] = {}
         self._staged_bytes = 0
         self._committed: dict[str, tuple[float, tuple[int, int]]] = {}
         # Runs only while stages exist (started by `stage`, exits when none are left).
@@ -364,10 +222,10 @@ class ShardStore:
         self._ids = np.concatenate([self._ids, np.full(extra, None, dtype=object)])
         self._access = np.concatenate([self._access, np.zeros(extra, dtype=np.float64)])
 
-    def _field(self, name: str) -> _FieldIndex:
+    def _field(self, name: str) -> FieldIndex:
         index = self._fields.get(name)
         if index is None:
-            index = self._fields[name] = _FieldIndex()
+            index = self._fields[name] = FieldIndex()
         return index
 
     def _release_empty(self, rows: np.ndarray) -> None:
@@ -415,7 +273,7 @@ class ShardStore:
         """Rows at (`segs`, `positions`) just died: update counts, free segments, then compact
         buffers left mostly dead (after all the accounting: compaction replaces segments)."""
         count = freed = 0
-        sparse: dict[int, _Buffer] = {}
+        sparse: dict[int, BodyBuffer] = {}
         for seg_id in unique_ints(segs).tolist():
             seg = self._segments[seg_id]
             dead = positions[segs == seg_id] if len(segs) > 1 else positions
@@ -435,7 +293,7 @@ class ShardStore:
                 self._compact_buffer(buffer)
         return count, freed
 
-    def _segment_live(self, seg: _Segment) -> np.ndarray:
+    def _segment_live(self, seg: Segment) -> np.ndarray:
         """Which of the segment's rows are still the value of their task's field."""
         index = self._fields.get(seg.field)
         rows = seg.task_rows
@@ -445,40 +303,40 @@ class ShardStore:
         live[live] &= index.pos[rows[live]] == np.flatnonzero(live)
         return live
 
-    def _drop_segment(self, seg: _Segment) -> None:
+    def _drop_segment(self, seg: Segment) -> None:
         del self._segments[seg.id]
         buffer = seg.buffer
         buffer.members.discard(seg.id)
         if not buffer.members:
             self._forget_buffer(buffer)
 
-    def _keep_buffer(self, buffer: _Buffer) -> None:
+    def _keep_buffer(self, buffer: BodyBuffer) -> None:
         self._buffers[id(buffer)] = buffer
         if buffer.region is not None:
             self._shared_bytes += buffer.region.size
             self._shared_regions += 1
 
-    def _forget_buffer(self, buffer: _Buffer) -> None:
+    def _forget_buffer(self, buffer: BodyBuffer) -> None:
         """Stop holding `buffer`; a shared region's descriptor closes once no request holds it."""
         if self._buffers.pop(id(buffer), None) is not None and buffer.region is not None:
             self._shared_bytes -= buffer.region.size
             self._shared_regions -= 1
 
-    def _compact_buffer(self, buffer: _Buffer) -> None:
+    def _compact_buffer(self, buffer: BodyBuffer) -> None:
         """Copy the live rows of every segment in `buffer` into buffers of their own."""
         for seg in [self._segments[s] for s in sorted(buffer.members)]:
             live = self._segment_live(seg)
             keep = np.flatnonzero(live)
             sizes = seg.sizes[keep]
-            own = _Buffer(int(sizes.sum()))
+            own = BodyBuffer(int(sizes.sum()))
             if seg.dtype is not None:
-                data = _gather_bytes(seg.bytes_array, seg.starts[keep], sizes)
+                data = gather_bytes(seg.bytes_array, seg.starts[keep], sizes)
                 column = RawColumn(seg.dtype, seg.tensor_shapes.take(keep), [data.data], len(data))
             else:
                 values = seg.values or []
                 column = RawColumn(None, values=[values[i] for i in keep.tolist()])
                 data = None
-            fresh = _Segment(seg.id, seg.field, column, seg.task_rows[keep], own, data)
+            fresh = Segment(seg.id, seg.field, column, seg.task_rows[keep], own, data)
             fresh.sizes = sizes  # keep the accounting exact (JSON sizes are an even split)
             fresh.starts = (
                 np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(keep) else sizes
@@ -506,17 +364,17 @@ class ShardStore:
                 f" limit) is {count}"
             )
 
-    def _unshared(self, buffer: _Buffer) -> list[_Segment]:
+    def _unshared(self, buffer: BodyBuffer) -> list[Segment]:
         """The tensor segments of `buffer` holding bytes outside any shared region (lock held)."""
         members = [self._segments[s] for s in sorted(buffer.members)]
         return [seg for seg in members if seg.outside_region]
 
-    def _move_to_regions(self, buffers: Iterable[_Buffer]) -> None:
+    def _move_to_regions(self, buffers: Iterable[BodyBuffer]) -> None:
         """Copy the tensor segments of each buffer into one new shared region per buffer, so
         same-host readers can map them. The copies are made outside the lock (segments never
         change); a buffer whose segments changed meanwhile keeps its old home (the caller
         looks again)."""
-        plans: list[tuple[_Buffer, list[_Segment], list[int], list[Any]]] = []
+        plans: list[tuple[BodyBuffer, list[Segment], list[int], list[Any]]] = []
         planned = 0
         with self._lock:
             for buffer in buffers:
@@ -545,10 +403,10 @@ class ShardStore:
                     self._rehome(buffer, moving, offsets, region)
 
     def _rehome(
-        self, buffer: _Buffer, moving: list[_Segment], offsets: list[int], region: SharedRegion
+        self, buffer: BodyBuffer, moving: list[Segment], offsets: list[int], region: SharedRegion
     ) -> None:
         """Point `moving` (segments of `buffer`) at their copies in `region` (lock held)."""
-        own = _Buffer(region.size, region)
+        own = BodyBuffer(region.size, region)
         for seg, offset in zip(moving, offsets):
             size = seg.data.nbytes  # type: ignore[union-attr]
             live = int(seg.sizes[self._segment_live(seg)].sum())
@@ -610,7 +468,7 @@ class ShardStore:
         """Store a measured bundle (lock held; capacity already checked)."""
         rows = self._assign(bundle.task_ids, self._lookup(bundle.task_ids))
         columns = bundle.columns
-        buffer = _Buffer(0, region)
+        buffer = BodyBuffer(0, region)
         stored = nbytes = 0
         segments: list[tuple[str, int]] = []
         for key, column in columns.items():
@@ -619,7 +477,7 @@ class ShardStore:
             if not len(col_rows):
                 continue  # a column of no rows stores nothing
             self._kill(name, col_rows)
-            seg = _Segment(next(self._seg_ids), name, column, col_rows, buffer)
+            seg = Segment(next(self._seg_ids), name, column, col_rows, buffer)
             index = self._field(name)
             index.ensure(int(col_rows.max()))
             index.seg[col_rows] = seg.id
@@ -685,7 +543,7 @@ class ShardStore:
             self._expire_stages(now)  # first: this stage itself may have expired
             if stage_id in self._committed:
                 raise UnknownStageError(f"stage {stage_id!r} is already committed")
-            stage = self._stages.get(stage_id) or _Stage(now)
+            stage = self._stages.get(stage_id) or Stage(now)
             # Unnamed parts are named by what they hold, so a re-sent request replaces itself.
             key = part or f"#{hash((tuple(bundle.task_ids), tuple(bundle.columns)))}"
             released = stage.parts[key][0].nbytes() if key in stage.parts else 0
@@ -804,10 +662,10 @@ class ShardStore:
         their descriptors open. `SharedMemoryUnavailable` when a region cannot be made.
         """
         for _ in range(SHARE_ATTEMPTS):
-            pending: dict[int, _Buffer] = {}
+            pending: dict[int, BodyBuffer] = {}
             picked = self._pick(task_ids, fields, share_from=inline_below, pending=pending)
             if not pending:
-                slots = _RegionSlots()
+                slots = RegionSlots()
                 columns = self._columns(picked, slots)
                 return Bundle(list(task_ids), columns), slots.regions
             self._move_to_regions(pending.values())
@@ -818,14 +676,14 @@ class ShardStore:
         task_ids: Sequence[str],
         fields: Sequence[str],
         share_from: int | None = None,
-        pending: dict[int, _Buffer] | None = None,
-    ) -> list[_Picked]:
+        pending: dict[int, BodyBuffer] | None = None,
+    ) -> list[Picked]:
         """Per field: the segment and position of each task's value (`MissingShardsError` for
         any absent). With `share_from`, the tensor fields of that many bytes or more are marked
         shared; buffers holding their bytes outside a shared region go into `pending`."""
         with self._lock:
             rows = self._lookup(task_ids)
-            picked: list[_Picked] = []
+            picked: list[Picked] = []
             missing: list[ShardKey] = []
             missing_count = 0
             for name in fields:
@@ -841,7 +699,7 @@ class ShardStore:
                 positions = index.pos[rows] if index is not None else segs
                 used = {s: self._segments[s] for s in unique_ints(segs).tolist()}
                 shared = share_from is not None and self._shares(segs, positions, used, share_from, pending)
-                picked.append(_Picked(name, segs, positions, used, shared))
+                picked.append(Picked(name, segs, positions, used, shared))
             if not missing:
                 self._touch(rows)
         if missing:
@@ -852,15 +710,15 @@ class ShardStore:
         self,
         segs: np.ndarray,
         positions: np.ndarray,
-        used: dict[int, _Segment],
+        used: dict[int, Segment],
         share_from: int,
-        pending: dict[int, _Buffer] | None,
+        pending: dict[int, BodyBuffer] | None,
     ) -> bool:
         """Whether a field's rows go by reference: tensors of `share_from` bytes or more. If so,
         the buffers of segments not in a shared region yet go into `pending` (lock held)."""
         if any(seg.dtype is None for seg in used.values()):
             return False
-        nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in _by_segment(segs, positions, used))
+        nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in by_segment(segs, positions, used))
         if nbytes < share_from:
             return False
         if pending is not None:
@@ -869,7 +727,7 @@ class ShardStore:
                     pending[id(seg.buffer)] = seg.buffer
         return True
 
-    def _columns(self, picked: list[_Picked], slots: _RegionSlots | None = None) -> dict[str, RawColumn]:
+    def _columns(self, picked: list[Picked], slots: RegionSlots | None = None) -> dict[str, RawColumn]:
         """The picked rows as columns (outside the lock: segments never change once built)."""
         columns: dict[str, RawColumn] = {}
         for name, segs, positions, used, shared in picked:
@@ -878,12 +736,12 @@ class ShardStore:
             for seg_id, seg in used.items():
                 kinds.setdefault(seg.dtype, []).append(seg_id)
             if len(kinds) == 1:
-                columns[name] = _column_of(segs, positions, used, share)
+                columns[name] = column_of(segs, positions, used, share)
                 continue
             # The field holds different dtypes for these tasks: one column per dtype (`field#k`).
             for layer, seg_ids in enumerate(kinds.values()):
                 rows_k = np.flatnonzero(np.isin(segs, seg_ids))
-                column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
+                column = column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
                 column.rows = rows_k
                 columns[f"{name}{LAYER_MARK}{layer}" if layer else name] = column
         return columns
@@ -1038,179 +896,3 @@ class ShardStore:
         return self._shards
 
 
-def _gather_bytes(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """The byte ranges (`starts`, `sizes`) of `data`, one after another, in a new array."""
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    for start, stop, at in _runs(starts, sizes):
-        out[at : at + stop - start] = data[start:stop]
-    return out
-
-
-def _runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int]]:
-    """Maximal runs of adjacent byte ranges: (start, stop, offset in the output) each."""
-    if not len(starts):
-        return []
-    run_starts, run_stops, first = _run_bounds(starts, sizes)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
-    return zip(run_starts.tolist(), run_stops.tolist(), offsets.tolist())
-
-
-def _run_bounds(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of adjacent byte ranges (at least one range): their starts, their stops, and
-    the index of each run's first range."""
-    ends = starts + sizes
-    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-    first = np.concatenate([[0], breaks])
-    last = np.concatenate([breaks, [len(starts)]]) - 1
-    return starts[first], ends[last], first
-
-
-class _Picked(NamedTuple):
-    """One field of a fetch: per asked task, its segment and position; the segments by id."""
-
-    name: str
-    segs: np.ndarray
-    positions: np.ndarray
-    used: dict[int, _Segment]
-    shared: bool
-
-
-class _RegionSlots:
-    """The shared regions one same-host reply refers to, each numbered once."""
-
-    def __init__(self) -> None:
-        self.regions: list[SharedRegion] = []
-        self._slot: dict[int, int] = {}
-
-    def slot(self, region: SharedRegion) -> int:
-        slot = self._slot.get(id(region))
-        if slot is None:
-            slot = self._slot[id(region)] = len(self.regions)
-            self.regions.append(region)
-        return slot
-
-
-def _column_of(
-    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment], share: _RegionSlots | None = None
-) -> RawColumn:
-    """One field's rows (in request order) from the segments holding them; with `share`, as runs
-    in shared regions (every segment is in one) instead of bytes."""
-    first = next(iter(used.values()))
-    if first.dtype is None:
-        if len(used) == 1:
-            values = list(map((first.values or []).__getitem__, positions.tolist()))
-        else:
-            values = [used[s].values[p] for s, p in zip(segs.tolist(), positions.tolist())]  # type: ignore[index]
-        return RawColumn(None, values=values)
-    if len(used) == 1:
-        shapes = first.shapes.take(positions)  # type: ignore[union-attr]
-        chunks = [(first, positions)]
-    else:
-        shapes = _shapes_in_order(segs, positions, used)
-        # Rows in request order, as runs of rows from one segment.
-        change = np.flatnonzero(np.diff(segs)) + 1
-        chunks = [(used[int(segs[c[0]])], positions[c]) for c in np.split(np.arange(len(segs)), change)]
-    if share is not None:
-        runs = np.concatenate([_run_table(seg, rows, share) for seg, rows in chunks])
-        return RawColumn(first.dtype, shapes, (), int(runs[:, 2].sum()), runs=runs)
-    parts = [part for seg, rows in chunks for part in _parts(seg, rows)]
-    if len(chunks) > 1 and len(parts) > MAX_SEND_RUNS:
-        parts = [np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]).data]
-    return RawColumn(first.dtype, shapes, parts, parts_size(parts))
-
-
-def _by_segment(
-    segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]
-) -> Iterator[tuple[_Segment, np.ndarray]]:
-    """Each segment with the positions of its rows (grouped: one step per segment, not per row)."""
-    if len(used) == 1:
-        yield next(iter(used.values())), positions
-        return
-    order = np.argsort(segs, kind="stable")
-    for group in np.split(order, np.flatnonzero(np.diff(segs[order])) + 1):
-        yield used[int(segs[group[0]])], positions[group]
-
-
-def _shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, _Segment]) -> RowShapes:
-    """The rows' shapes in request order, from several segments: grouped by segment (stable),
-    each group's shapes taken at once, then put back in request order."""
-    order = np.argsort(segs, kind="stable")
-    groups = []
-    bounds = np.flatnonzero(np.diff(segs[order])) + 1
-    for chunk in np.split(order, bounds):
-        seg = used[int(segs[chunk[0]])]
-        groups.append(seg.shapes.take(positions[chunk]))  # type: ignore[union-attr]
-    return RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
-
-
-def _run_table(seg: _Segment, positions: np.ndarray, share: _RegionSlots) -> np.ndarray:
-    """The bytes of `positions` of `seg` as maximal runs in its region: an (n, 3) int64 table of
-    (region slot, offset, length), in order, empty runs left out."""
-    sizes = seg.sizes[positions]
-    if not int(sizes.sum()):
-        return np.zeros((0, 3), dtype=np.int64)  # no bytes: no region to name
-    region = seg.buffer.region
-    if region is None or seg.region_offset is None:  # `fetch_shared` moves every segment first
-        raise SharedMemoryUnavailable(f"segment {seg.id} of field {seg.field!r} is not in a shared region")
-    run_starts, run_stops, _ = _run_bounds(seg.starts[positions] + seg.region_offset, sizes)
-    table = np.empty((len(run_starts), 3), dtype=np.int64)
-    table[:, 0] = share.slot(region)
-    table[:, 1] = run_starts
-    table[:, 2] = run_stops - run_starts
-    return table[table[:, 2] > 0]
-
-
-def _parts(seg: _Segment, positions: np.ndarray) -> list[memoryview]:
-    """The bytes of `positions` of `seg`, in order: views for a few runs, one gathered copy for many."""
-    starts, sizes = seg.starts[positions], seg.sizes[positions]
-    runs = list(_runs(starts, sizes))
-    total = int(sizes.sum())
-    if len(runs) <= MAX_SEND_RUNS or total >= len(runs) * GATHER_RUN_BYTES:
-        view = seg.bytes_array.data
-        return [view[start:stop] for start, stop, _ in runs if stop > start]
-    shapes = seg.shapes
-    if shapes is not None and shapes.shape is not None and len(seg.sizes) and int(seg.sizes[0]):
-        width = int(seg.sizes[0])  # equal rows: one C-level take
-        rows = seg.bytes_array[: len(seg.sizes) * width].reshape(-1, width)
-        return [np.take(rows, positions, axis=0).reshape(-1).data]
-    return [_gather_bytes(seg.bytes_array, starts, sizes).data]
-
-
-class IdleSweeper:
-    """A daemon thread that calls `store.evict_idle()` every `interval` seconds until `stop()`.
-
-    For controllers that crash (or forget) and never clear: their shards would
-    otherwise hold the worker's memory forever. Each sweep that evicts logs a WARNING.
-    """
-
-    def __init__(self, store: ShardStore, interval: float | None = None) -> None:
-        if store.max_idle_seconds is None:
-            raise ValueError("the store has no max_idle_seconds: nothing to sweep")
-        self.store = store
-        self.interval = interval if interval is not None else min(max(store.max_idle_seconds / 4, 0.05), 10.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="idle-sweeper", daemon=True)
-
-    def start(self) -> IdleSweeper:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sweep()
-
-    def sweep(self) -> tuple[int, int]:
-        count, freed = self.store.evict_idle()
-        if count:
-            logger.warning(
-                "evicted %d shard(s), %d bytes idle for over %gs (for crashed controllers that never clear)",
-                count,
-                freed,
-                self.store.max_idle_seconds,
-            )
-        return count, freed
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
