@@ -60,8 +60,9 @@ def convert(status: BatchStatus, remote: Callable[..., DistributedBatchMemory]) 
 
 
 @pytest.fixture
-def doomed_workers() -> Iterator[list[WorkerProcess]]:
-    """Two fresh workers of which a test kills one; both stopped at teardown."""
+def fresh_workers() -> Iterator[list[WorkerProcess]]:
+    """Two workers of the test's own: their stores start empty, and a test may kill one. Both
+    stopped at teardown."""
     workers = spawn_workers(2)
     yield workers
     for w in workers:

@@ -75,7 +75,7 @@ def mclient() -> Iterator[ShardClient]:
 
 
 @pytest.fixture(scope="module")
-def clean_workers() -> Iterator[list[WorkerProcess]]:
+def fresh_workers() -> Iterator[list[WorkerProcess]]:
     """Two workers for the clear tests, which check that the stores end up empty."""
     workers = spawn_workers(2)
     yield workers
@@ -559,9 +559,9 @@ def test_concurrent_sequential_consumers_and_producers(
 
 
 def test_clear_tasks_and_partition_delete_shards_then_forget(
-    clean_workers: list[WorkerProcess], mclient: ShardClient
+    fresh_workers: list[WorkerProcess], mclient: ShardClient
 ) -> None:
-    a, b = (w.node for w in clean_workers)
+    a, b = (w.node for w in fresh_workers)
     ctl = Controller(RankAwareSampler(), client=mclient)
     ids = [f"{prefix()}-{i}" for i in range(6)]
     ctl.put("p", remote(a, ids, prompt=tokens([1, 2, 3, 4, 5, 6])))
@@ -592,8 +592,8 @@ def test_clear_tasks_and_partition_delete_shards_then_forget(
     assert shards_on(mclient, b) == 0 and ctl.partitions() == []
 
 
-def test_clear_with_a_worker_down(doomed_workers: list[WorkerProcess], mclient: ShardClient) -> None:
-    live, dead = doomed_workers
+def test_clear_with_a_worker_down(fresh_workers: list[WorkerProcess], mclient: ShardClient) -> None:
+    live, dead = fresh_workers
     quick = ShardClient(timeout=3.0, connect_timeout=1.0, retries=1)
     try:
         ctl = Controller(client=quick)
@@ -646,9 +646,9 @@ def test_clear_with_a_worker_down(doomed_workers: list[WorkerProcess], mclient: 
 
 
 def test_tasks_being_cleared_are_neither_handed_out_nor_extended(
-    doomed_workers: list[WorkerProcess], mclient: ShardClient, pool: ThreadPoolExecutor
+    fresh_workers: list[WorkerProcess], mclient: ShardClient, pool: ThreadPoolExecutor
 ) -> None:
-    stalled, live = doomed_workers
+    stalled, live = fresh_workers
     ctl = Controller(client=mclient)
     pre = prefix()
     going = [f"{pre}-go{i}" for i in range(3)]

@@ -315,9 +315,9 @@ def test_bad_raw_requests_get_json_errors(
 
 
 def test_clear_error_over_http_names_the_dead_worker(
-    doomed_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
+    fresh_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
 ) -> None:
-    live, dead = doomed_workers
+    live, dead = fresh_workers
     quick = ShardClient(timeout=3.0, connect_timeout=1.0, retries=1)
     try:
         server = serve(Controller(client=quick))
@@ -352,9 +352,9 @@ def test_clear_error_over_http_names_the_dead_worker(
 
 
 def test_put_during_a_clear_is_a_clear_in_progress_error_over_http(
-    doomed_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
+    fresh_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
 ) -> None:
-    stalled, live = doomed_workers
+    stalled, live = fresh_workers
     rc = RemoteController(serve(Controller()).address, timeout=30)
     going = [f"{prefix()}-go{i}" for i in range(2)]
     rc.put("p", remote(stalled.node, going, x=torch.zeros(2, 1)))

@@ -88,3 +88,23 @@ def test_a_type_checker_sees_the_real_classes(tmp_path: Path) -> None:
     assert "distbatch.launch.group.WorkerGroup" in notes[1], notes[1]
     assert "list[distbatch.batch.memory.DistributedBatchMemory]" in notes[2], notes[2]
     assert "error" not in out.stdout, out.stdout
+
+
+def test_module_paths_users_imported_before_the_restructure_still_work() -> None:
+    """README sessions and user code written against the flat layout keep importing."""
+    ray_group = importlib.import_module("distbatch.ray_group")  # now distbatch.launch.ray_actors
+    ray_actors = importlib.import_module("distbatch.launch.ray_actors")
+    assert ray_group.init_local_ray is ray_actors.init_local_ray
+    assert ray_group.start_ray_workers is ray_actors.start_ray_workers
+    launch = importlib.import_module("distbatch.launch")
+    local = importlib.import_module("distbatch.launch.local")
+    assert launch.spawn_worker is local.spawn_worker and launch.WorkerProcess is local.WorkerProcess
+    samplers = importlib.import_module("distbatch.samplers")
+    assert samplers.SeqlenBalancedSampler.__module__ == "distbatch.samplers"
+    for module, name in [
+        ("distbatch.controller", "Controller"),
+        ("distbatch.client", "ShardClient"),
+        ("distbatch.batch", "DistributedBatchMemory"),
+        ("distbatch.shm", "disabled_reason"),
+    ]:
+        assert getattr(importlib.import_module(module), name) is not None
