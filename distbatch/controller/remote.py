@@ -140,12 +140,7 @@ class RemoteController:
                 delay = min(GET_META_BACKOFF * 2 ** (attempt - 1), GET_META_BACKOFF_MAX)
                 if attempt > retries or time.monotonic() + delay >= deadline:
                     raise
-                logger.warning(
-                    "get_meta %s of partition %r: %s; asking again with the same request id",
-                    request_id,
-                    partition_id,
-                    exc.detail,
-                )
+                logger.warning("get_meta %s of %r: %s; asking again", request_id, partition_id, exc.detail)
                 time.sleep(delay)
 
     def create_partition(self, partition_id: str, expected_fields: Iterable[str] = ()) -> None:
