@@ -1,52 +1,33 @@
-"""Building a fetch's response columns from segments: byte runs gathered or sent as views,
-shapes in request order, and the run tables of shared-memory answers."""
+"""What a fetch answers: picking each field's rows (under the store lock), then building the
+response columns from the segments (outside it: segments never change once built).
+
+A run of consecutive rows is served as one slice of its segment, scattered rows are gathered in
+one pass; for a same-host reader, tensor columns come as run tables into shared regions instead
+of bytes. Separate from the store's bookkeeping: this reads segments, it never changes them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from distbatch.shm import SharedRegion
-from distbatch.wire.bundle import RawColumn
+from distbatch.ids import ShardKey
+from distbatch.wire.bundle import LAYER_MARK, RawColumn
 from distbatch.wire.container import parts_size
-from distbatch.wire.shapes import RowShapes
-from rpc_server.errors import SharedMemoryUnavailable
-from rpc_server.store.segments import Segment
+from distbatch.wire.shapes import RowShapes, unique_ints
+from rpc_server.errors import MissingShardsError
+from rpc_server.store.index import ShardIndex
+from rpc_server.store.regions import RegionSlots, run_table
+from rpc_server.store.segments import Buffer, Segment, SegmentTable, byte_runs, gather_bytes
 
+# A 404 lists at most this many missing keys (and says how many there are).
+MAX_MISSING_LISTED = 10_000
 # A fetch whose rows form more runs than this, averaging under `GATHER_RUN_BYTES`, copies
 # them into one buffer instead of sending each run as its own part.
 MAX_SEND_RUNS = 64
-
 GATHER_RUN_BYTES = 64 << 10
-
-
-def gather_bytes(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """The byte ranges (`starts`, `sizes`) of `data`, one after another, in a new array."""
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    for start, stop, at in byte_runs(starts, sizes):
-        out[at : at + stop - start] = data[start:stop]
-    return out
-
-
-def byte_runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int]]:
-    """Maximal runs of adjacent byte ranges: (start, stop, offset in the output) each."""
-    if not len(starts):
-        return []
-    run_starts, run_stops, first = run_bounds(starts, sizes)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
-    return zip(run_starts.tolist(), run_stops.tolist(), offsets.tolist())
-
-
-def run_bounds(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of adjacent byte ranges (at least one range): their starts, their stops, and
-    the index of each run's first range."""
-    ends = starts + sizes
-    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-    first = np.concatenate([[0], breaks])
-    last = np.concatenate([breaks, [len(starts)]]) - 1
-    return starts[first], ends[last], first
 
 
 class Picked(NamedTuple):
@@ -59,22 +40,84 @@ class Picked(NamedTuple):
     shared: bool
 
 
-class RegionSlots:
-    """The shared regions one same-host reply refers to, each numbered once."""
+def pick(
+    index: ShardIndex,
+    segments: SegmentTable,
+    task_ids: Sequence[str],
+    rows: np.ndarray,
+    fields: Sequence[str],
+    share_from: int | None = None,
+    pending: dict[int, Buffer] | None = None,
+) -> list[Picked]:
+    """Per field: the segment and position of each task's value (at `rows`; store lock held).
 
-    def __init__(self) -> None:
-        self.regions: list[SharedRegion] = []
-        self._slot: dict[int, int] = {}
+    `MissingShardsError` lists every absent key. With `share_from`, the tensor fields of that
+    many bytes or more are marked shared; buffers holding their bytes outside a shared region go
+    into `pending`.
+    """
+    picked: list[Picked] = []
+    missing: list[ShardKey] = []
+    missing_count = 0
+    for name in fields:
+        segs = index.locate(name, rows)
+        absent = np.flatnonzero(segs < 0)
+        if len(absent):
+            missing_count += len(absent)
+            room = MAX_MISSING_LISTED - len(missing)
+            missing += [ShardKey(task_ids[i], name) for i in absent[: max(room, 0)].tolist()]
+            continue
+        positions = index.positions(name, rows)
+        used = {s: segments.segments[s] for s in unique_ints(segs).tolist()}
+        shared = share_from is not None and _shares(segs, positions, used, share_from, pending)
+        picked.append(Picked(name, segs, positions, used, shared))
+    if missing:
+        raise MissingShardsError(missing, missing_count)
+    return picked
 
-    def slot(self, region: SharedRegion) -> int:
-        slot = self._slot.get(id(region))
-        if slot is None:
-            slot = self._slot[id(region)] = len(self.regions)
-            self.regions.append(region)
-        return slot
+
+def _shares(
+    segs: np.ndarray,
+    positions: np.ndarray,
+    used: dict[int, Segment],
+    share_from: int,
+    pending: dict[int, Buffer] | None,
+) -> bool:
+    """Whether a field's rows go by reference: tensors of `share_from` bytes or more. If so,
+    the buffers of segments not in a shared region yet go into `pending` (lock held)."""
+    if any(seg.dtype is None for seg in used.values()):
+        return False
+    nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in _by_segment(segs, positions, used))
+    if nbytes < share_from:
+        return False
+    if pending is not None:
+        for seg in used.values():
+            if seg.outside_region:
+                pending[id(seg.buffer)] = seg.buffer
+    return True
 
 
-def column_of(
+def build_columns(picked: list[Picked], slots: RegionSlots | None = None) -> dict[str, RawColumn]:
+    """The picked rows as columns (outside the lock: segments never change once built); the
+    shared fields as runs in `slots`' regions when given."""
+    columns: dict[str, RawColumn] = {}
+    for name, segs, positions, used, shared in picked:
+        share = slots if shared else None
+        kinds: dict[str | None, list[int]] = {}
+        for seg_id, seg in used.items():
+            kinds.setdefault(seg.dtype, []).append(seg_id)
+        if len(kinds) == 1:
+            columns[name] = _column_of(segs, positions, used, share)
+            continue
+        # The field holds different dtypes for these tasks: one column per dtype (`field#k`).
+        for layer, seg_ids in enumerate(kinds.values()):
+            rows_k = np.flatnonzero(np.isin(segs, seg_ids))
+            column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
+            column.rows = rows_k
+            columns[f"{name}{LAYER_MARK}{layer}" if layer else name] = column
+    return columns
+
+
+def _column_of(
     segs: np.ndarray, positions: np.ndarray, used: dict[int, Segment], share: RegionSlots | None = None
 ) -> RawColumn:
     """One field's rows (in request order) from the segments holding them; with `share`, as runs
@@ -90,20 +133,20 @@ def column_of(
         shapes = first.shapes.take(positions)  # type: ignore[union-attr]
         chunks = [(first, positions)]
     else:
-        shapes = shapes_in_order(segs, positions, used)
+        shapes = _shapes_in_order(segs, positions, used)
         # Rows in request order, as runs of rows from one segment.
         change = np.flatnonzero(np.diff(segs)) + 1
         chunks = [(used[int(segs[c[0]])], positions[c]) for c in np.split(np.arange(len(segs)), change)]
     if share is not None:
         runs = np.concatenate([run_table(seg, rows, share) for seg, rows in chunks])
         return RawColumn(first.dtype, shapes, (), int(runs[:, 2].sum()), runs=runs)
-    parts = [part for seg, rows in chunks for part in segment_parts(seg, rows)]
+    parts = [part for seg, rows in chunks for part in _parts(seg, rows)]
     if len(chunks) > 1 and len(parts) > MAX_SEND_RUNS:
         parts = [np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]).data]
     return RawColumn(first.dtype, shapes, parts, parts_size(parts))
 
 
-def by_segment(
+def _by_segment(
     segs: np.ndarray, positions: np.ndarray, used: dict[int, Segment]
 ) -> Iterator[tuple[Segment, np.ndarray]]:
     """Each segment with the positions of its rows (grouped: one step per segment, not per row)."""
@@ -115,7 +158,7 @@ def by_segment(
         yield used[int(segs[group[0]])], positions[group]
 
 
-def shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, Segment]) -> RowShapes:
+def _shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, Segment]) -> RowShapes:
     """The rows' shapes in request order, from several segments: grouped by segment (stable),
     each group's shapes taken at once, then put back in request order."""
     order = np.argsort(segs, kind="stable")
@@ -127,24 +170,7 @@ def shapes_in_order(segs: np.ndarray, positions: np.ndarray, used: dict[int, Seg
     return RowShapes.concat(groups).take(np.argsort(order, kind="stable"))
 
 
-def run_table(seg: Segment, positions: np.ndarray, share: RegionSlots) -> np.ndarray:
-    """The bytes of `positions` of `seg` as maximal runs in its region: an (n, 3) int64 table of
-    (region slot, offset, length), in order, empty runs left out."""
-    sizes = seg.sizes[positions]
-    if not int(sizes.sum()):
-        return np.zeros((0, 3), dtype=np.int64)  # no bytes: no region to name
-    region = seg.buffer.region
-    if region is None or seg.region_offset is None:  # `fetch_shared` moves every segment first
-        raise SharedMemoryUnavailable(f"segment {seg.id} of field {seg.field!r} is not in a shared region")
-    run_starts, run_stops, _ = run_bounds(seg.starts[positions] + seg.region_offset, sizes)
-    table = np.empty((len(run_starts), 3), dtype=np.int64)
-    table[:, 0] = share.slot(region)
-    table[:, 1] = run_starts
-    table[:, 2] = run_stops - run_starts
-    return table[table[:, 2] > 0]
-
-
-def segment_parts(seg: Segment, positions: np.ndarray) -> list[memoryview]:
+def _parts(seg: Segment, positions: np.ndarray) -> list[memoryview]:
     """The bytes of `positions` of `seg`, in order: views for a few runs, one gathered copy for many."""
     starts, sizes = seg.starts[positions], seg.sizes[positions]
     runs = list(byte_runs(starts, sizes))

@@ -1,16 +1,34 @@
-"""A store segment: one put's field as immutable rows over a body buffer, the per-field index
-that says which segment and row hold each task's value, and a staged put's bookkeeping."""
+"""The store's bytes: buffers, the immutable segments pointing into them, and their accounting.
+
+A put's fields each become one *segment*: the rows' bytes in one buffer (the request body
+itself, not a copy), with numpy arrays of byte offsets, sizes and shapes. Segments of one put
+share its body buffer. A segment goes when its last row is deleted, and the buffer when its last
+segment goes (the memory returns to the OS: bodies are anonymous mappings). A buffer whose live
+rows fall under half of it is compacted: its live rows are copied into buffers of their own.
+A buffer moved into a shared region (for same-host readers) is rehomed the same way.
+
+Separate from the index (which row of which segment holds a shard) so that memory, its reuse
+and its release are decided in one place. Nothing here locks: the store calls it with its lock
+held, except the byte-run helpers, which only read immutable segments.
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
 
 import numpy as np
 
 from distbatch.shm import SharedRegion
-from distbatch.wire.bundle import Bundle, RawColumn
-from distbatch.wire.shapes import RowShapes
+from distbatch.wire.bundle import RawColumn
+from distbatch.wire.shapes import RowShapes, unique_ints
+from rpc_server.store.index import ShardIndex
+
+# A buffer this large or larger is compacted once under half of it is live.
+COMPACT_MIN_BYTES = 1 << 20
 
 
-class BodyBuffer:
+class Buffer:
     """One put's body (or a compacted segment's own copy): the memory segments point into.
 
     `region` is set when that memory is a shared region (a same-host put, or a buffer moved
@@ -50,7 +68,7 @@ class Segment:
         field: str,
         column: RawColumn,
         task_rows: np.ndarray,
-        buffer: BodyBuffer,
+        buffer: Buffer,
         data: np.ndarray | None = None,
     ) -> None:
         self.id = seg_id
@@ -96,7 +114,7 @@ class Segment:
             and bool(self.data.nbytes)
         )
 
-    def rehomed(self, data: np.ndarray, buffer: BodyBuffer, region_offset: int) -> Segment:
+    def rehomed(self, data: np.ndarray, buffer: Buffer, region_offset: int) -> Segment:
         """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region)."""
         fresh = Segment.__new__(Segment)
         for name in Segment.__slots__:
@@ -104,47 +122,174 @@ class Segment:
         fresh.data, fresh.buffer, fresh.region_offset = data, buffer, region_offset
         return fresh
 
+    def compacted(self, keep: np.ndarray) -> Segment:
+        """The same segment (same id) holding only rows `keep`, copied into a buffer of its own."""
+        sizes = self.sizes[keep]
+        own = Buffer(int(sizes.sum()))
+        if self.dtype is not None:
+            data = gather_bytes(self.bytes_array, self.starts[keep], sizes)
+            column = RawColumn(self.dtype, self.tensor_shapes.take(keep), [data.data], len(data))
+        else:
+            values = self.values or []
+            column = RawColumn(None, values=[values[i] for i in keep.tolist()])
+            data = None
+        fresh = Segment(self.id, self.field, column, self.task_rows[keep], own, data)
+        fresh.sizes = sizes  # keep the accounting exact (JSON sizes are an even split)
+        fresh.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(keep) else sizes
+        own.live_bytes = own.size
+        own.members.add(self.id)
+        return fresh
 
-class FieldIndex:
-    """Per task row: the segment (-1: none) and the row in it holding this field's value.
 
-    Sized to the highest row the field has touched (rows past it hold nothing), and
-    dropped by the store once the field holds no value: a field costs memory for the
-    rows it spans, never for every task the store knows.
+class SegmentTable:
+    """Every segment by id, every buffer held, and the live counts: what the store holds.
+
+    Knows the index only to ask which of a segment's rows are live, and to repoint rows that
+    compaction moved.
     """
 
-    __slots__ = ("seg", "pos", "live")
+    def __init__(self, index: ShardIndex) -> None:
+        self._index = index
+        self.segments: dict[int, Segment] = {}
+        self._ids = itertools.count()
+        self._buffers: dict[int, Buffer] = {}  # id(buffer) -> buffer, for held bytes
+        self.shards = 0  # live rows
+        self.nbytes = 0  # their bytes: what capacity counts
+        self.shared_bytes = 0
+        self.shared_regions = 0
 
-    def __init__(self) -> None:
-        self.seg = np.full(0, -1, dtype=np.int64)
-        self.pos = np.zeros(0, dtype=np.int64)
-        self.live = 0  # rows holding a value
+    def __len__(self) -> int:
+        return len(self.segments)
 
-    def ensure(self, max_row: int) -> None:
-        if max_row < len(self.seg):
-            return
-        extra = max(max_row + 1, 2 * len(self.seg), 64) - len(self.seg)
-        self.seg = np.concatenate([self.seg, np.full(extra, -1, dtype=np.int64)])
-        self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
+    def held_bytes(self) -> int:
+        """What the buffers hold, dead rows included (what the process holds for them)."""
+        return sum(b.size for b in self._buffers.values())
 
-    def segs_at(self, rows: np.ndarray) -> np.ndarray:
-        """The segment at each of `rows` (-1 for none, rows past the index included)."""
-        if len(rows) and int(rows.max()) < len(self.seg):
-            return self.seg[rows]
-        out = np.full(len(rows), -1, dtype=np.int64)
-        inside = rows < len(self.seg)
-        out[inside] = self.seg[rows[inside]]
-        return out
+    def holds(self, buffer: Buffer) -> bool:
+        return id(buffer) in self._buffers
 
-    def nbytes(self) -> int:
-        return self.seg.nbytes + self.pos.nbytes
+    def add(self, name: str, column: RawColumn, task_rows: np.ndarray, buffer: Buffer) -> Segment:
+        """A new segment of `buffer` holding `column` for the tasks at `task_rows` (all live)."""
+        seg = Segment(next(self._ids), name, column, task_rows, buffer)
+        buffer.live_bytes += int(seg.sizes.sum())
+        buffer.members.add(seg.id)
+        self.segments[seg.id] = seg
+        return seg
+
+    def keep_buffer(self, buffer: Buffer) -> None:
+        self._buffers[id(buffer)] = buffer
+        if buffer.region is not None:
+            self.shared_bytes += buffer.region.size
+            self.shared_regions += 1
+
+    def forget_buffer(self, buffer: Buffer) -> None:
+        """Stop holding `buffer`; a shared region's descriptor closes once no request holds it."""
+        if self._buffers.pop(id(buffer), None) is not None and buffer.region is not None:
+            self.shared_bytes -= buffer.region.size
+            self.shared_regions -= 1
+
+    def nbytes_at(self, segs: np.ndarray, positions: np.ndarray) -> int:
+        """The bytes of the rows at (`segs`, `positions`), summed one step per segment."""
+        total = 0
+        for seg_id in unique_ints(segs).tolist():
+            total += int(self.segments[seg_id].sizes[positions[segs == seg_id]].sum())
+        return total
+
+    def account_dead(self, segs: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
+        """Rows at (`segs`, `positions`) just died: update counts, free segments, then compact
+        buffers left mostly dead (after all the accounting: compaction replaces segments).
+        Returns (rows, bytes) freed."""
+        count = freed = 0
+        sparse: dict[int, Buffer] = {}
+        for seg_id in unique_ints(segs).tolist():
+            seg = self.segments[seg_id]
+            dead = positions[segs == seg_id] if len(segs) > 1 else positions
+            nbytes = int(seg.sizes[dead].sum())
+            count += len(dead)
+            freed += nbytes
+            seg.buffer.live_bytes -= nbytes
+            seg.live -= len(dead)
+            if seg.live == 0:
+                self._drop(seg)
+            elif seg.buffer.size >= COMPACT_MIN_BYTES and 2 * seg.buffer.live_bytes < seg.buffer.size:
+                sparse[id(seg.buffer)] = seg.buffer
+        self.shards -= count
+        self.nbytes -= freed
+        for key, buffer in sparse.items():
+            if key in self._buffers and buffer.members and 2 * buffer.live_bytes < buffer.size:
+                self._compact(buffer)
+        return count, freed
+
+    def _drop(self, seg: Segment) -> None:
+        del self.segments[seg.id]
+        buffer = seg.buffer
+        buffer.members.discard(seg.id)
+        if not buffer.members:
+            self.forget_buffer(buffer)
+
+    def _live(self, seg: Segment) -> np.ndarray:
+        """Which of the segment's rows are still the value of their task's field."""
+        return self._index.live_in(seg.field, seg.task_rows, seg.id)
+
+    def _compact(self, buffer: Buffer) -> None:
+        """Copy the live rows of every segment in `buffer` into buffers of their own."""
+        for seg in [self.segments[s] for s in sorted(buffer.members)]:
+            fresh = seg.compacted(np.flatnonzero(self._live(seg)))
+            self._index.repoint(seg.field, fresh.task_rows)
+            self.keep_buffer(fresh.buffer)
+            self.segments[seg.id] = fresh
+            buffer.live_bytes -= fresh.buffer.size
+        self.forget_buffer(buffer)
+
+    def unshared(self, buffer: Buffer) -> list[Segment]:
+        """The tensor segments of `buffer` holding bytes outside any shared region."""
+        members = [self.segments[s] for s in sorted(buffer.members)]
+        return [seg for seg in members if seg.outside_region]
+
+    def unchanged(self, buffer: Buffer, moving: Iterable[Segment]) -> bool:
+        """Whether `buffer` is still held and `moving` are still its segments' current versions."""
+        return self.holds(buffer) and all(self.segments.get(s.id) is s for s in moving)
+
+    def rehome(self, buffer: Buffer, moving: list[Segment], offsets: list[int], region: SharedRegion) -> None:
+        """Point `moving` (segments of `buffer`) at their copies in `region`, at `offsets`."""
+        own = Buffer(region.size, region)
+        for seg, offset in zip(moving, offsets):
+            size = seg.data.nbytes  # type: ignore[union-attr]
+            live = int(seg.sizes[self._live(seg)].sum())
+            self.segments[seg.id] = seg.rehomed(region.array[offset : offset + size], own, offset)
+            own.members.add(seg.id)
+            own.live_bytes += live
+            buffer.members.discard(seg.id)
+            buffer.live_bytes -= live
+        self.keep_buffer(own)
+        if not buffer.members:
+            self.forget_buffer(buffer)
+        elif buffer.region is None and not any(self.segments[s].dtype is not None for s in buffer.members):
+            buffer.size = buffer.live_bytes  # only JSON values are left, which hold no body bytes
 
 
-class Stage:
-    __slots__ = ("touched", "parts", "nbytes")
+def gather_bytes(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The byte ranges (`starts`, `sizes`) of `data`, one after another, in a new array."""
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    for start, stop, at in byte_runs(starts, sizes):
+        out[at : at + stop - start] = data[start:stop]
+    return out
 
-    def __init__(self, touched: float) -> None:
-        self.touched = touched
-        # part name -> (bundle, its body size, the shared region holding the body if any)
-        self.parts: dict[str, tuple[Bundle, int, SharedRegion | None]] = {}
-        self.nbytes = 0
+
+def byte_runs(starts: np.ndarray, sizes: np.ndarray) -> Iterable[tuple[int, int, int]]:
+    """Maximal runs of adjacent byte ranges: (start, stop, offset in the output) each."""
+    if not len(starts):
+        return []
+    run_starts, run_stops, first = run_bounds(starts, sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])[first]
+    return zip(run_starts.tolist(), run_stops.tolist(), offsets.tolist())
+
+
+def run_bounds(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of adjacent byte ranges (at least one range): their starts, their stops, and
+    the index of each run's first range."""
+    ends = starts + sizes
+    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    first = np.concatenate([[0], breaks])
+    last = np.concatenate([breaks, [len(starts)]]) - 1
+    return starts[first], ends[last], first

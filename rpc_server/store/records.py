@@ -1,0 +1,91 @@
+"""What crosses the store's edge besides bundles: a put's receipt, the stats, single shards in.
+
+Separate from the store's machinery so that callers (the engine host, the routes, tests) name
+these plain values without reaching into segments or indexes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from distbatch.wire.bundle import Bundle, RawColumn
+from distbatch.wire.container import RawTensor, parts_size
+from distbatch.wire.shapes import RowShapes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    shards: int
+    tasks: int
+    bytes: int
+    capacity: int | None
+    staged_bytes: int = 0
+    evicted_shards: int = 0
+    evicted_bytes: int = 0
+    held_bytes: int = 0
+    segments: int = 0
+    shared_bytes: int = 0
+    shared_regions: int = 0
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {
+            "staged_bytes": self.staged_bytes,
+            "evicted_shards": self.evicted_shards,
+            "evicted_bytes": self.evicted_bytes,
+            "shards": self.shards,
+            "tasks": self.tasks,
+            "bytes": self.bytes,
+            "live_bytes": self.bytes,
+            "held_bytes": self.held_bytes,
+            "segments": self.segments,
+            "shared_bytes": self.shared_bytes,
+            "shared_regions": self.shared_regions,
+            "capacity": self.capacity,
+            "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
+        }
+
+
+class PutReceipt(NamedTuple):
+    """What one put stored: counts, and its segments by id (not the data, so holding a
+    receipt holds no memory); `delete_put` deletes the rows still in those segments."""
+
+    stored: int
+    bytes: int
+    segments: tuple[tuple[str, int], ...]
+
+
+def bundle_from_raw(shards: Mapping[Any, Any]) -> Bundle:
+    """`{(task_id, field): RawTensor | JSON value}` as a bundle (no torch; one step per shard).
+
+    For callers that hold single shards (tests, tools); the data path uses bundles.
+    """
+    task_index: dict[str, int] = {}
+    by_field: dict[str, list[tuple[int, Any]]] = {}
+    for (task_id, field), value in shards.items():
+        row = task_index.setdefault(task_id, len(task_index))
+        by_field.setdefault(field, []).append((row, value))
+    columns: dict[str, RawColumn] = {}
+    for field, items in by_field.items():
+        rows = np.asarray([r for r, _ in items], dtype=np.int64)
+        column = _raw_column(field, [v for _, v in items])
+        if not np.array_equal(rows, np.arange(len(task_index))):
+            column.rows = rows
+        columns[field] = column
+    return Bundle(list(task_index), columns)
+
+
+def _raw_column(field: str, values: list[Any]) -> RawColumn:
+    """One field's single values as a column: a tensor column if every value is a `RawTensor`."""
+    if not all(isinstance(v, RawTensor) for v in values):
+        return RawColumn(None, values=values)
+    dtypes = {v.dtype for v in values}
+    if len(dtypes) > 1:
+        raise ValueError(f"field {field!r} mixes dtypes {sorted(dtypes)}")
+    parts = [v.data for v in values]
+    return RawColumn(
+        values[0].dtype, RowShapes.from_list([v.shape for v in values]), parts, parts_size(parts)
+    )

@@ -1,0 +1,127 @@
+"""What the store holds: the index and the segment table, changed together.
+
+Storing a bundle's columns (replacing the values they replace), dropping values, and freeing
+the task rows left empty each touch both the index and the segments; this class keeps them
+consistent, so the `ShardStore` facade only decides capacity, stages and locking. Nothing here
+locks: the store calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from distbatch.shm import SharedRegion
+from distbatch.wire.bundle import Bundle, column_field
+from distbatch.wire.shapes import unique_ints
+from rpc_server.store.index import ShardIndex
+from rpc_server.store.records import PutReceipt
+from rpc_server.store.segments import Buffer, SegmentTable
+
+
+class Shards:
+    """The index and the segments. With `clock`, each task's last put or fetch is recorded (for
+    idle eviction); without it, nothing is tracked."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.index = ShardIndex()
+        self.segments = SegmentTable(self.index)
+        self._clock = clock
+
+    def touch(self, rows: np.ndarray) -> None:
+        """The tasks at `rows` were just put or fetched."""
+        if self._clock is not None and len(rows):
+            self.index.rows.touch(rows, self._clock())
+
+    def measure(self, bundle: Bundle) -> tuple[int, int]:
+        """(bytes the bundle brings, bytes of the stored values it replaces)."""
+        incoming = replaced = 0
+        rows = self.index.rows.lookup(bundle.task_ids)
+        for key, column in bundle.columns.items():
+            incoming += int(column.row_nbytes().sum())
+            col_rows = rows if column.rows is None else rows[column.rows]
+            replaced += self.segments.nbytes_at(*self.index.values_at(column_field(key), col_rows))
+        return incoming, replaced
+
+    def apply(self, bundle: Bundle, body_size: int | None, region: SharedRegion | None = None) -> PutReceipt:
+        """Store a measured bundle (capacity already checked), replacing the values it replaces."""
+        rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
+        buffer = Buffer(0, region)
+        stored = nbytes = 0
+        segments: list[tuple[str, int]] = []
+        for key, column in bundle.columns.items():
+            name = column_field(key)
+            col_rows = rows if column.rows is None else rows[column.rows]
+            if not len(col_rows):
+                continue  # a column of no rows stores nothing
+            self.kill(name, col_rows)
+            seg = self.segments.add(name, column, col_rows, buffer)
+            self.index.place(name, col_rows, seg.id)
+            segments.append((name, seg.id))
+            stored += len(col_rows)
+            nbytes += int(seg.sizes.sum())
+        self._keep_body(buffer, body_size, segments)
+        self.segments.shards += stored
+        self.segments.nbytes += nbytes
+        self.touch(rows)
+        self.index.release_empty(rows)  # tasks no column covered hold nothing
+        return PutReceipt(stored, nbytes, tuple(segments))
+
+    def _keep_body(self, buffer: Buffer, body_size: int | None, segments: list[tuple[str, int]]) -> None:
+        """Hold a put's body buffer while its segments point into it."""
+        # The body is held while a tensor column points into it; JSON values are parsed objects.
+        keeps_body = any(self.segments.segments[seg_id].dtype is not None for _, seg_id in segments)
+        if not keeps_body:
+            buffer.region = None  # nothing refers to the body: no need to keep its region
+        buffer.size = max(body_size or 0, buffer.live_bytes) if keeps_body else buffer.live_bytes
+        if buffer.members:
+            self.segments.keep_buffer(buffer)
+
+    def kill(self, name: str, rows: np.ndarray, only_segment: int | None = None) -> tuple[int, int]:
+        """Drop field `name` of the tasks at `rows` (if they hold it); returns (count, bytes)."""
+        dead = self.index.kill(name, rows, only_segment)
+        return (0, 0) if dead is None else self.segments.account_dead(*dead)
+
+    def delete_rows(self, rows: np.ndarray, fields: Sequence[str]) -> tuple[int, int]:
+        """Drop `fields` of the tasks at `rows`, then free the rows left empty; returns (count, bytes)."""
+        rows = unique_ints(rows)
+        count = freed = 0
+        for name in fields:
+            c, b = self.kill(name, rows)
+            count, freed = count + c, freed + b
+        self.index.release_empty(rows)
+        return count, freed
+
+    def delete_keys(self, by_field: Mapping[str, Sequence[str]]) -> tuple[int, int]:
+        """Drop each field of the tasks listed under it (absent ones skipped); returns (count, bytes)."""
+        count = freed = 0
+        touched: list[np.ndarray] = []
+        for field, task_ids in by_field.items():
+            rows = self.index.rows.lookup(task_ids)
+            rows = unique_ints(rows[rows >= 0])
+            c, b = self.kill(field, rows)
+            count, freed = count + c, freed + b
+            touched.append(rows)
+        if touched:
+            self.index.release_empty(np.concatenate(touched))
+        return count, freed
+
+    def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
+        """Drop the values one put stored that are still there; returns (count, bytes)."""
+        count = freed = 0
+        touched: list[np.ndarray] = []
+        for name, seg_id in receipt.segments:
+            seg = self.segments.segments.get(seg_id)
+            if seg is None:
+                continue
+            touched.append(seg.task_rows)
+            c, b = self.kill(name, seg.task_rows, only_segment=seg_id)
+            count, freed = count + c, freed + b
+        if touched:
+            self.index.release_empty(np.concatenate(touched))
+        return count, freed
+
+    def held_bytes(self) -> int:
+        """What the process holds for the shards: buffers (dead rows included) and the index."""
+        return self.segments.held_bytes() + self.index.nbytes()
