@@ -74,15 +74,6 @@ def mclient() -> Iterator[ShardClient]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def fresh_workers() -> Iterator[list[WorkerProcess]]:
-    """Two workers for the clear tests, which check that the stores end up empty."""
-    workers = spawn_workers(2)
-    yield workers
-    for w in workers:
-        w.stop()
-
-
 @pytest.fixture
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(max_workers=32) as executor:
