@@ -42,13 +42,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run time, `_LAZY`)
     from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
     from distbatch.batch.meta import BatchMeta, FieldMeta
-    from distbatch.client.shard_client import (
-        DeleteResult,
-        PutResult,
-        ShardClient,
-        default_client,
-        set_default_client,
-    )
+    from distbatch.client.default import default_client, set_default_client
+    from distbatch.client.results import DeleteResult, PutResult
+    from distbatch.client.shard_client import ShardClient
     from distbatch.controller.api import ControllerAPI
     from distbatch.controller.core import Controller
     from distbatch.controller.remote import RemoteController
@@ -64,11 +60,11 @@ _LAZY = {
     "DistributedBatchMemory": "distbatch.batch.memory",
     "BatchMeta": "distbatch.batch.meta",
     "FieldMeta": "distbatch.batch.meta",
-    "DeleteResult": "distbatch.client.shard_client",
-    "PutResult": "distbatch.client.shard_client",
+    "DeleteResult": "distbatch.client.results",
+    "PutResult": "distbatch.client.results",
     "ShardClient": "distbatch.client.shard_client",
-    "default_client": "distbatch.client.shard_client",
-    "set_default_client": "distbatch.client.shard_client",
+    "default_client": "distbatch.client.default",
+    "set_default_client": "distbatch.client.default",
     "Controller": "distbatch.controller.core",
     "ControllerAPI": "distbatch.controller.api",
     "RemoteController": "distbatch.controller.remote",

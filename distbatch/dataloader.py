@@ -222,6 +222,26 @@ def _poll_interval(value: Any) -> float:
 # ----------------------------------------------------------------------------- dataset
 
 
+def _check_hooks(
+    controller: Any, fetch_batch_fn: Any, process_batch_fn: Any, should_check_consumption_status: Any
+) -> None:
+    """The controller and hooks a dataset is given can do what it will ask of them."""
+    if controller is None:
+        raise ValueError("controller is required (a Controller or a RemoteController)")
+    if fetch_batch_fn is None and not callable(getattr(controller, "get_meta", None)):
+        raise ValueError(f"controller {controller!r} has no get_meta(); pass a controller or fetch_batch_fn")
+    if not isinstance(should_check_consumption_status, bool):
+        raise ValueError(
+            f"should_check_consumption_status must be a bool, got {should_check_consumption_status!r}"
+        )
+    if should_check_consumption_status and not callable(getattr(controller, "all_consumed", None)):
+        raise ValueError(f"finite mode needs controller.all_consumed(); {controller!r} has none")
+    if fetch_batch_fn is not None and not callable(fetch_batch_fn):
+        raise ValueError(f"fetch_batch_fn must be callable, got {fetch_batch_fn!r}")
+    if process_batch_fn is not None and not callable(process_batch_fn):
+        raise ValueError(f"process_batch_fn must be callable, got {process_batch_fn!r}")
+
+
 class StreamingDataset(torch.utils.data.IterableDataset):
     """Yields one dp rank's micro-batches, pulled batch by batch from a controller.
 
@@ -269,22 +289,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         fetch_retries: int = 3,
     ) -> None:
         super().__init__()
-        if controller is None:
-            raise ValueError("controller is required (a Controller or a RemoteController)")
-        if fetch_batch_fn is None and not callable(getattr(controller, "get_meta", None)):
-            raise ValueError(
-                f"controller {controller!r} has no get_meta(); pass a controller or fetch_batch_fn"
-            )
-        if not isinstance(should_check_consumption_status, bool):
-            raise ValueError(
-                f"should_check_consumption_status must be a bool, got {should_check_consumption_status!r}"
-            )
-        if should_check_consumption_status and not callable(getattr(controller, "all_consumed", None)):
-            raise ValueError(f"finite mode needs controller.all_consumed(); {controller!r} has none")
-        if fetch_batch_fn is not None and not callable(fetch_batch_fn):
-            raise ValueError(f"fetch_batch_fn must be callable, got {fetch_batch_fn!r}")
-        if process_batch_fn is not None and not callable(process_batch_fn):
-            raise ValueError(f"process_batch_fn must be callable, got {process_batch_fn!r}")
+        _check_hooks(controller, fetch_batch_fn, process_batch_fn, should_check_consumption_status)
         self.controller = controller
         self._partition_id = validate_id(partition_id, "partition_id")
         self.task_name = validate_id(task_name, "task_name")

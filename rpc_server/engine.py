@@ -21,7 +21,8 @@ import torch
 
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.calls import decode_call, encode_value
-from distbatch.client.shard_client import ShardClient, default_client
+from distbatch.client.default import default_client
+from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
 from distbatch.wire.bundle import Bundle
 from distbatch.wire.json_values import check_json, find_non_json

@@ -43,7 +43,10 @@ from distbatch.batch.columns import (
 from distbatch.batch.gather import FetchPlan, Gathered, fetch
 from distbatch.batch.meta import BatchMeta, pick
 from distbatch.batch.remote import FieldCache, RemoteColumns
-from distbatch.client.shard_client import DeleteResult, ShardClient, cut_points, default_client
+from distbatch.client.default import default_client
+from distbatch.client.planning import cut_points
+from distbatch.client.results import DeleteResult
+from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, ClearError, MetaFormatError, NodeError
 from distbatch.ids import validate_id, validate_node
 from distbatch.twins import AWAITED, BLOCKING, Twin, run_blocking

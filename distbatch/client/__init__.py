@@ -1,21 +1,21 @@
 """The client: puts, gathers and deletes shards on workers and calls their engines.
 
-Owns every byte that leaves or reaches this process for a worker: `ShardClient` (the public
-client and its private event-loop thread), the HTTP response reader that lands bodies in
-place (`http_recv`) and the same-host shared-memory channel (`same_host`). May import
-`distbatch.wire`, `distbatch.ids`, `distbatch.errors`, `distbatch.auth`, `distbatch.protocol`,
-`distbatch.recv_pool` and `distbatch.shm`; never the batch, the controller or the launchers,
-which build on them.
+Owns every byte that leaves or reaches this process for a worker. `ShardClient`
+(`shard_client`) is the public facade; behind it, one module per concern: the event-loop
+thread and its sessions (`loop`), one HTTP request with retries (`transport`), error answers
+as exceptions (`responses`), the HTTP and same-host shard paths behind one interface
+(`shard_paths`, with the shared-memory channel in `same_host` and the in-place HTTP reader in
+`http_recv`), gathers (`fetches`), deletes (`deletes`), engine calls (`engine_calls`),
+request planning shared with the batch (`planning`), result values (`results`) and the
+process-wide client (`default`). May import `distbatch.wire`, `distbatch.ids`,
+`distbatch.errors`, `distbatch.auth`, `distbatch.protocol`, `distbatch.recv_pool`,
+`distbatch.shm` and `distbatch.twins`; never the batch, the controller or the launchers,
+which build on it.
 """
 
-from distbatch.client.shard_client import (
-    DeleteResult,
-    PutResult,
-    ShardClient,
-    Traffic,
-    default_client,
-    set_default_client,
-)
+from distbatch.client.default import default_client, set_default_client
+from distbatch.client.results import DeleteResult, PutResult, Traffic
+from distbatch.client.shard_client import ShardClient
 from distbatch.ids import ShardRef
 
 __all__ = [

@@ -31,7 +31,9 @@ from typing import Any
 
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
-from distbatch.client.shard_client import DeleteResult, ShardClient, default_client
+from distbatch.client.default import default_client
+from distbatch.client.results import DeleteResult
+from distbatch.client.shard_client import ShardClient
 from distbatch.controller.answers import DEFAULT_REQUEST_MEMORY, DEFAULT_REQUEST_TTL, AnswerMemory
 from distbatch.controller.arguments import (
     check_get_meta_args,
@@ -40,15 +42,13 @@ from distbatch.controller.arguments import (
     id_list,
 )
 from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
-from distbatch.controller.partitions import Column, Partition
+from distbatch.controller.partitions import Partition
 from distbatch.errors import (
     BatchStatusError,
     ClearError,
-    ClearInProgressError,
     DistBatchError,
     InvalidArgumentError,
     NodeError,
-    SchemaConflictError,
     UnknownFieldError,
     UnknownPartitionError,
 )
@@ -133,40 +133,9 @@ class Controller:
         check_put_meta(meta)
         with self._changed:
             partition = self._partitions.get(partition_id) or Partition(partition_id)
-            for name, fm in meta.fields.items():
-                column = partition.columns.get(name)
-                if column is not None and column.dtype != fm.dtype:
-                    have, given = column.dtype or "JSON", fm.dtype or "JSON"
-                    raise SchemaConflictError(
-                        f"field {name!r} is {have} in partition {partition_id!r}, the put gives {given}"
-                    )
-            clearing = [t for t in meta.task_ids if partition.index_of.get(t) in partition.clearing]
-            if clearing:
-                raise ClearInProgressError(
-                    f"{len(clearing)} task(s) of partition {partition_id!r} are being cleared "
-                    f"(e.g. {clearing[0]!r}): put them again once clear_tasks returns"
-                )
-            new = [t for t in meta.task_ids if t not in partition.index_of]
-            n = _group_size(self.sampler)
-            if len(new) % n:
-                raise InvalidArgumentError(
-                    f"the put adds {len(new)} new task(s) to partition {partition_id!r}, not whole groups "
-                    f"of n_samples_per_prompt={n}: put each prompt's {n} responses together (groups "
-                    "are aligned blocks of indexes, so a partial group could never be completed)"
-                )
+            new = partition.check_put(meta, _group_size(self.sampler))
             self._partitions[partition_id] = partition
-            if new:
-                start = partition.allocate(len(new))
-                for offset, task_id in enumerate(new):
-                    partition.index_of[task_id] = start + offset
-                    partition.task_of[start + offset] = task_id
-            rows = [partition.index_of[t] for t in meta.task_ids]
-            local_nodes = [partition.intern_node(n) for n in meta.nodes]
-            for name, fm in meta.fields.items():
-                column = partition.columns.setdefault(name, Column(fm.dtype))
-                for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
-                    column.node[row] = local_nodes[node]
-                    column.shape[row] = shape
+            partition.register(meta, new)
             self._changed.notify_all()
         return len(new)
 
@@ -513,5 +482,3 @@ def _group_size(sampler: BaseSampler) -> int:
     if isinstance(sampler, RankAwareSampler):
         sampler = sampler.sampler
     return sampler.n_samples_per_prompt if isinstance(sampler, GRPOGroupNSampler) else 1
-
-

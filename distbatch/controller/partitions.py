@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta
-from distbatch.errors import InvalidArgumentError
+from distbatch.errors import ClearInProgressError, InvalidArgumentError, SchemaConflictError
 from distbatch.ids import ShardKey
 from distbatch.wire.shapes import RowShapes
 
@@ -75,6 +75,49 @@ class Partition:
         start = -(-self.next_index // count) * count
         self.next_index = start + count
         return start
+
+    def check_put(self, meta: BatchMeta, group_size: int) -> list[str]:
+        """The tasks a put of `meta` would add; raises, changing nothing, if it may not happen:
+        a field's dtype differs from this partition's (`SchemaConflictError`), a task is being
+        cleared (`ClearInProgressError`), or the new tasks are not whole groups of `group_size`
+        (`InvalidArgumentError`)."""
+        for name, fm in meta.fields.items():
+            column = self.columns.get(name)
+            if column is not None and column.dtype != fm.dtype:
+                have, given = column.dtype or "JSON", fm.dtype or "JSON"
+                raise SchemaConflictError(
+                    f"field {name!r} is {have} in partition {self.partition_id!r}, the put gives {given}"
+                )
+        clearing = [t for t in meta.task_ids if self.index_of.get(t) in self.clearing]
+        if clearing:
+            raise ClearInProgressError(
+                f"{len(clearing)} task(s) of partition {self.partition_id!r} are being cleared "
+                f"(e.g. {clearing[0]!r}): put them again once clear_tasks returns"
+            )
+        new = [t for t in meta.task_ids if t not in self.index_of]
+        if len(new) % group_size:
+            raise InvalidArgumentError(
+                f"the put adds {len(new)} new task(s) to partition {self.partition_id!r}, not whole "
+                f"groups of n_samples_per_prompt={group_size}: put each prompt's {group_size} responses "
+                "together (groups are aligned blocks of indexes, so a partial group could never be completed)"
+            )
+        return new
+
+    def register(self, meta: BatchMeta, new: Sequence[str]) -> None:
+        """Give the `new` tasks one block of indexes, in batch order, and record where each of
+        `meta`'s fields lives and its shape (checked first with `check_put`)."""
+        if new:
+            start = self.allocate(len(new))
+            for offset, task_id in enumerate(new):
+                self.index_of[task_id] = start + offset
+                self.task_of[start + offset] = task_id
+        rows = [self.index_of[t] for t in meta.task_ids]
+        local_nodes = [self.intern_node(n) for n in meta.nodes]
+        for name, fm in meta.fields.items():
+            column = self.columns.setdefault(name, Column(fm.dtype))
+            for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
+                column.node[row] = local_nodes[node]
+                column.shape[row] = shape
 
     def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
         """Indexes that have every field produced and are not consumed by `task_name`."""

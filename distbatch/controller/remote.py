@@ -19,7 +19,8 @@ from typing import Any
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.memory import DistributedBatchMemory
 from distbatch.calls import decode_value, encode_value
-from distbatch.client.shard_client import ShardClient, default_client
+from distbatch.client.default import default_client
+from distbatch.client.shard_client import ShardClient
 from distbatch.controller.arguments import refuse_one_string
 from distbatch.controller.http_errors import BY_CODE, MAX_WAIT_SECONDS
 from distbatch.errors import (

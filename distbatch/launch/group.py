@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from distbatch.calls import decode_value, encode_call
-from distbatch.client.shard_client import (
-    DEFAULT_LIVENESS_TIMEOUT,
-    ShardClient,
-    check_liveness_timeout,
-    default_client,
-)
+from distbatch.client.default import default_client
+from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, check_liveness_timeout
+from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.local import WorkerProcess, spawn_workers

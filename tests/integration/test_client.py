@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -853,6 +854,26 @@ def test_close_restarts_and_context_manager(nodes: list[str]) -> None:
     assert managed.delete(node, task_ids=["cl-1"]) == DeleteResult(1, 24)  # usable after the with block
     managed.close()
     assert loop_threads() == base
+
+
+def test_a_client_nobody_holds_stops_its_loop_thread(nodes: list[str]) -> None:
+    """No reference cycle keeps a dropped client (and so its thread and sessions) alive: its
+    parts hold the runtime, never the client, so it goes as soon as the last name does."""
+
+    def loop_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "distbatch-client")
+
+    base = loop_threads()
+    client = ShardClient(timeout=10)
+    client.put(nodes[0], {("drop-1", "x"): torch.arange(3)})
+    assert client.delete(nodes[0], task_ids=["drop-1"]).deleted == 1
+    assert loop_threads() == base + 1
+    gc.disable()  # freed by reference counting alone, not by a collection of cycles
+    try:
+        del client
+        assert loop_threads() == base
+    finally:
+        gc.enable()
 
 
 def test_close_releases_calls_in_flight(start_worker: Callable[..., WorkerProcess]) -> None:

@@ -37,7 +37,7 @@ from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.calls import decode_value, encode_call
-from distbatch.client.shard_client import LoopThread
+from distbatch.client.loop import LoopThread
 from distbatch.errors import ClearError, EngineError, ShardNotFoundError, WorkerUnavailableError
 from distbatch.errors import ClearError as ControllerClearError
 from distbatch.launch import WorkerProcess, spawn_worker, spawn_workers

@@ -1,0 +1,55 @@
+"""What the client's verbs return, and its traffic counters: plain values, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """A put's answer: shards stored and their bytes."""
+
+    stored: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    """A delete's answer: shards deleted and the bytes that freed; results add up."""
+
+    deleted: int
+    bytes_freed: int
+
+    def __add__(self, other: DeleteResult) -> DeleteResult:
+        return DeleteResult(self.deleted + other.deleted, self.bytes_freed + other.bytes_freed)
+
+
+@dataclass
+class Traffic:
+    """HTTP body bytes and requests this client moved (its view of the network), and the
+    requests and bytes that took the same-host path instead (shared memory, no socket copy)."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    same_host_requests: int = 0
+    same_host_sent: int = 0
+    same_host_received: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.requests - other.requests,
+            self.bytes_sent - other.bytes_sent,
+            self.bytes_received - other.bytes_received,
+            self.same_host_requests - other.same_host_requests,
+            self.same_host_sent - other.same_host_sent,
+            self.same_host_received - other.same_host_received,
+        )
+
+    @property
+    def same_host_bytes(self) -> int:
+        return self.same_host_sent + self.same_host_received
