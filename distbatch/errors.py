@@ -60,6 +60,21 @@ class WorkerUnavailableError(NodeError, ConnectionError):
     """The node could not be reached or did not answer in time."""
 
 
+class CallTimeoutError(NodeError, TimeoutError):
+    """An engine call gave no answer within its deadline (a group's `call_timeout`, the client's
+    `timeout`). The worker may be alive and busy; the call is abandoned there (its result, if
+    it ever has one, is dropped). `method` and `timeout` (seconds) say which call and deadline."""
+
+    def __init__(self, node: str, method: str, timeout: float) -> None:
+        super().__init__(
+            node,
+            f"engine call {method!r} gave no answer within its deadline of {timeout:g} s "
+            "(call_timeout; raise it, or pass None for no deadline)",
+        )
+        self.method = method
+        self.timeout = timeout
+
+
 class AuthError(NodeError, PermissionError):
     """The node rejected our token (HTTP 401)."""
 
@@ -250,3 +265,9 @@ class AnsweredError(DistBatchError):
         super().__init__(str(error))
         self.error = error
 
+
+
+class ServerBindError(DistBatchError, OSError):
+    """A server (a worker, a controller's HTTP face) could not listen on its address: the port
+    is taken, or the host is not this machine's. An `OSError`, so `except OSError` catches it
+    as it would the socket's own error; `errno` is the socket's."""

@@ -16,6 +16,7 @@ import threading
 import time
 
 from distbatch.atomic import write_text_atomically
+from distbatch.errors import ServerBindError
 from distbatch.launch.flags import build_parser, check_flag_values
 from rpc_server.app import create_app
 from rpc_server.config import ServerConfig
@@ -113,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     except EngineLoadError as exc:
         print(f"rpc_server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    server = WorkerServer(app, args.host, args.port)
+    try:
+        server = WorkerServer(app, args.host, args.port)
+    except ServerBindError as exc:
+        print(f"rpc_server: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
     def stop_on_sigterm(signum: int, frame: object) -> None:
         # Ask the serve loop to return (from another thread: shutdown() waits for

@@ -20,7 +20,14 @@ import aiohttp
 
 from distbatch.client.loop import Runtime
 from distbatch.client.transport import HttpTransport
-from distbatch.errors import AuthError, CapacityError, EngineError, RequestError, WorkerUnavailableError
+from distbatch.errors import (
+    AuthError,
+    CallTimeoutError,
+    CapacityError,
+    EngineError,
+    RequestError,
+    WorkerUnavailableError,
+)
 from distbatch.protocol import CALL_ID_HEADER
 
 DEFAULT_LIVENESS_TIMEOUT = 30.0
@@ -119,16 +126,23 @@ class EngineCalls:
         raise error
 
     async def _call(self, node: str, method: str, body: bytes, timeout: float | None, call_id: str) -> Any:
-        return await self.transport.request(
-            node,
-            "POST",
-            f"/v1/call/{method}",
-            body=body,
-            timeout=timeout,
-            idempotent=False,
-            waits=True,
-            extra_headers={CALL_ID_HEADER: call_id},
-        )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            return await self.transport.request(
+                node,
+                "POST",
+                f"/v1/call/{method}",
+                body=body,
+                timeout=timeout,
+                idempotent=False,
+                waits=True,
+                extra_headers={CALL_ID_HEADER: call_id},
+            )
+        except WorkerUnavailableError:
+            if deadline is not None and timeout is not None and loop.time() >= deadline:
+                raise CallTimeoutError(node, method, timeout) from None  # its deadline, not its worker
+            raise
 
     async def _probe(self, runtime: Runtime, node: str, timeout: float) -> bool:
         """One `GET /health` on the probe session, never retried: did the worker answer at all?"""

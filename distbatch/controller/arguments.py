@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta
-from distbatch.errors import InvalidArgumentError
+from distbatch.errors import BatchStatusError, InvalidArgumentError
 from distbatch.ids import validate_id, validate_node
 from distbatch.wire.container import ITEMSIZE
 
@@ -101,6 +102,14 @@ def custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
             f"custom_meta total_lengths of task {task_id!r} must be a non-negative int, got {length!r}"
         )
     return copy
+
+
+def refuse_local_batch(batch: DistributedBatchMemory) -> None:
+    """A controller takes metadata only: a LOCAL batch (data in this process) is refused."""
+    if batch.status is BatchStatus.LOCAL:
+        raise BatchStatusError(
+            "the controller holds metadata only: put a REMOTE batch (to_remote(node) a LOCAL one first)"
+        )
 
 
 def check_put_meta(meta: BatchMeta) -> None:

@@ -40,11 +40,11 @@ from distbatch.controller.arguments import (
     check_put_meta,
     custom_meta_object,
     id_list,
+    refuse_local_batch,
 )
 from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
 from distbatch.controller.partitions import Partition
 from distbatch.errors import (
-    BatchStatusError,
     ClearError,
     DistBatchError,
     InvalidArgumentError,
@@ -123,10 +123,7 @@ class Controller:
         validate_id(partition_id, "partition_id")
         if batch.status is BatchStatus.EMPTY:
             return 0
-        if batch.status is BatchStatus.LOCAL:
-            raise BatchStatusError(
-                "the controller holds metadata only: put a REMOTE batch (to_remote(node) a LOCAL one first)"
-            )
+        refuse_local_batch(batch)
         meta = batch.meta
         if meta is None:  # REMOTE always has meta; keeps type checkers honest
             return 0

@@ -21,7 +21,7 @@ from distbatch.batch.memory import DistributedBatchMemory
 from distbatch.calls import decode_value, encode_value
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
-from distbatch.controller.arguments import refuse_one_string
+from distbatch.controller.arguments import refuse_local_batch, refuse_one_string
 from distbatch.controller.http_errors import BY_CODE, MAX_WAIT_SECONDS
 from distbatch.errors import (
     ClearError,
@@ -82,6 +82,7 @@ class RemoteController:
             raise _local_error(exc) from None
 
     def put(self, partition_id: str, batch: DistributedBatchMemory) -> int:
+        refuse_local_batch(batch)
         return self._post("/v1/controller/put", {"partition_id": partition_id, "batch": encode_value(batch)})[
             "added"
         ]

@@ -31,6 +31,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 30
 DEFAULT_MAX_JSON_BYTES = 64 << 20
 DEFAULT_MAX_KEYS_PER_REQUEST = 200_000
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_STAGE_TTL = 600.0
 
 DESCRIPTION = "Run one distbatch worker; prints its `host:port` as the first stdout line."
@@ -118,7 +119,13 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PID",
         help="exit when process PID is no longer our parent (no orphans if a launcher dies)",
     )
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the worker's logging level, any case (default: %(default)s)",
+    )
 
 
 def check_flag_values(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ from distbatch.calls import decode_value, encode_call
 from distbatch.client.default import default_client
 from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, check_liveness_timeout
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import WorkerUnavailableError
+from distbatch.errors import CallTimeoutError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.local import WorkerProcess, spawn_workers
 from distbatch.twins import awaiting, blocking, first_result
@@ -237,7 +237,7 @@ class WorkerGroup:
     def _call_error(self, exc: Exception, nodes: list[str], dead: WorkerUnavailableError | None) -> Exception:
         """The error a failed group call raises: why a worker is gone if the launcher knows,
         carrying the completed calls' results (`partial_results`) as batches."""
-        error: Exception = dead or exc if isinstance(exc, WorkerUnavailableError) else exc
+        error: Exception = dead or exc if isinstance(exc, (WorkerUnavailableError, CallTimeoutError)) else exc
         partial = getattr(exc, "partial_results", None)
         if partial is not None:
             error.partial_results = [  # type: ignore[attr-defined]

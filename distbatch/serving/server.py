@@ -14,6 +14,7 @@ app yields (`memoryview`s of stored segments) straight to the socket, without a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -29,6 +30,7 @@ from flask import Flask
 from werkzeug.exceptions import InternalServerError
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
+from distbatch.errors import ServerBindError
 from distbatch.protocol import SERVER_IDLE_SECONDS
 
 DEFAULT_MAX_THREADS = 256
@@ -411,6 +413,24 @@ class _Response:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+class _BindFailed(Exception):
+    """Carries a bind's OSError past werkzeug (which would exit on it) to our constructor."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _bind_error(host: str, port: int, error: OSError) -> ServerBindError:
+    hint = ""
+    if error.errno == errno.EADDRINUSE:
+        hint = "; another process holds the port: stop it, pick another port, or pass port 0 for a free one"
+    elif error.errno == errno.EADDRNOTAVAIL:
+        hint = "; that host is not an address of this machine (0.0.0.0 listens on all of them)"
+    where = format_node(host, port) if port else f"{host} (a free port)"
+    return ServerBindError(error.errno, f"cannot listen on {where}: {error.strerror or error}{hint}")
+
+
 class _BoundedThreadingServer(ThreadedWSGIServer):
     """A threaded WSGI server that runs at most `max_threads` connections at once, plus
     `reserve_threads` for the small `reserve_requests` (liveness probes and the like).
@@ -454,10 +474,28 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
         try:
             super().__init__(host, port, app, handler)
+        except _BindFailed as failed:
+            self._wake.close()
+            self._wake_sender.close()
+            raise _bind_error(host, port, failed.error) from None
         except BaseException:  # the bind failed: nothing will close the pair later
             self._wake.close()
             self._wake_sender.close()
             raise
+
+    def server_bind(self) -> None:
+        # Werkzeug answers an OSError here by printing and calling sys.exit(1), which would end
+        # the trainer that asked for a server; anything else it lets through.
+        try:
+            super().server_bind()
+        except OSError as exc:
+            raise _BindFailed(exc) from None
+
+    def server_activate(self) -> None:
+        try:
+            super().server_activate()
+        except OSError as exc:
+            raise _BindFailed(exc) from None
 
     def _take_slot(self) -> bool:
         """Wait for a thread slot (called with a connection pending); True if a reserve one."""

@@ -142,7 +142,7 @@ def test_put_registers_tasks_and_later_fields_join_the_same_rows(
 def test_put_local_and_empty_batches(shared_workers: list[WorkerProcess]) -> None:
     ctl = Controller()
     local = DistributedBatchMemory.from_dict({"x": torch.zeros(2, 3)})
-    with pytest.raises(BatchStatusError):
+    with pytest.raises(BatchStatusError, match="the controller holds metadata only: put a REMOTE batch"):
         ctl.put("p", local)
     assert ctl.put("p", DistributedBatchMemory()) == 0
     assert ctl.partitions() == []

@@ -6,6 +6,7 @@ request, bearer tokens, and a RemoteController used from a forked child.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -25,8 +26,8 @@ from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, Wo
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
 from distbatch.controller.remote import RemoteController
-from distbatch.controller.server import ControllerServer
-from distbatch.errors import ClearError
+from distbatch.controller.server import ControllerServer, serve_controller
+from distbatch.errors import ClearError, ServerBindError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
 
@@ -226,6 +227,9 @@ def test_errors_come_back_with_local_types_and_the_server_keeps_serving(
         assert time.monotonic() - start < 10
         assert rc.state_dict() == before
         assert_serving(rc)
+    # The local controller's words, not the engine-call encoder's.
+    with pytest.raises(BatchStatusError, match="the controller holds metadata only: put a REMOTE batch"):
+        rc.put("p", DistributedBatchMemory.from_dict({"x": [1]}))
     assert rc.get_meta("p", "train", ["x", "uid"], 4, dp_rank=0, batch_index=0).task_ids == ids
 
 
@@ -571,3 +575,13 @@ def test_server_repr_and_idempotent_shutdown(serve: Callable[..., ControllerServ
     assert not server.running and "shut down" in repr(server)
     with pytest.raises(requests.ConnectionError):
         HTTP.get(f"http://{server.address}/health", timeout=5)
+
+
+def test_serving_on_a_taken_port_raises_an_os_error_naming_it() -> None:
+    """Not werkzeug's SystemExit, which `except Exception` cannot catch and which ends the trainer."""
+    with serve_controller(Controller()) as first:
+        with pytest.raises(ServerBindError) as info:
+            serve_controller(Controller(), port=int(first.address.rsplit(":", 1)[1]))
+        assert isinstance(info.value, OSError) and info.value.errno == errno.EADDRINUSE
+        assert f"cannot listen on {first.address}" in str(info.value) and "port 0" in str(info.value)
+        assert requests.get(f"http://{first.address}/health", timeout=10).ok  # the first one serves on

@@ -222,6 +222,17 @@ def test_cli_prints_address_writes_file_and_exits_on_sigterm(
         HTTP.get(f"http://{node}/health", timeout=5)
 
 
+def test_cli_on_a_taken_port_says_so_and_exits_1(cli: Callable[..., subprocess.Popen[bytes]]) -> None:
+    first = cli("--port", "0")
+    node = read_first_line(first, 30.0)
+    assert node is not None
+    second = cli("--port", node.rsplit(":", 1)[1])
+    _, stderr = second.communicate(timeout=60)
+    assert second.returncode == 1
+    assert f"cannot listen on {node}: Address already in use".encode() in stderr, stderr
+    assert b"Traceback" not in stderr
+
+
 def test_cli_two_workers_get_distinct_ports(cli: Callable[..., subprocess.Popen[bytes]]) -> None:
     first, second = cli("--port", "0"), cli("--port", "0")
     nodes = {read_first_line(first, 30.0), read_first_line(second, 30.0)}

@@ -38,7 +38,13 @@ from thread_support import run_in_thread
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.calls import decode_value, encode_call
 from distbatch.client.loop import LoopThread
-from distbatch.errors import ClearError, EngineError, ShardNotFoundError, WorkerUnavailableError
+from distbatch.errors import (
+    CallTimeoutError,
+    ClearError,
+    EngineError,
+    ShardNotFoundError,
+    WorkerUnavailableError,
+)
 from distbatch.errors import ClearError as ControllerClearError
 from distbatch.launch import WorkerProcess, spawn_worker, spawn_workers
 from distbatch.protocol import CALL_ID_HEADER
@@ -159,7 +165,7 @@ def test_engine_keyword_named_timeout_reaches_the_engine(shared: WorkerGroup) ->
     assert shared.call_on(0, "takes_timeout", timeout=7.5, value="v") == {"timeout": 7.5, "value": "v"}
     assert shared.call_all("takes_timeout", timeout=3) == [{"timeout": 3, "value": ""}] * 3
     # `call_timeout` is the deadline; it is not passed on
-    with pytest.raises(WorkerUnavailableError, match="timed out"):
+    with pytest.raises(CallTimeoutError, match=r"'sleep' gave no answer within its deadline of 0.2 s"):
         shared.call_on(1, "sleep", 1.0, call_timeout=0.2)
     assert shared.call_on(1, "takes_timeout", 0.5, call_timeout=5.0) == {"timeout": 0.5, "value": ""}
 
@@ -196,8 +202,9 @@ def test_call_abandoned_by_its_deadline_stores_nothing(shared: WorkerGroup) -> N
     (chunk,) = _inputs(shared, "deadline", 1)
     task = chunk.task_ids[0]
     started = time.monotonic()
-    with pytest.raises(WorkerUnavailableError, match="timed out") as info:
+    with pytest.raises(CallTimeoutError, match="call_timeout") as info:
         shared.call_on(0, "mark", chunk, delays={task: 1.5}, call_timeout=0.3)
+    assert info.value.method == "mark" and info.value.timeout == 0.3
     assert time.monotonic() - started < 0.3 + SLACK
     assert info.value.partial_results == [None]
     # Engine calls run one at a time: this one answers once `mark` has finished.
@@ -217,7 +224,7 @@ def test_queued_call_abandoned_by_its_deadline_never_runs(shared: WorkerGroup) -
     task = chunk.task_ids[0]
     busy, busy_outcome = run_in_thread(lambda: shared.call_on(0, "sleep", 1.5))
     time.sleep(0.3)  # the engine thread is busy: the next call waits in its queue
-    with pytest.raises(WorkerUnavailableError, match="timed out"):
+    with pytest.raises(CallTimeoutError, match="call_timeout"):
         shared.call_on(0, "mark", chunk, call_timeout=0.3)
     busy.join(10)
     assert busy_outcome.get("value") == 1.5, busy_outcome
