@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import DistBatchError
+from distbatch.errors import AuthError, DistBatchError, ProtocolError, RequestError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.protocol import MAX_LIST_LIMIT
 
@@ -55,9 +55,29 @@ def _duration(seconds: Any) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *rows]]
-    return "\n".join(lines)
+    """Columns aligned over the header and the full rows; a shorter row (a worker that could not
+    be asked) keeps its first cells in the columns and lets its last one run on (never cut)."""
+    full = [row for row in rows if len(row) == len(header)]
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *full)]
+
+    def line(cells: Sequence[str]) -> str:
+        aligned = [str(c).ljust(w) for c, w in zip(cells[:-1], widths)]
+        return "  ".join([*aligned, str(cells[-1])]).rstrip()
+
+    return "\n".join(line(row) for row in [header, *rows])
+
+
+def _failure(exc: DistBatchError) -> tuple[str, str]:
+    """What the status table says of a worker that could not be asked: a short label, and why."""
+    if isinstance(exc, WorkerUnavailableError):
+        label = "unreachable"
+    elif isinstance(exc, AuthError):
+        label = "refused"  # it answered: the token is wrong or missing
+    elif isinstance(exc, (ProtocolError, RequestError)):
+        label = "not a worker"  # it answered, but not as a worker does (e.g. a 404)
+    else:
+        label = "failed"
+    return label, f"{type(exc).__name__}: {exc}"
 
 
 def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
@@ -68,7 +88,8 @@ def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
         try:
             results[node] = client.stats(node)
         except DistBatchError as exc:
-            results[node] = {"error": f"{type(exc).__name__}: {exc}"}
+            label, why = _failure(exc)
+            results[node] = {"error": why, "state": label}
             failed = True
     if as_json:
         print(json.dumps(results, indent=1))
@@ -77,7 +98,7 @@ def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
     rows = []
     for node, r in results.items():
         if "error" in r:
-            rows.append([node, "unreachable:", r["error"]])
+            rows.append([node, f"{r['state']}:", r["error"]])
             continue
         rows.append(
             [

@@ -223,11 +223,17 @@ class ProcessRuntime:
         self._make = make
         self._lock = threading.Lock()
         self._runtime: Runtime | None = None
+        # A forked child keeps its parent's runtime alive, untouched: freed here, the loop's and
+        # aiohttp's finalizers would unregister the parent's sockets from the epoll instance
+        # both processes share, and the parent's next request would never see its answer.
+        self._inherited: list[Runtime] = []
 
     def get(self) -> Runtime:
         with self._lock:
             runtime = self._runtime
             if runtime is None or runtime.loop_thread.pid != os.getpid():
+                if runtime is not None:
+                    self._inherited.append(runtime)
                 runtime = self._runtime = self._make()
             return runtime
 
@@ -235,5 +241,8 @@ class ProcessRuntime:
         """Stop the loop thread and close the sessions (a forked child's copy: nothing to stop)."""
         with self._lock:
             runtime, self._runtime = self._runtime, None
+            if runtime is not None and runtime.loop_thread.pid != os.getpid():
+                self._inherited.append(runtime)  # the parent's: kept, never touched (see above)
+                runtime = None
         if runtime is not None:
             runtime.close()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from flask import Flask
+from werkzeug.serving import make_server
 
 from distbatch import ShardClient
 from distbatch.cli import main
@@ -50,6 +53,43 @@ def test_status_shows_each_worker_and_says_which_are_unreachable(
     assert lines[0].split()[:3] == ["worker", "shards", "tasks"]
     assert lines[1].split()[:3] == [filled.node, "38", "25"]
     assert lines[2].startswith(dead) and "unreachable" in lines[2]
+
+
+@pytest.fixture
+def not_a_worker() -> Iterator[str]:
+    """An HTTP server on loopback that answers every path 404 (as a web app on the wrong port would)."""
+    server = make_server("127.0.0.1", 0, Flask("elsewhere"), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(10)
+
+
+def test_status_keeps_every_column_of_a_live_worker_after_a_failed_one(
+    filled: WorkerProcess,
+    start_worker: Callable[..., WorkerProcess],
+    not_a_worker: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of workers that could not be asked come first; each says why in its own words."""
+    monkeypatch.delenv("DISTBATCH_TOKEN", raising=False)
+    secured = start_worker(env={"DISTBATCH_TOKEN": "secret"})
+    dead = "127.0.0.1:9"  # discard port: nothing listens there
+    code, out, _ = run(capsys, "--timeout", "2", "status", dead, secured.node, not_a_worker, filled.node)
+    assert code == 1
+    header, *rows = out.splitlines()
+    assert header.split() == [*"worker shards tasks live held capacity shared uptime engine".split()]
+    assert rows[0].startswith(dead) and "unreachable: WorkerUnavailableError" in rows[0]
+    assert rows[1].startswith(secured.node) and "refused: AuthError" in rows[1]
+    assert rows[2].startswith(not_a_worker) and "not a worker: RequestError" in rows[2] and "404" in rows[2]
+    cells = rows[3].split()
+    assert cells[:3] == [filled.node, "38", "25"] and cells[-1] == "-"  # all nine columns
+    assert len(cells) == 9 + 4  # five sizes of two words each ("2.9 KiB") and the uptime
+    code, out, _ = run(capsys, "--timeout", "2", "status", dead, filled.node, "--json")
+    table = json.loads(out)
+    assert table[dead]["state"] == "unreachable" and table[filled.node]["tasks"] == 25
 
 
 def test_ls_pages_through_task_ids_in_order_with_their_fields(

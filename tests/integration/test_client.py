@@ -876,6 +876,37 @@ def test_a_client_nobody_holds_stops_its_loop_thread(nodes: list[str]) -> None:
         gc.enable()
 
 
+@pytest.mark.parametrize("child_closes", [False, True])
+def test_a_forked_child_never_disturbs_the_parents_client(nodes: list[str], child_closes: bool) -> None:
+    """The child gets a loop and sessions of its own; the parent's, which it inherits, are kept
+    and never touched there: freed in the child, their finalizers would unregister the parent's
+    sockets from the epoll instance both processes share, and the parent's next request on a
+    kept-alive connection would wait for an answer it never sees."""
+    node = nodes[0]
+    with ShardClient(timeout=5, retries=0) as client:
+        client.put(node, {("fork-1", "x"): torch.arange(4)})
+        assert_same(torch.arange(4), client.fetch([(node, "fork-1", "x")])[0])  # connections kept alive
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ok = torch.equal(client.fetch([(node, "fork-1", "x")])[0], torch.arange(4))
+                if child_closes:
+                    client.close()
+                gc.collect()
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        gc.collect()
+        started = time.monotonic()
+        for _ in range(3):  # on every kept-alive connection the parent had
+            assert_same(torch.arange(4), client.fetch([(node, "fork-1", "x")])[0])
+        assert client.stats(node)["shards"] >= 1 and time.monotonic() - started < 4
+        assert client.delete(node, task_ids=["fork-1"]).deleted == 1
+
+
 def test_close_releases_calls_in_flight(start_worker: Callable[..., WorkerProcess]) -> None:
     """close() from another thread while calls wait on a frozen worker: they end, never hang."""
     worker = start_worker(env=NO_TOKEN_ENV)
