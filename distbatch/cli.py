@@ -77,7 +77,7 @@ def _failure(exc: DistBatchError) -> tuple[str, str]:
         label = "not a worker"  # it answered, but not as a worker does (e.g. a 404)
     else:
         label = "failed"
-    return label, f"{type(exc).__name__}: {exc}"
+    return label, " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the body held
 
 
 def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:

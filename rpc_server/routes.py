@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from distbatch import wire
@@ -16,7 +16,7 @@ from distbatch.gc_pause import paused_gc
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from distbatch.serving.server import SENDS_BUFFERS
+from distbatch.serving.server import SENDS_BUFFERS, connection_gauges
 from rpc_server.checks import check_field_count, check_put, check_response_size, key_list
 from rpc_server.context import state
 from rpc_server.errors import ApiError
@@ -355,6 +355,7 @@ def metrics() -> Response:
             ),
             "distbatch_shared_regions": ("Shared regions held.", stats.shared_regions),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
+            **connection_gauges(current_app),
         },
         {
             "distbatch_evicted_shards_total": ("Shards deleted for being idle.", stats.evicted_shards),

@@ -33,7 +33,7 @@ from distbatch.serving.errors import error_response as _error
 from distbatch.serving.errors import register_json_errors
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.metrics import Metrics, record_requests
-from distbatch.serving.server import HttpServer
+from distbatch.serving.server import HttpServer, connection_gauges
 
 logger = logging.getLogger("distbatch.controller")
 
@@ -82,6 +82,7 @@ def metrics() -> Response:
                 "get_meta calls waiting for producers right now (starvation).",
                 controller.waiting_consumers(),
             ),
+            **connection_gauges(current_app),
         }
     )
     return Response(text, content_type=METRICS_CONTENT_TYPE)

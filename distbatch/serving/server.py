@@ -32,6 +32,7 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from distbatch.errors import ServerBindError
 from distbatch.protocol import SERVER_IDLE_SECONDS
+from distbatch.serving.metrics import Values
 
 DEFAULT_MAX_THREADS = 256
 DEFAULT_READ_TIMEOUT = 60.0
@@ -581,6 +582,11 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
                 self._wake.recv(1)
             return True
 
+    def connection_counts(self) -> tuple[int, int]:
+        """(connections a thread is serving a request on, kept-alive ones waiting for their next)."""
+        with self._slots_changed:
+            return self._busy + self._reserve_busy - self._idle, self._idle
+
     def on_reserve(self, connection: socket.socket) -> bool:
         """Whether this accepted connection runs on a reserve thread."""
         with self._slots_changed:
@@ -622,6 +628,19 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         super().server_close()
         self._wake_sender.close()
         self._wake.close()
+
+
+def connection_gauges(app: Flask) -> Values:
+    """The metrics gauges of the connections the server of `app` holds (none before it serves):
+    what a test or an operator waits on instead of counting threads against a clock."""
+    counts = app.extensions.get("connections")
+    if counts is None:
+        return {}
+    active, idle = counts()
+    return {
+        "distbatch_connections_active": ("Connections a server thread is serving a request on.", active),
+        "distbatch_connections_idle": ("Kept-alive connections waiting for their next request.", idle),
+    }
 
 
 class HttpServer:
@@ -667,6 +686,7 @@ class HttpServer:
             host, port, app, handler, max_threads, reserve_threads, reserve_requests
         )
         self.node = format_node(advertised_host(host), self._server.server_port)
+        app.extensions["connections"] = self._server.connection_counts  # see `connection_gauges`
         on_bound = app.extensions.get("on_bound")
         if on_bound is not None:
             on_bound(self.node)

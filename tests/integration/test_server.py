@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -304,6 +305,28 @@ def test_metrics_move_with_requests(plain: WorkerProcess) -> None:
     assert counts == sorted(counts)
     assert counts[-1] == metric_sum(after, "distbatch_request_seconds_count", endpoint="/v1/shards/fetch")
     assert metric_sum(after, "distbatch_request_seconds_sum", endpoint="/v1/shards/fetch") > 0
+
+
+def test_metrics_count_the_connections_being_served(start_worker: Callable[..., WorkerProcess]) -> None:
+    """A connection in a request is active (the one asking for /metrics too), a kept-alive one
+    between requests idle: what a test or an operator waits on, rather than counting threads."""
+    worker = start_worker(env={"DISTBATCH_TOKEN": ""})
+    host, port = worker.node.rsplit(":", 1)
+    fresh = requests.Session()  # one kept-alive connection of its own
+    fresh.trust_env = False
+    try:
+        assert fresh.get(f"http://{worker.node}/health", timeout=10).ok
+        alone = metrics(worker)
+        assert alone["distbatch_connections_active"] >= 1 and alone["distbatch_connections_idle"] >= 1
+        with socket.create_connection((host, int(port)), timeout=10) as stalled:
+            head = "PUT /v1/shards HTTP/1.1\r\nHost: w\r\nContent-Length: 1000\r\n\r\n"
+            stalled.sendall(head.encode() + b"\0" * 10)  # a body that never finishes
+            deadline = time.monotonic() + 30
+            while metrics(worker)["distbatch_connections_active"] < alone["distbatch_connections_active"] + 1:
+                assert time.monotonic() < deadline, "the stalled upload never counted as active"
+                time.sleep(0.05)
+    finally:
+        fresh.close()
 
 
 def test_metrics_capacity_gauge(capped: WorkerProcess) -> None:
