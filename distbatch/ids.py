@@ -22,10 +22,23 @@ class ShardKey(NamedTuple):
         return f"{self.task_id}{KEY_SEPARATOR}{self.field}"
 
 
+SHOWN_CHARS = 60  # how much of a rejected value an error quotes
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters: a 5,000-character id
+    (or a whole tensor passed by mistake) is named, not echoed."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, str) else f"a {type(value).__name__}"
+    return f"{text[:limit]}... ({size})"
+
+
 def validate_id(value: Any, what: str = "id") -> str:
     """Return `value` if it is a valid task id / field name, else raise `InvalidIdError`."""
     if not isinstance(value, str) or ID_PATTERN.fullmatch(value) is None:
-        raise InvalidIdError(f"invalid {what} {value!r}: must be 1-200 characters of [A-Za-z0-9._:@=+-]")
+        raise InvalidIdError(f"invalid {what} {shown(value)}: must be 1-200 characters of [A-Za-z0-9._:@=+-]")
     return value
 
 
@@ -45,7 +58,7 @@ def validate_key(key: Any) -> ShardKey:
     elif isinstance(key, (tuple, list)) and len(key) == 2:
         task_id, field = key
     else:
-        raise InvalidIdError(f"invalid shard key {key!r}: expected a (task_id, field) pair")
+        raise InvalidIdError(f"invalid shard key {shown(key)}: expected a (task_id, field) pair")
     return ShardKey(validate_id(task_id, "task_id"), validate_id(field, "field"))
 
 
@@ -59,9 +72,9 @@ def validate_node(node: Any) -> str:
     if isinstance(node, str) and node.startswith("http://"):
         node = node[len("http://") :].rstrip("/")
     if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
-        raise ValueError(f"invalid node address {node!r}: expected 'host:port'")
+        raise ValueError(f"invalid node address {shown(node)}: expected 'host:port'")
     if not 1 <= int(node.rpartition(":")[2]) <= 65535:  # 0 is "any port" when binding, not a peer
-        raise ValueError(f"invalid node address {node!r}: the port must be 1-65535")
+        raise ValueError(f"invalid node address {shown(node)}: the port must be 1-65535")
     return node
 
 

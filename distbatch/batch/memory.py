@@ -48,7 +48,7 @@ from distbatch.client.planning import cut_points
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, ClearError, MetaFormatError, NodeError
-from distbatch.ids import validate_id, validate_node
+from distbatch.ids import shown, validate_id, validate_node
 from distbatch.twins import AWAITED, BLOCKING, Twin, run_blocking
 
 
@@ -200,7 +200,7 @@ class DistributedBatchMemory:
 
     def _require_field(self, name: str) -> None:
         if name not in self.fields:
-            raise KeyError(f"no field {name!r} in batch; fields: {self.fields}")
+            raise KeyError(f"no field {shown(name)} in batch; fields: {self.fields}")
 
     def _column(self, name: str) -> Column:
         self._require_field(name)
@@ -241,6 +241,11 @@ class DistributedBatchMemory:
         self._data = {**(self._data or {}), name: col}
 
     def __delitem__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"del batch[{shown(name)}]: del removes a field, by name; to drop tasks, keep the "
+                "others: batch = batch[mask] (a bool tensor), or batch[[indexes to keep]]"
+            )
         self._require_local("delete a field")
         self._require_field(name)
         del self._data[name]  # type: ignore[union-attr]
