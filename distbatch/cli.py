@@ -21,6 +21,7 @@ from typing import Any
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import AuthError, DistBatchError, ProtocolError, RequestError, WorkerUnavailableError
 from distbatch.ids import validate_node
+from distbatch.launch.flags import PROG_ENV
 from distbatch.protocol import MAX_LIST_LIMIT
 
 __all__ = ["main"]
@@ -158,6 +159,7 @@ def clear(client: ShardClient, node: str, tasks: Sequence[str] | None, everythin
 
 def worker(flags: Sequence[str]) -> int:
     """Become a worker: `python -m rpc_server` with these flags (its address on stdout)."""
+    os.environ[PROG_ENV] = "distbatch worker"  # what its --help and usage errors call it
     os.execv(sys.executable, [sys.executable, "-m", "rpc_server", *flags])
     raise AssertionError("unreachable")
 
@@ -167,6 +169,18 @@ def _node(text: str) -> str:
         return validate_node(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _node_after_tasks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`clear --tasks t0 t1 HOST:PORT`: --tasks took the address too; it is the worker's."""
+    last = (args.tasks or [None])[-1]
+    try:
+        args.node = validate_node(last)
+    except ValueError:
+        parser.error("clear needs the worker's HOST:PORT, e.g. distbatch clear HOST:PORT --tasks t0 t1")
+    args.tasks = args.tasks[:-1]
+    if not args.tasks:
+        parser.error("clear --tasks needs at least one task id")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every page, not just the first")
     p.add_argument("--json", action="store_true")
     p = commands.add_parser("clear", help="delete tasks from a worker")
-    p.add_argument("node", type=_node, metavar="HOST:PORT")
+    p.add_argument("node", nargs="?", type=_node, metavar="HOST:PORT")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tasks", nargs="+", metavar="ID", help="these tasks (every field of each)")
     which.add_argument("--all", action="store_true", help="every task the worker holds (needs --yes)")
@@ -202,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker(args_list[1:])  # every flag is the worker's, --help included
     parser = build_parser()
     args = parser.parse_args(args_list)
+    if args.command == "clear" and args.node is None:
+        _node_after_tasks(parser, args)
     if args.command == "clear" and args.all and not args.yes:
         parser.error("clear --all deletes every task on the worker: add --yes to confirm")
     if args.command == "ls" and not 1 <= args.limit <= MAX_LIST_LIMIT:

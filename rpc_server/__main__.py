@@ -27,7 +27,7 @@ from rpc_server.serve import WorkerServer
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (`distbatch.launch.flags`, shared with the launchers that check flags)."""
     parser = build_parser()
-    parser.description = __doc__
+    parser.description = f"{parser.prog}: {(__doc__ or '').split(': ', 1)[-1]}"  # named as it was called
     return parser.parse_args(argv)
 
 

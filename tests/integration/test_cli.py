@@ -133,6 +133,40 @@ def test_clear_named_tasks_or_everything_with_confirmation(
         assert client.stats(filled.node)["shards"] == 0
 
 
+def test_clear_takes_the_address_after_the_task_ids(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "clear", "--tasks", "t00", "t01", filled.node)
+    assert code == 0 and "deleted 3 shard(s)" in out and filled.node in out  # t00's x and y, t01's x
+    with pytest.raises(SystemExit) as missing:
+        main(["clear", "--tasks", "t02", "t03"])
+    assert missing.value.code == 2
+    assert (
+        "clear needs the worker's HOST:PORT, e.g. distbatch clear HOST:PORT --tasks"
+        in capsys.readouterr().err
+    )
+    with ShardClient() as client:
+        assert client.stats(filled.node)["tasks"] == 23  # t02 and t03 are still there
+
+
+def test_worker_help_names_the_command_it_was_given_as() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from distbatch.cli import main; raise SystemExit(main())",
+            "worker",
+            "--help",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: distbatch worker") and "python -m rpc_server" not in done.stdout
+    assert "DISTBATCH_TOKEN" in done.stdout and "(default: 1G)" in done.stdout
+
+
 def test_a_bad_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as bad:
         main(["status", "not-an-address"])
