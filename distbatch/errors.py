@@ -217,6 +217,12 @@ class SchemaConflictError(DistBatchError, ValueError):
     """A put gives a field a dtype (or kind) other than the one the partition has."""
 
 
+class ShardElsewhereError(DistBatchError, ValueError):
+    """A put names a field a partition already has for a task, on another worker: a task's field
+    lives on one worker, so the controller would lose track of the first shard (it would never
+    be served again, nor deleted). Put it to the same worker, or clear the task first."""
+
+
 class ClearInProgressError(DistBatchError):
     """A put named tasks whose clear is under way: their shards are being deleted right now."""
 

@@ -15,6 +15,7 @@ from distbatch.errors import (
     InvalidIdError,
     MetaFormatError,
     SchemaConflictError,
+    ShardElsewhereError,
     UnknownFieldError,
     UnknownPartitionError,
     WireFormatError,
@@ -26,6 +27,7 @@ MAX_WAIT_SECONDS = 300.0
 VALIDATED: dict[type[DistBatchError], tuple[int, str]] = {
     SchemaConflictError: (409, "schema_conflict"),
     ClearInProgressError: (409, "clear_in_progress"),
+    ShardElsewhereError: (409, "shard_elsewhere"),
     UnknownPartitionError: (404, "unknown_partition"),
     UnknownFieldError: (404, "unknown_field"),
     BatchStatusError: (400, "batch_status"),

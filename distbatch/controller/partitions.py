@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta
-from distbatch.errors import ClearInProgressError, InvalidArgumentError, SchemaConflictError
+from distbatch.errors import (
+    ClearInProgressError,
+    InvalidArgumentError,
+    SchemaConflictError,
+    ShardElsewhereError,
+)
 from distbatch.ids import ShardKey
 from distbatch.wire.shapes import RowShapes
 
@@ -88,6 +93,7 @@ class Partition:
                 raise SchemaConflictError(
                     f"field {name!r} is {have} in partition {self.partition_id!r}, the put gives {given}"
                 )
+        self._check_same_nodes(meta)
         clearing = [t for t in meta.task_ids if self.index_of.get(t) in self.clearing]
         if clearing:
             raise ClearInProgressError(
@@ -102,6 +108,26 @@ class Partition:
                 "together (groups are aligned blocks of indexes, so a partial group could never be completed)"
             )
         return new
+
+    def _check_same_nodes(self, meta: BatchMeta) -> None:
+        """`ShardElsewhereError` if a field this partition has for a task comes from another node."""
+        rows = np.asarray([self.index_of.get(t, -1) for t in meta.task_ids], dtype=np.int64)
+        known = np.flatnonzero(rows >= 0)
+        if not len(known):
+            return
+        for name, fm in meta.fields.items():
+            column = self.columns.get(name)
+            if column is None:
+                continue
+            for i in known.tolist():
+                held = column.node.get(int(rows[i]))
+                given = meta.nodes[int(fm.nodes[i])]
+                if held is not None and self.nodes[held] != given:
+                    raise ShardElsewhereError(
+                        f"task {meta.task_ids[i]!r} of partition {self.partition_id!r} already has field "
+                        f"{name!r} on {self.nodes[held]}; this put has it on {given}. A task's field lives "
+                        "on one worker: put it there, or clear_tasks it first"
+                    )
 
     def register(self, meta: BatchMeta, new: Sequence[str]) -> None:
         """Give the `new` tasks one block of indexes, in batch order, and record where each of

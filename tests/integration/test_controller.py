@@ -21,7 +21,7 @@ from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, Sh
 from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
 from distbatch.controller.partitions import Partition
-from distbatch.errors import ClearError, UnknownFieldError, UnknownPartitionError
+from distbatch.errors import ClearError, ShardElsewhereError, UnknownFieldError, UnknownPartitionError
 from distbatch.launch import WorkerProcess, spawn_workers
 from distbatch.samplers import GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
 
@@ -581,6 +581,26 @@ def test_clear_tasks_and_partition_delete_shards_then_forget(
     assert ctl.clear_partition("p") == 0
     assert ctl.clear_partition("q") == 1
     assert shards_on(mclient, b) == 0 and ctl.partitions() == []
+
+
+def test_a_field_put_again_from_another_worker_is_refused_not_orphaned(
+    fresh_workers: list[WorkerProcess], mclient: ShardClient
+) -> None:
+    a, b = (w.node for w in fresh_workers)
+    ctl = Controller(client=mclient)
+    ids = [f"{prefix()}-{i}" for i in range(3)]
+    ctl.put("p", remote(a, ids, x=torch.zeros(3, 2)))
+    before = ctl.state_dict()
+    elsewhere = remote(b, ids[1:], x=torch.ones(2, 2), y=torch.ones(2, 1))
+    with pytest.raises(ShardElsewhereError, match=rf"task '{ids[1]}' .* already has field 'x' on {a}"):
+        ctl.put("p", elsewhere)
+    assert ctl.state_dict() == before  # nothing of the refused put was registered
+    assert elsewhere.clear() == 4
+    assert ctl.put("p", remote(a, ids[1:], x=torch.ones(2, 2))) == 0  # the same worker: replaced
+    assert ctl.put("p", remote(b, ids, y=torch.ones(3, 1))) == 0  # a new field may live elsewhere
+    # Every shard the controller knows is where it says, so a clear leaves nothing behind.
+    assert ctl.clear_partition("p") == 6
+    assert shards_on(mclient, a) == 0 and shards_on(mclient, b) == 0
 
 
 def test_clear_with_a_worker_down(fresh_workers: list[WorkerProcess], mclient: ShardClient) -> None:

@@ -27,7 +27,7 @@ from distbatch.batch import BatchStatus, DistributedBatchMemory
 from distbatch.controller import ClearInProgressError, Controller, SchemaConflictError
 from distbatch.controller.remote import RemoteController
 from distbatch.controller.server import ControllerServer, serve_controller
-from distbatch.errors import ClearError, ServerBindError
+from distbatch.errors import ClearError, ServerBindError, ShardElsewhereError
 from distbatch.launch import WorkerProcess
 from distbatch.samplers import RankAwareSampler, SeqlenBalancedSampler
 
@@ -227,6 +227,13 @@ def test_errors_come_back_with_local_types_and_the_server_keeps_serving(
         assert time.monotonic() - start < 10
         assert rc.state_dict() == before
         assert_serving(rc)
+    elsewhere = remote(shared_workers[1].node, ids[:1], x=torch.zeros(1, 2, dtype=torch.int64))
+    try:
+        with pytest.raises(ShardElsewhereError, match="already has field 'x'"):
+            rc.put("p", elsewhere)
+        assert rc.state_dict() == before
+    finally:
+        elsewhere.clear()
     # The local controller's words, not the engine-call encoder's.
     with pytest.raises(BatchStatusError, match="the controller holds metadata only: put a REMOTE batch"):
         rc.put("p", DistributedBatchMemory.from_dict({"x": [1]}))
