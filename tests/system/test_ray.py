@@ -151,7 +151,7 @@ def test_runtime_env_reaches_the_engine() -> None:
         (["--host", "0.0.0.0"], "does not apply to Ray workers"),
         (["--port=0"], "does not apply to Ray workers"),
         (["--hos", "0.0.0.0"], "--host does not apply to Ray workers"),  # argparse takes abbreviations
-        (["--max-bytes", "lots"], "invalid int value"),
+        (["--max-bytes", "lots"], "'lots' is not a size"),
         (["--max-idle-seconds", "0"], "must be > 0"),
         (["--no-such-flag"], "unknown worker flags"),
     ],
