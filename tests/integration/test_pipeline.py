@@ -100,6 +100,19 @@ def test_centralised_mode_moves_the_data_through_the_controller(reports: tuple) 
         assert c.mean_loss == pytest.approx(d.mean_loss, rel=1e-4, abs=1e-6)
 
 
+def test_the_comparison_says_what_one_host_can_and_cannot_show(reports: tuple, grpo: ModuleType) -> None:
+    """The demo's words: the controller's bytes (what it proves), why time shows no win on one
+    host, and what to try next, whichever mode was faster this time."""
+    distributed, centralised = reports
+    text = "\n".join(grpo.what_it_shows([distributed, centralised]))
+    ratio = centralised.totals()[1] / distributed.totals()[1]
+    assert f"({ratio:,.0f}x more): distributed, it handles metadata only" in text
+    assert "On one host both modes share the same cores and the same loopback" in text
+    assert "Try next:" in text and "examples/streaming_pipeline.py" in text
+    alone = "\n".join(grpo.what_it_shows([distributed]))
+    assert "Try next:" in alone and "x more" not in alone
+
+
 def test_script_runs_and_prints_the_summary() -> None:
     result = subprocess.run(
         [
@@ -127,6 +140,7 @@ def test_script_runs_and_prints_the_summary() -> None:
     assert "worker->worker" in header and "through controller" in header and "stores empty" in header
     summary = [line for line in out.splitlines() if line.startswith("distributed ")]
     assert len(summary) == 1 and summary[0].rstrip().endswith("yes"), out
+    assert "Try next:" in out
 
 
 def test_the_main_job_over_shared_memory_gives_the_same_steps(
