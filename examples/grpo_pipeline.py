@@ -284,11 +284,12 @@ def what_it_shows(reports: list[PipelineReport]) -> list[str]:
         (_, ours, fast), (_, theirs, slow) = by_mode["distributed"], by_mode["centralised"]
         lines += [
             f"The controller's own traffic: {_mb(ours)} distributed, {_mb(theirs)} centralised"
-            f" ({theirs / max(ours, 1):,.0f}x more): distributed, it handles metadata only.",
-            f"Time: {fast:.2f}s distributed, {slow:.2f}s centralised. On one host both modes share the"
-            " same cores and the same loopback, so taking the controller off the data path has",
-            "nothing to win here. Across hosts, centralised sends every byte through the controller's"
-            " one link twice (in, then out); distributed leaves that link out of the data path.",
+            f" ({theirs / max(ours, 1):,.0f}x more):",
+            "  distributed, it handles metadata only; the data goes from worker to worker.",
+            f"Time: {fast:.2f}s distributed, {slow:.2f}s centralised. On one host both modes share the same",
+            "  cores and the same loopback, so taking the controller off the data path has nothing to win",
+            "  here. Across hosts, centralised sends every byte through the controller's one link twice",
+            "  (in, then out); distributed takes that link off the data path.",
         ]
     lines += [
         "Try next:",

@@ -106,8 +106,9 @@ def test_the_comparison_says_what_one_host_can_and_cannot_show(reports: tuple, g
     distributed, centralised = reports
     text = "\n".join(grpo.what_it_shows([distributed, centralised]))
     ratio = centralised.totals()[1] / distributed.totals()[1]
-    assert f"({ratio:,.0f}x more): distributed, it handles metadata only" in text
-    assert "On one host both modes share the same cores and the same loopback" in text
+    assert f"({ratio:,.0f}x more):\n  distributed, it handles metadata only" in text
+    assert "On one host both modes share the same\n  cores and the same loopback" in text
+    assert "nothing to win\n  here" in text
     assert "Try next:" in text and "examples/streaming_pipeline.py" in text
     alone = "\n".join(grpo.what_it_shows([distributed]))
     assert "Try next:" in alone and "x more" not in alone
