@@ -89,6 +89,9 @@ def _register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(EngineCallFailed)
     def _engine_failed(exc: EngineCallFailed) -> Response:
+        # The caller gets the traceback too, but the worker's log is where an operator looks.
+        method = request.path.rsplit("/", 1)[-1]
+        logger.warning("engine call %r raised %s: %s\n%s", method, exc.exception_type, exc, exc.traceback)
         return error_response(
             500, "engine_error", str(exc), exception=exc.exception_type, traceback=exc.traceback
         )

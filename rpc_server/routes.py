@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import traceback
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from rpc_server.context import state
 from rpc_server.errors import ApiError
 
 data_routes = Blueprint("data", __name__)
+logger = logging.getLogger("rpc_server")
 
 STREAM_SLICE_BYTES = 8 << 20
 BINARY_TYPES = {"application/octet-stream", "application/x-safetensors"}
@@ -394,4 +396,12 @@ def abandon_calls() -> Response:
     host = state().engine
     if host is None:
         return jsonify({"calls": 0, "deleted": 0, "bytes_freed": 0})
-    return jsonify(host.abandon(call_ids))
+    dropped = host.abandon(call_ids)
+    logger.warning(
+        "the client abandoned %d engine call(s) (%s); dropped their results: %d shard(s), %d bytes",
+        len(call_ids),
+        ", ".join(call_ids[:5]) + (" ..." if len(call_ids) > 5 else ""),
+        dropped["deleted"],
+        dropped["bytes_freed"],
+    )
+    return jsonify(dropped)

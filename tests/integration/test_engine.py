@@ -313,6 +313,23 @@ def test_engine_exception_becomes_engine_error(pair: WorkerGroup, module_client:
         kept.clear()
 
 
+def test_the_worker_logs_an_engine_failure_with_its_traceback(pair: WorkerGroup, a: str) -> None:
+    """At WARNING, the default level: the caller gets the traceback, and so does the worker's log."""
+    marker = unique("logged-boom")
+    with pytest.raises(EngineError):
+        pair.call_on(a, "fail", marker)
+    (process,) = [p for p in pair.processes if p.node == a]
+    assert process.log_file is not None
+    deadline = time.monotonic() + 30
+    while marker not in process.log_file.read_text():
+        assert time.monotonic() < deadline, "the engine's failure never reached the worker's log"
+        time.sleep(0.05)
+    log = process.log_file.read_text()
+    assert f"engine call 'fail' raised ValueError: {marker}" in log
+    assert f"ValueError: {marker}" in log.split("engine call 'fail' raised", 1)[1]  # the traceback
+    assert "in fail" in log
+
+
 def test_bad_arguments_are_400_and_bad_results_engine_errors(pair: WorkerGroup, a: str) -> None:
     with pytest.raises(RequestError) as bad_call:
         pair.call_on(a, "fail", "x", unexpected=True)  # fail() takes no such keyword

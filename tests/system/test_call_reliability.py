@@ -217,6 +217,8 @@ def test_call_abandoned_by_its_deadline_stores_nothing(shared: WorkerGroup) -> N
         shared.client.fetch([(shared.nodes[0], task, "mark")])
     chunk.clear()
     assert _shards(shared) == before
+    log = shared.processes[0].log_file
+    assert log is not None and "the client abandoned 1 engine call(s)" in log.read_text()  # for operators
 
 
 def test_queued_call_abandoned_by_its_deadline_never_runs(shared: WorkerGroup) -> None:
