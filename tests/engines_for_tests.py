@@ -14,6 +14,14 @@ import torch
 
 from distbatch import DistributedBatchMemory
 
+# What a test passes to start workers hosting these engines: this directory on their import path.
+ENGINES_ENV = {
+    "PYTHONPATH": os.pathsep.join(
+        p for p in [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")] if p
+    )
+}
+ECHO = "engines_for_tests:make_echo_engine"
+
 
 class EchoEngine:
     """The general-purpose test engine: echoes, columns, batches, JSON, errors, slow calls."""

@@ -127,7 +127,7 @@ class EngineCalls:
 
     async def _call(self, node: str, method: str, body: bytes, timeout: float | None, call_id: str) -> Any:
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        started = loop.time()
         try:
             return await self.transport.request(
                 node,
@@ -140,7 +140,7 @@ class EngineCalls:
                 extra_headers={CALL_ID_HEADER: call_id},
             )
         except WorkerUnavailableError:
-            if deadline is not None and timeout is not None and loop.time() >= deadline:
+            if timeout is not None and loop.time() - started >= timeout:
                 raise CallTimeoutError(node, method, timeout) from None  # its deadline, not its worker
             raise
 

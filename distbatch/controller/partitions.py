@@ -111,23 +111,28 @@ class Partition:
 
     def _check_same_nodes(self, meta: BatchMeta) -> None:
         """`ShardElsewhereError` if a field this partition has for a task comes from another node."""
+        fields = [name for name in meta.fields if name in self.columns]
+        if not fields:  # the usual later-stage put: new fields only
+            return
         rows = np.asarray([self.index_of.get(t, -1) for t in meta.task_ids], dtype=np.int64)
         known = np.flatnonzero(rows >= 0)
         if not len(known):
             return
-        for name, fm in meta.fields.items():
-            column = self.columns.get(name)
-            if column is None:
-                continue
-            for i in known.tolist():
-                held = column.node.get(int(rows[i]))
-                given = meta.nodes[int(fm.nodes[i])]
-                if held is not None and self.nodes[held] != given:
-                    raise ShardElsewhereError(
-                        f"task {meta.task_ids[i]!r} of partition {self.partition_id!r} already has field "
-                        f"{name!r} on {self.nodes[held]}; this put has it on {given}. A task's field lives "
-                        "on one worker: put it there, or clear_tasks it first"
-                    )
+        # The batch's nodes as this partition numbers them (-1: one it has never seen).
+        local = np.asarray([self.node_index.get(node, -1) for node in meta.nodes], dtype=np.int64)
+        for name in fields:
+            node_of = self.columns[name].node
+            held = np.fromiter((node_of.get(r, -1) for r in rows[known].tolist()), np.int64, len(known))
+            given = local[np.asarray(meta.fields[name].nodes, dtype=np.int64)[known]]
+            moved = np.flatnonzero((held >= 0) & (held != given))
+            if len(moved):
+                i, first = int(known[moved[0]]), int(moved[0])
+                there = self.nodes[int(held[first])]
+                raise ShardElsewhereError(
+                    f"task {meta.task_ids[i]!r} of partition {self.partition_id!r} already has field "
+                    f"{name!r} on {there}; this put has it on {meta.nodes[int(meta.fields[name].nodes[i])]}."
+                    " A task's field lives on one worker: put it there, or clear_tasks it first"
+                )
 
     def register(self, meta: BatchMeta, new: Sequence[str]) -> None:
         """Give the `new` tasks one block of indexes, in batch order, and record where each of

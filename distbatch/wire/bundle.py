@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -48,11 +48,8 @@ from distbatch.wire.container import (
     parse_container,
     parts_size,
 )
-from distbatch.wire.shapes import RowShapes, unique_ints
-
-if TYPE_CHECKING:
-    pass
 from distbatch.wire.json_values import dump_json_array, load_json
+from distbatch.wire.shapes import RowShapes, unique_ints
 
 BUNDLE_KEY = "distbatch"
 

@@ -7,17 +7,16 @@ own task ids); tests that kill or break a worker start their own.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import torch
+from engines_for_tests import ECHO, ENGINES_ENV
 
 from distbatch import (
     BatchStatusError,
@@ -34,9 +33,7 @@ from distbatch.batch import BatchStatus
 from distbatch.calls import encode_call
 from distbatch.launch import WorkerProcess
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)}
-ECHO = "engines_for_tests:make_echo_engine"
+ENV = ENGINES_ENV
 
 HTTP = requests.Session()
 HTTP.trust_env = False

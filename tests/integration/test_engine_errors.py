@@ -6,18 +6,17 @@ non-distbatch peer is a `http.server` thread of the test's own.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engines_for_tests import ENGINES_ENV
 
 from distbatch import (
     CapacityError,
@@ -35,8 +34,7 @@ from distbatch.batch import BatchStatus
 from distbatch.ids import validate_node
 from distbatch.wire import encode_bundle
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)}
+ENV = ENGINES_ENV
 ENGINE = "engines_for_tests:ResultShapesEngine"
 CAPACITY = 10_000
 

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engines_for_tests import ECHO, ENGINES_ENV
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, WorkerUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS_DIR = Path(__file__).resolve().parents[1]
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)}
-ECHO = "engines_for_tests:make_echo_engine"
+ENV = ENGINES_ENV
 
 
 # --------------------------------------------------------------------------- process helpers

@@ -9,23 +9,20 @@ by two nodes interleaved task by task (the gather then reorders rows).
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engines_for_tests import ECHO, ENGINES_ENV
 
 from distbatch import DistributedBatchMemory, EngineError, ShardClient, WorkerGroup, wire
 from distbatch.batch import BatchStatus
 from distbatch.errors import ShardNotFoundError
 
 DBM = DistributedBatchMemory
-TESTS_DIR = Path(__file__).resolve().parents[1]
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)}
-ECHO = "engines_for_tests:make_echo_engine"
+ENV = ENGINES_ENV
 
 
 # --------------------------------------------------------------------------- fixtures
