@@ -28,8 +28,8 @@ def encode_value(value: Any) -> dict[str, Any]:
                 "cannot pass a LOCAL batch to an engine call: to_remote(node) it first so only "
                 "metadata crosses the controller"
             )
-        if status is BatchStatus.EMPTY:
-            return {"batch": None}
+        if status is BatchStatus.EMPTY:  # its fields travel (zero tasks): an engine can read them
+            return {"batch": value.schema_meta().to_dict() if value.fields else None}
         return {"batch": value.meta.to_dict()}  # type: ignore[union-attr]
     return {"json": check_json(value)}
 

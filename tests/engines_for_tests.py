@@ -106,6 +106,18 @@ class EchoEngine:
             "nodes": list(batch.meta.nodes) if batch.meta is not None else [],
         }
 
+    def packed_rows(self, batch: DistributedBatchMemory, field: str = "x") -> dict[str, Any]:
+        """An engine's natural code on any chunk (an empty one too): pack a field, look at a column."""
+        values, offsets = batch.packed(field)
+        column = batch[field]
+        return {
+            "fields": batch.fields,
+            "rows": int(values.shape[0]),
+            "offsets": offsets.tolist(),
+            "dtype": str(values.dtype),
+            "column": type(column).__name__,
+        }
+
     def total(self, batch: DistributedBatchMemory, field: str = "x") -> float:
         """Gathers one column (from peers) and reduces it to plain JSON."""
         return float(batch[field].float().sum())

@@ -23,18 +23,25 @@ from distbatch.wire.shapes import RowShapes
 Column = torch.Tensor | list[Any]
 
 
-def normalize_column(name: str, values: Sequence[Any]) -> Column:
-    """Per-task values as a column: stacked when all tensors share shape and dtype, else a list."""
+def checked_values(name: str, values: Sequence[Any]) -> list[Any]:
+    """Per-task values as a list, checked: all tensors of one dtype, or no tensor at all."""
     values = list(values)
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if any(tensors) and not all(tensors):
         raise ValueError(f"field {name!r} mixes tensors and non-tensor values")
-    if not values or not tensors[0]:
-        return values
-    dtypes = {v.dtype for v in values}
-    if len(dtypes) > 1:
-        raise ValueError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
-    if len({tuple(v.shape) for v in values}) == 1:
+    if values and tensors[0]:
+        dtypes = {v.dtype for v in values}
+        if len(dtypes) > 1:
+            raise ValueError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+    return values
+
+
+def normalize_column(name: str, values: Sequence[Any]) -> Column:
+    """New per-task values as a column: stacked (a fixed-shape field) when all are tensors of
+    one shape, else a list (ragged tensors, or JSON values). This decides the field's kind
+    once, when the values are given; slices, chunks and gathers keep it."""
+    values = checked_values(name, values)
+    if values and isinstance(values[0], torch.Tensor) and len({tuple(v.shape) for v in values}) == 1:
         return torch.stack(values)
     return values
 
@@ -101,8 +108,7 @@ def take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
     rows = np.asarray(indices, dtype=np.int64).reshape(-1)
     if isinstance(col, torch.Tensor):
         return col[torch.from_numpy(rows)]
-    # Re-normalize: the picked tasks of a ragged column may all share one shape.
-    return normalize_column("", pick(col, rows))
+    return pick(col, rows)  # a ragged column stays a list, whatever shapes the picked tasks have
 
 
 def column_items(col: Column) -> list[Any]:
@@ -110,7 +116,8 @@ def column_items(col: Column) -> list[Any]:
 
 
 def concat_columns(name: str, cols: Sequence[Column]) -> Column:
-    """One column of `cols` one after another (stacked again when the tasks' shapes allow)."""
+    """One column of `cols` one after another: stacked when every part is a stacked tensor of
+    the same per-task shape, else ragged (a list), like the field's metadata says."""
     if all(isinstance(c, torch.Tensor) for c in cols):
         tails = {tuple(c.shape[1:]) for c in cols}  # type: ignore[union-attr]
         dtypes = {c.dtype for c in cols}  # type: ignore[union-attr]
@@ -118,7 +125,7 @@ def concat_columns(name: str, cols: Sequence[Column]) -> Column:
             raise ValueError(f"field {name!r} has different dtypes across batches: {dtypes}")
         if len(tails) == 1:
             return torch.cat(list(cols))  # type: ignore[arg-type]
-    return normalize_column(name, [v for c in cols for v in column_items(c)])
+    return checked_values(name, [v for c in cols for v in column_items(c)])
 
 
 def take_columns(data: Mapping[str, Column], rows: np.ndarray) -> dict[str, Column]:
@@ -142,6 +149,47 @@ def column_lengths(name: str, col: Column) -> list[int]:
     if col and not isinstance(col[0], torch.Tensor):
         raise ValueError(f"field {name!r} holds JSON values; lengths need a tensor field")
     return [v.shape[0] if v.dim() else 1 for v in col]
+
+
+def is_ragged(col: Column) -> bool:
+    """Whether a column is a ragged tensor field: per-task tensors in a list."""
+    return isinstance(col, list) and bool(col) and isinstance(col[0], torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def schema_of(data: Mapping[str, Column]) -> dict[str, FieldMeta]:
+    """The columns' schema (dtype, kind, per-task shape or trailing dims) over zero tasks: what
+    a batch keeps of them when it holds no task, so an empty slice or chunk still has its fields."""
+    none = np.zeros(0, dtype=np.int32)
+    out: dict[str, FieldMeta] = {}
+    for name, col in data.items():
+        if isinstance(col, torch.Tensor):
+            out[name] = FieldMeta(wire.dtype_name(col.dtype), none, RowShapes.uniform(0, col.shape[1:]))
+        elif is_ragged(col):
+            first = col[0]
+            tail = tuple(first.shape[1:]) if first.dim() else ()
+            out[name] = FieldMeta(wire.dtype_name(first.dtype), none, RowShapes(0, shape=(0, *tail)), True)
+        else:
+            out[name] = FieldMeta(None, none, RowShapes.uniform(0, ()))
+    return out
+
+
+def empty_column(fm: FieldMeta) -> Column:
+    """A field's column over zero tasks: an empty stacked tensor of its shape, or an empty list."""
+    if fm.dtype is None or fm.ragged or fm.shapes.shape is None:
+        return []
+    return torch.empty((0, *fm.shapes.shape), dtype=wire.torch_dtype(fm.dtype))
+
+
+def empty_packed(name: str, fm: FieldMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed()` of a field over zero tasks: no values (of its dtype and trailing dims) and `[0]`."""
+    if fm.dtype is None:
+        raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+    tail = fm.shapes.packable() or ()
+    values = torch.empty((0, *tail), dtype=wire.torch_dtype(fm.dtype))
+    return values, torch.zeros(1, dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------- pickling
@@ -223,7 +271,7 @@ def export_bundle(
         column = _wire_column(name, col, task_ids, copy)
         columns[name] = column
         shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
-        fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes)
+        fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes, is_ragged(col))
     return wire.Bundle(list(task_ids), columns), BatchMeta(list(task_ids), [node], fields)
 
 

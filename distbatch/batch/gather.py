@@ -58,7 +58,7 @@ class Gathered:
     both views come from. A ragged column's per-task views point into the responses, so
     several responses are never joined just to be split again."""
 
-    __slots__ = ("pieces", "piece_shapes", "shapes", "json", "allocate")
+    __slots__ = ("pieces", "piece_shapes", "shapes", "json", "allocate", "ragged")
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class Gathered:
         # Where joined responses go (the client's recycled receive buffers, already mapped in,
         # so the one copy a join costs is not also a page fault per 4 KiB).
         self.allocate = allocate
+        self.ragged = False  # the field's kind: a list of per-task views even when shapes agree
 
     @staticmethod
     def assemble(
@@ -79,12 +80,21 @@ class Gathered:
         n: int,
         pieces: list[tuple[np.ndarray, wire.RawColumn]],
         allocate: Allocate | None = None,
+        ragged: bool = False,
     ) -> Gathered:
         """Put the responses' columns (each covering some batch rows) in batch order.
 
         Responses that cover the batch in order are used as they are (zero-copy); rows
-        interleaved across nodes cost one gather.
+        interleaved across nodes cost one gather. `ragged` is the field's kind (its metadata's).
         """
+        gathered = Gathered._assemble(name, n, pieces, allocate)
+        gathered.ragged = ragged
+        return gathered
+
+    @staticmethod
+    def _assemble(
+        name: str, n: int, pieces: list[tuple[np.ndarray, wire.RawColumn]], allocate: Allocate | None
+    ) -> Gathered:
         order = np.concatenate([rows for rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
         in_order = bool(np.array_equal(order, np.arange(n)))
         if pieces[0][1].dtype is None:
@@ -114,11 +124,12 @@ class Gathered:
         return join(self.pieces, self.allocate)
 
     def column(self) -> Column:
-        """The column as `batch[field]` gives it: stacked when shapes agree, else a list of views."""
+        """The column as `batch[field]` gives it: stacked for a fixed-shape field, a list of
+        per-task views for a ragged one."""
         if self.json is not None:
             return list(self.json)
         shapes = self.tensor_shapes
-        if shapes.shape is not None:
+        if shapes.shape is not None and not self.ragged:
             return self.flat().view(shapes.n, *shapes.shape)
         with paused_gc():  # one tensor per task: no collection passes over them mid-build
             return [
@@ -201,4 +212,7 @@ def assemble(plan: FetchPlan, bundles: list[wire.Bundle], allocate: Allocate | N
                 )
             pieces[name].append((rows, column))
     n = len(plan.meta)
-    return {name: Gathered.assemble(name, n, pieces[name], allocate) for name in plan.names}
+    return {
+        name: Gathered.assemble(name, n, pieces[name], allocate, plan.meta.fields[name].ragged)
+        for name in plan.names
+    }

@@ -31,17 +31,20 @@ from distbatch.batch.columns import (
     column_lengths,
     columns_from_dict,
     concat_columns,
+    empty_column,
+    empty_packed,
     export_bundle,
     fields_of_samples,
     merge_columns,
     pack_column,
+    schema_of,
     take_columns,
     tensor_fields,
     to_column,
     to_device,
 )
 from distbatch.batch.gather import FetchPlan, Gathered, fetch
-from distbatch.batch.meta import BatchMeta, pick
+from distbatch.batch.meta import BatchMeta, FieldMeta, pick
 from distbatch.batch.remote import FieldCache, RemoteColumns
 from distbatch.client.default import default_client
 from distbatch.client.planning import cut_points
@@ -92,6 +95,9 @@ class DistributedBatchMemory:
         self._task_ids: list[str] = []
         self._data: dict[str, Column] | None = None  # LOCAL
         self._remote: RemoteColumns | None = None  # REMOTE
+        # EMPTY: the fields it keeps (dtype, kind, shape over zero tasks), so an empty slice or
+        # chunk still has them; {} for a batch that never had any.
+        self._schema: dict[str, FieldMeta] = {}
 
     # ------------------------------------------------------------------ constructors
 
@@ -101,6 +107,8 @@ class DistributedBatchMemory:
         if task_ids:
             batch._task_ids = task_ids
             batch._data = data
+        else:
+            batch._schema = schema_of(data)
         return batch
 
     @classmethod
@@ -109,6 +117,14 @@ class DistributedBatchMemory:
         if len(remote.meta):
             batch._task_ids = list(remote.meta.task_ids)
             batch._remote = remote
+        else:
+            batch._schema = dict(remote.meta.fields)
+        return batch
+
+    @classmethod
+    def _make_empty(cls, schema: Mapping[str, FieldMeta]) -> DistributedBatchMemory:
+        batch = cls()
+        batch._schema = dict(schema)
         return batch
 
     @classmethod
@@ -143,9 +159,12 @@ class DistributedBatchMemory:
             raise MetaFormatError(f"batch JSON is not valid: {exc}") from None
         if not isinstance(data, dict) or data.get("status") not in ("REMOTE", "EMPTY"):
             raise MetaFormatError("batch JSON must have status REMOTE or EMPTY")
-        if data["status"] == "EMPTY":
+        if data["status"] == "EMPTY" and "meta" not in data:
             return cls()
-        return cls.from_meta(BatchMeta.from_dict(data.get("meta")), client)
+        batch = cls.from_meta(BatchMeta.from_dict(data.get("meta")), client)
+        if (data["status"] == "EMPTY") != (batch.status is BatchStatus.EMPTY):
+            raise MetaFormatError(f"batch JSON says {data['status']}, its metadata has {len(batch)} tasks")
+        return batch
 
     # ------------------------------------------------------------------ basic properties
 
@@ -163,7 +182,7 @@ class DistributedBatchMemory:
     def fields(self) -> list[str]:
         if self._remote is not None:
             return list(self._remote.meta.fields)
-        return list(self._data or {})
+        return list(self._data if self._data is not None else self._schema)
 
     def keys(self) -> list[str]:
         return self.fields
@@ -204,6 +223,8 @@ class DistributedBatchMemory:
 
     def _column(self, name: str) -> Column:
         self._require_field(name)
+        if not self._task_ids:
+            return empty_column(self._schema[name])
         col = (self._data or {})[name] if self._remote is None else self._cached(name).column(name)
         return col if isinstance(col, torch.Tensor) else list(col)
 
@@ -228,6 +249,8 @@ class DistributedBatchMemory:
 
     def _take(self, indices: Sequence[int] | np.ndarray) -> DistributedBatchMemory:
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if not len(rows):
+            return self._make_empty(self.schema_meta().fields)
         if self._remote is not None:
             return self._make_remote(self._remote.take(rows))
         return self._make_local(pick(self._task_ids, rows), take_columns(self._data or {}, rows))
@@ -257,6 +280,8 @@ class DistributedBatchMemory:
             self._require_field(name)
         if self._remote is not None:
             return self._make_remote(self._remote.select(names))
+        if not self._task_ids:
+            return self._make_empty({n: self._schema[n] for n in names})
         return self._make_local(list(self._task_ids), {n: (self._data or {})[n] for n in names})
 
     def _require_local(self, action: str) -> None:
@@ -310,6 +335,8 @@ class DistributedBatchMemory:
         0-d values count as one row each. `device=` moves both with one copy each.
         """
         self._require_field(field)
+        if not self._task_ids:
+            return to_device(*empty_packed(field, self._schema[field]), device)
         if self._remote is None:
             return to_device(*pack_column(field, (self._data or {})[field]), device)
         return to_device(*self._cached(field).packed(field), device)
@@ -332,7 +359,7 @@ class DistributedBatchMemory:
     def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
         """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them."""
         if self.status is BatchStatus.EMPTY:
-            return DistributedBatchMemory()
+            return self._make_empty(self._schema)
         if self._remote is not None:
             raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
         bundle, meta = self.export_bundle(node)
@@ -373,13 +400,20 @@ class DistributedBatchMemory:
 
     def lengths(self, field: str | None = None) -> list[int]:
         """Per-task length (first dimension) of a tensor field, from metadata when REMOTE."""
-        name = field or ops.length_field(
-            self._remote.tensor_fields() if self._remote is not None else tensor_fields(self._data or {})
-        )
+        name = field or ops.length_field(self._tensor_fields())
         self._require_field(name)
+        if not self._task_ids:
+            return []
         if self._remote is not None:
             return self._remote.meta.lengths(name)
         return column_lengths(name, (self._data or {})[name])
+
+    def _tensor_fields(self) -> list[str]:
+        if self._remote is not None:
+            return self._remote.tensor_fields()
+        if not self._task_ids:
+            return [name for name, fm in self._schema.items() if fm.is_tensor]
+        return tensor_fields(self._data or {})
 
     def chunk_balanced(
         self, n: int, group_size: int = 1, length_field: str | None = None
@@ -395,13 +429,18 @@ class DistributedBatchMemory:
         if not isinstance(group_size, int) or group_size < 1 or len(self) % group_size:
             raise ValueError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
         if not len(self):
-            return [DistributedBatchMemory() for _ in range(n)]
+            return [self._make_empty(self._schema) for _ in range(n)]
         return [self._take(rows) for rows in ops.balanced_rows(self.lengths(length_field), n, group_size)]
 
     # ------------------------------------------------------------------ combining
 
     def union(self, other: DistributedBatchMemory, overwrite: bool = False) -> DistributedBatchMemory:
         """A new batch with the fields of both, rows aligned by task id."""
+        if self.status is BatchStatus.EMPTY and other.status is BatchStatus.EMPTY:
+            clash = [f for f in other.fields if f in self.fields]
+            if clash and not overwrite:
+                raise ValueError(f"fields {clash} are in both batches; pass overwrite=True to replace them")
+            return self._make_empty({**self._schema, **other._schema})
         if other.status is BatchStatus.EMPTY:
             return self._take(np.arange(len(self)))
         if self.status is BatchStatus.EMPTY:
@@ -427,14 +466,15 @@ class DistributedBatchMemory:
         # A blocking read that is gathering into this batch's cache finishes first.
         with self._remote.cache.lock if self._remote is not None else contextlib.nullcontext():
             self._task_ids, self._data, self._remote = result._task_ids, result._data, result._remote
+            self._schema = result._schema
         return self
 
     @staticmethod
     def concat(batches: Sequence[DistributedBatchMemory]) -> DistributedBatchMemory:
         """Tasks of `batches` one after another: same fields, same status, no repeated task id."""
         parts = [b for b in batches if b.status is not BatchStatus.EMPTY]
-        if not parts:
-            return DistributedBatchMemory()
+        if not parts:  # empty batches of one schema: that schema
+            return DistributedBatchMemory._make_empty(batches[0]._schema if batches else {})
         if len({b.status for b in parts}) > 1:
             raise BatchStatusError(
                 "cannot concat LOCAL and REMOTE batches: to_local() or to_remote(node) them first"
@@ -453,6 +493,15 @@ class DistributedBatchMemory:
 
     # ------------------------------------------------------------------ serialization
 
+    def schema_meta(self) -> BatchMeta:
+        """The batch's fields (dtype, kind: fixed-shape or ragged, shape) as metadata over zero
+        tasks: what an empty slice keeps, and what `to_json` and engine calls carry of an EMPTY batch."""
+        if self._remote is not None:
+            return self._remote.meta.take(np.zeros(0, dtype=np.int64))
+        if self._data is not None and self._task_ids:
+            return BatchMeta([], [], schema_of(self._data))
+        return BatchMeta([], [], dict(self._schema))
+
     def to_json(self) -> str:
         """Metadata of a REMOTE (or EMPTY) batch as JSON; never carries data."""
         if self.status is BatchStatus.LOCAL:
@@ -460,7 +509,10 @@ class DistributedBatchMemory:
                 "to_json carries metadata only: to_remote(node) first, or pickle a LOCAL batch"
             )
         if self._remote is None:
-            return json.dumps({"status": "EMPTY"})
+            empty: dict[str, Any] = {"status": "EMPTY"}
+            if self._schema:
+                empty["meta"] = self.schema_meta().to_dict()
+            return json.dumps(empty, separators=(",", ":"))
         return json.dumps({"status": "REMOTE", "meta": self._remote.meta.to_dict()}, separators=(",", ":"))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -471,11 +523,13 @@ class DistributedBatchMemory:
         if status is BatchStatus.LOCAL:
             data = {name: column_for_pickle(col) for name, col in (self._data or {}).items()}
             return {"status": "LOCAL", "task_ids": self._task_ids, "data": data}
-        return {"status": "EMPTY"}
+        return {"status": "EMPTY", "meta": self.schema_meta()} if self._schema else {"status": "EMPTY"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
-        if state["status"] == "REMOTE":
+        if state["status"] == "EMPTY" and isinstance(state.get("meta"), BatchMeta):
+            self._schema = dict(state["meta"].fields)
+        elif state["status"] == "REMOTE":
             meta = state["meta"]
             if not isinstance(meta, BatchMeta):  # pickled by an earlier version: the dict form
                 meta = BatchMeta.from_dict(meta)

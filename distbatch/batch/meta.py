@@ -49,17 +49,27 @@ class FieldMeta:
 
     `nodes[i]` indexes `BatchMeta.nodes` for task i; `shapes` holds each task's shape
     (`()` for JSON values). Lists are accepted and converted.
+
+    `ragged` is the field's kind, part of its schema: a ragged field is a list of per-task
+    tensors in every slice, chunk and gather, even one whose tasks happen to share a shape; a
+    fixed-shape one (False) is one stacked tensor. Tasks of different shapes make it ragged.
     """
 
     dtype: str | None
     nodes: np.ndarray
     shapes: RowShapes
+    ragged: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, np.ndarray) or self.nodes.dtype != NODE_INDEX:
             self.nodes = np.asarray(self.nodes, dtype=NODE_INDEX).reshape(-1)
         if not isinstance(self.shapes, RowShapes):
             self.shapes = RowShapes.from_list(list(self.shapes))
+        self.ragged = self.dtype is not None and (bool(self.ragged) or self.shapes.shape is None)
+
+    def like(self, nodes: np.ndarray, shapes: RowShapes | None = None) -> FieldMeta:
+        """This field's schema (dtype, kind) over other `nodes` (and `shapes`)."""
+        return FieldMeta(self.dtype, nodes, self.shapes if shapes is None else shapes, self.ragged)
 
     @property
     def is_tensor(self) -> bool:
@@ -78,13 +88,14 @@ class FieldMeta:
 
     def take(self, indices: Sequence[int] | np.ndarray) -> FieldMeta:
         rows = _rows(indices, len(self.nodes))
-        return FieldMeta(self.dtype, self.nodes[rows], self.shapes.take(rows))
+        return self.like(self.nodes[rows], self.shapes.take(rows))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FieldMeta):
             return NotImplemented
         return (
             self.dtype == other.dtype
+            and self.ragged == other.ragged
             and bool(np.array_equal(self.nodes, other.nodes))
             and self.shapes == other.shapes
         )
@@ -210,7 +221,7 @@ class BatchMeta:
         return BatchMeta(
             task_ids,
             pick(nodes, used),
-            {n: FieldMeta(fm.dtype, remap[fm.nodes], fm.shapes) for n, fm in fields.items()},
+            {n: fm.like(remap[fm.nodes]) for n, fm in fields.items()},
         )
 
     @staticmethod
@@ -245,7 +256,7 @@ class BatchMeta:
         for (meta, rows), mapping in zip(parts, maps):
             for name, fm in meta.fields.items():
                 picked = fm if rows is None else fm.take(rows)
-                fields[name] = FieldMeta(fm.dtype, mapping[picked.nodes], picked.shapes)
+                fields[name] = picked.like(mapping[picked.nodes])
         ordered = {name: fields[name] for name in field_order}
         return BatchMeta._compact(task_ids, nodes, ordered)
 
@@ -260,6 +271,7 @@ class BatchMeta:
                 metas[0].fields[n].dtype,
                 np.concatenate([m[meta.fields[n].nodes] for meta, m in zip(metas, maps)]),
                 RowShapes.concat([meta.fields[n].shapes for meta in metas]),
+                any(meta.fields[n].ragged for meta in metas),
             )
             for n in names
         }
@@ -273,7 +285,8 @@ class BatchMeta:
         Node indexes are run-length encoded (`[index, run, index, run, ...]`); shapes are
         `{"uniform": dims}` when every task has the same shape, `{"tail": dims, "lengths":
         [...]}` for a ragged field, `{"like": other_field}` when they equal an earlier
-        field's, else a flat list of `rank, dims...` per task.
+        field's, else a flat list of `rank, dims...` per task. A ragged field says so
+        (`"ragged": true`), also when its tasks happen to share a shape.
         """
         fields: dict[str, Any] = {}
         seen: list[tuple[str, RowShapes]] = []
@@ -286,6 +299,8 @@ class BatchMeta:
                 shapes = {"like": like} if like is not None else fm.shapes.to_json()
                 seen.append((name, fm.shapes))
             fields[name] = {"dtype": fm.dtype, "nodes": _run_length(fm.nodes), "shapes": shapes}
+            if fm.ragged:
+                fields[name]["ragged"] = True
         return {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
 
     def to_json(self) -> str:
@@ -340,6 +355,19 @@ def _expand_runs(runs: Any, count: int, limit: int) -> np.ndarray:
     return np.repeat(indexes, lengths).astype(NODE_INDEX)
 
 
+def _field_schema(name: str, raw: Any) -> tuple[str | None, bool]:
+    """A field's dtype and kind (ragged or not) from its metadata, checked."""
+    validate_id(name, "field")
+    if not isinstance(raw, dict):
+        raise MetaFormatError(f"field {name!r} must be an object")
+    dtype, ragged = raw["dtype"], raw.get("ragged", False)
+    if dtype is not None and dtype not in ITEMSIZE:
+        raise MetaFormatError(f"field {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(ragged, bool):
+        raise MetaFormatError(f"field {name!r}: 'ragged' must be true or false")
+    return dtype, ragged
+
+
 def _load_meta(data: Any) -> BatchMeta:
     if not isinstance(data, dict) or data.get("version") != META_VERSION:
         raise MetaFormatError(f"expected batch metadata version {META_VERSION}")
@@ -357,25 +385,22 @@ def _load_meta(data: Any) -> BatchMeta:
     fields: dict[str, FieldMeta] = {}
     # JSON objects are unordered (Flask's jsonify sorts keys, for one), so a `{"like": other}`
     # field may come before `other`: resolve those once every other field is loaded.
-    like_fields: dict[str, tuple[str | None, np.ndarray, Any]] = {}
+    like_fields: dict[str, tuple[str | None, np.ndarray, Any, bool]] = {}
     for name, raw in raw_fields.items():
-        validate_id(name, "field")
-        dtype = raw["dtype"]
-        if dtype is not None and dtype not in ITEMSIZE:
-            raise MetaFormatError(f"field {name!r}: unknown dtype {dtype!r}")
+        dtype, ragged = _field_schema(name, raw)
         node_list = _expand_runs(raw["nodes"], n, len(nodes))
         raw_shapes = raw["shapes"]
         if isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
-            like_fields[name] = (dtype, node_list, raw_shapes["like"])
+            like_fields[name] = (dtype, node_list, raw_shapes["like"], ragged)
             continue
         try:
             shapes = RowShapes.from_json(raw_shapes, n)
         except ShapeError as exc:
             raise MetaFormatError(f"field {name!r}: {exc}") from None
-        fields[name] = FieldMeta(dtype, node_list, shapes)
-    for name, (dtype, node_list, like) in like_fields.items():
+        fields[name] = FieldMeta(dtype, node_list, shapes, ragged)
+    for name, (dtype, node_list, like, ragged) in like_fields.items():
         other = fields.get(like) if isinstance(like, str) else None
         if other is None:
             raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {like!r}")
-        fields[name] = FieldMeta(dtype, node_list, other.shapes)
+        fields[name] = FieldMeta(dtype, node_list, other.shapes, ragged)
     return BatchMeta(task_ids, nodes, {name: fields[name] for name in raw_fields})

@@ -33,6 +33,7 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
         "columns": {
             name: {
                 "dtype": c.dtype,
+                "ragged": c.ragged,
                 "rows": [[i, c.node[i], list(c.shape[i])] for i in sorted(c.node)],
             }
             for name, c in p.columns.items()
@@ -99,8 +100,16 @@ def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
     if dtype is not None and dtype not in ITEMSIZE:
         raise ValueError(f"field {name!r} has unknown dtype {dtype!r}")
     column = p.columns.setdefault(validate_id(name, "field"), Column(dtype))
+    ragged = col.get("ragged", False)  # absent in checkpoints from before kinds were kept
+    if not isinstance(ragged, bool):
+        raise ValueError(f"field {name!r}: 'ragged' must be true or false")
+    column.ragged = ragged
     for i, n, shape in col["rows"]:
         if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
             raise ValueError(f"field {name!r} names unknown task index {i} or node {n}")
         column.node[i] = n
         column.shape[i] = tuple(_count(d) for d in shape)
+    shapes = set(column.shape.values())
+    if dtype is not None and not ragged and shapes:  # a fixed field's shape, for later puts to match
+        column.ragged = len(shapes) > 1
+        column.fixed_shape = None if column.ragged else shapes.pop()

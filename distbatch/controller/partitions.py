@@ -27,11 +27,27 @@ from distbatch.wire.shapes import RowShapes
 
 @dataclass
 class Column:
-    """One field of a partition: dtype, and per task index its node and shape."""
+    """One field of a partition: dtype, kind, and per task index its node and shape.
+
+    `ragged` (the field's kind) sticks once set: a put of ragged values, or of fixed-shape
+    values of another shape than earlier puts', makes every later `get_meta` say ragged, so a
+    consumer's column type never depends on which tasks it was given.
+    """
 
     dtype: str | None
     node: dict[int, int] = field(default_factory=dict)
     shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    ragged: bool = False
+    fixed_shape: tuple[int, ...] | None = None
+
+    def learn_kind(self, fm: FieldMeta) -> None:
+        """Fold a put's kind for this field into the partition's."""
+        if fm.dtype is None or not len(fm.nodes):
+            return
+        if fm.ragged or (self.fixed_shape is not None and fm.shapes.shape != self.fixed_shape):
+            self.ragged = True
+        elif self.fixed_shape is None:
+            self.fixed_shape = fm.shapes.shape
 
 
 @dataclass
@@ -146,6 +162,7 @@ class Partition:
         local_nodes = [self.intern_node(n) for n in meta.nodes]
         for name, fm in meta.fields.items():
             column = self.columns.setdefault(name, Column(fm.dtype))
+            column.learn_kind(fm)
             for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
                 column.node[row] = local_nodes[node]
                 column.shape[row] = shape
@@ -199,7 +216,8 @@ class Partition:
                     nodes.append(self.nodes[n])
                 node_list.append(node_map[n])
             shapes = RowShapes.from_list([column.shape[i] for i in indexes])
-            cols[name] = FieldMeta(column.dtype, np.asarray(node_list, dtype=NODE_INDEX), shapes)
+            node_array = np.asarray(node_list, dtype=NODE_INDEX)
+            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged)
         return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
 
     def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:

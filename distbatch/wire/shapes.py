@@ -146,8 +146,9 @@ class RowShapes:
             return self
         if self.lengths is not None:
             if n == 0 or bool(np.all(self.lengths == self.lengths[0])):
+                # Zero tasks keep the trailing dims (an empty batch keeps its schema).
                 first = int(self.lengths[0]) if n else 0
-                return RowShapes(n, shape=(first, *(self.tail or ()))) if n else RowShapes(0, shape=())
+                return RowShapes(n, shape=(first, *(self.tail or ())))
             return self
         ranks, dims = self._tables()
         if n == 0:
@@ -241,6 +242,8 @@ class RowShapes:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RowShapes) or other.n != self.n:
             return NotImplemented if not isinstance(other, RowShapes) else False
+        if self.n == 0:  # zero tasks have no shapes to differ in
+            return True
         a, b = self.normalized(), other.normalized()
         if a.kind != b.kind:
             return False
@@ -283,6 +286,8 @@ class RowShapes:
     @staticmethod
     def concat(parts: Sequence[RowShapes]) -> RowShapes:
         """The shapes of `parts`' tasks one after another."""
+        if parts and not any(p.n for p in parts):
+            return parts[0]
         parts = [p for p in parts if p.n]
         if not parts:
             return RowShapes(0, shape=())

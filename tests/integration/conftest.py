@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from engines_for_tests import ECHO, ENGINES_ENV
 
-from distbatch import BatchStatus, DistributedBatchMemory
+from distbatch import BatchStatus, DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.launch import WorkerProcess, spawn_workers
 
 DBM = DistributedBatchMemory
@@ -57,6 +58,16 @@ def convert(status: BatchStatus, remote: Callable[..., DistributedBatchMemory]) 
         return remote(local)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def echo_pair(module_client: ShardClient) -> Iterator[WorkerGroup]:
+    """A group of two workers hosting the tests' `EchoEngine` (one per test module), stopped after."""
+    group = WorkerGroup.local(2, ECHO, env=ENGINES_ENV, client=module_client)
+    try:
+        yield group
+    finally:
+        group.shutdown()
 
 
 @pytest.fixture

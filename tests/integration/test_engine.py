@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from engines_for_tests import ECHO, ENGINES_ENV
+from engines_for_tests import ENGINES_ENV
 
 from distbatch import (
     BatchStatusError,
@@ -52,13 +52,9 @@ def unique(prefix: str = "t") -> str:
 
 
 @pytest.fixture(scope="module")
-def pair(module_client: ShardClient) -> Iterator[WorkerGroup]:
+def pair(echo_pair: WorkerGroup) -> WorkerGroup:
     """Workers A and B, both hosting EchoEngine (built by a factory that takes `context=`)."""
-    group = WorkerGroup.local(2, ECHO, env=ENV, client=module_client)
-    try:
-        yield group
-    finally:
-        group.shutdown()
+    return echo_pair
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -104,12 +104,8 @@ def run_controller(code: str) -> tuple[subprocess.Popen[bytes], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def group(module_client: ShardClient) -> Iterator[WorkerGroup]:
-    g = WorkerGroup.local(2, ECHO, env=ENV, client=module_client)
-    try:
-        yield g
-    finally:
-        g.shutdown()
+def group(echo_pair: WorkerGroup) -> WorkerGroup:
+    return echo_pair
 
 
 # --------------------------------------------------------------------------- calls

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from engines_for_tests import ECHO, ENGINES_ENV
+from engines_for_tests import ENGINES_ENV
 
 from distbatch import DistributedBatchMemory, EngineError, ShardClient, WorkerGroup, wire
 from distbatch.batch import BatchStatus
@@ -29,12 +29,8 @@ ENV = ENGINES_ENV
 
 
 @pytest.fixture(scope="module")
-def group(module_client: ShardClient) -> Iterator[WorkerGroup]:
-    workers = WorkerGroup.local(2, ECHO, env=ENV, client=module_client)
-    try:
-        yield workers
-    finally:
-        workers.shutdown()
+def group(echo_pair: WorkerGroup) -> WorkerGroup:
+    return echo_pair
 
 
 @pytest.fixture
