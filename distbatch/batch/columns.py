@@ -95,15 +95,6 @@ def column_len(col: Column) -> int:
     return col.shape[0] if isinstance(col, torch.Tensor) else len(col)
 
 
-def tensor_fields(data: Mapping[str, Column]) -> list[str]:
-    """The fields of `data` that hold tensors (not JSON values)."""
-    return [
-        name
-        for name, col in data.items()
-        if isinstance(col, torch.Tensor) or (col and isinstance(col[0], torch.Tensor))
-    ]
-
-
 def take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
     rows = np.asarray(indices, dtype=np.int64).reshape(-1)
     if isinstance(col, torch.Tensor):

@@ -16,6 +16,7 @@ import contextlib
 import enum
 import json
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -39,7 +40,6 @@ from distbatch.batch.columns import (
     pack_column,
     schema_of,
     take_columns,
-    tensor_fields,
     to_column,
     to_device,
 )
@@ -399,8 +399,11 @@ class DistributedBatchMemory:
         return [self._take(rows) for rows in ops.chunk_rows(len(self), n)]
 
     def lengths(self, field: str | None = None) -> list[int]:
-        """Per-task length (first dimension) of a tensor field, from metadata when REMOTE."""
-        name = field or ops.length_field(self._tensor_fields())
+        """Per-task length (first dimension) of a tensor field, from metadata when REMOTE.
+
+        With no `field`: `input_ids`, else the first ragged tensor field, else the first tensor field.
+        """
+        name = field or self._default_length_field()
         self._require_field(name)
         if not self._task_ids:
             return []
@@ -408,29 +411,63 @@ class DistributedBatchMemory:
             return self._remote.meta.lengths(name)
         return column_lengths(name, (self._data or {})[name])
 
-    def _tensor_fields(self) -> list[str]:
-        if self._remote is not None:
-            return self._remote.tensor_fields()
-        if not self._task_ids:
-            return [name for name, fm in self._schema.items() if fm.is_tensor]
-        return tensor_fields(self._data or {})
+    def _default_length_field(self) -> str:
+        schema = self.schema_meta().fields
+        tensors = [name for name, fm in schema.items() if fm.is_tensor]
+        return ops.length_field(tensors, [name for name in tensors if schema[name].ragged])
 
     def chunk_balanced(
-        self, n: int, group_size: int = 1, length_field: str | None = None
+        self,
+        n: int,
+        group_size: int = 1,
+        length_field: str | None = None,
+        *,
+        lengths: Any = None,
     ) -> list[DistributedBatchMemory]:
         """`n` batches with balanced total length, groups of `group_size` kept together.
 
-        Lengths come from metadata, so a REMOTE batch is balanced without
-        fetching a byte. Chunks hold equal task counts when the group count is
-        divisible by `n` (else counts differ by one group); tasks keep their
-        relative order inside a chunk.
+        A task's length is, in order of preference: `lengths[i]` (a tensor, array or list of
+        per-task integers, e.g. `batch["attention_mask"].sum(-1)`); the value of
+        `length_field` when it names a per-task integer (a 0-d tensor per task, or JSON ints,
+        e.g. a `seqlen` field); else the first dimension of `length_field` or of the default
+        field (see `lengths`), read from metadata, so a REMOTE batch is balanced without
+        fetching a byte. Balancing a fixed-shape (padded) field by its width would only
+        balance task counts: that warns, naming what to pass instead.
+
+        Chunks hold equal task counts when the group count is divisible by `n` (else counts
+        differ by one group); tasks keep their relative order inside a chunk.
         """
         ops.check_chunk_count(n)
         if not isinstance(group_size, int) or group_size < 1 or len(self) % group_size:
             raise ValueError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
+        task_lengths = self._balance_lengths(length_field, lengths)
         if not len(self):
             return [self._make_empty(self._schema) for _ in range(n)]
-        return [self._take(rows) for rows in ops.balanced_rows(self.lengths(length_field), n, group_size)]
+        return [self._take(rows) for rows in ops.balanced_rows(task_lengths, n, group_size)]
+
+    def _balance_lengths(self, length_field: str | None, lengths: Any) -> np.ndarray:
+        """The per-task lengths `chunk_balanced` balances (see there)."""
+        if lengths is not None:
+            if length_field is not None:
+                raise ValueError("pass lengths= or length_field=, not both")
+            return ops.check_lengths(lengths, len(self))
+        if length_field is not None:
+            self._require_field(length_field)
+            fm = self.schema_meta().fields[length_field]
+            if fm.dtype is None or (fm.shapes.shape == () and not fm.ragged):  # one value per task
+                return ops.check_lengths(self[length_field], len(self), f"field {length_field!r}")
+            return np.asarray(self.lengths(length_field), dtype=np.int64)
+        name = self._default_length_field()
+        task_lengths = np.asarray(self.lengths(name), dtype=np.int64)
+        if len(self) > 1 and not self.schema_meta().fields[name].ragged:
+            warnings.warn(
+                f"chunk_balanced: field {name!r} is fixed-shape (padded), so every task has length "
+                f"{int(task_lengths[0])} and chunks balance task counts only; pass lengths= (e.g. "
+                "batch['attention_mask'].sum(-1)) or length_field= naming a ragged field or a "
+                "per-task length field",
+                stacklevel=3,
+            )
+        return task_lengths
 
     # ------------------------------------------------------------------ combining
 

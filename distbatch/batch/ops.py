@@ -41,13 +41,31 @@ def task_indices(key: Any, n: int) -> list[int]:
     return out
 
 
-def length_field(tensor_fields: Sequence[str]) -> str:
-    """The field `lengths()` reads when none is named: input_ids, else the first tensor field."""
+def length_field(tensor_fields: Sequence[str], ragged: Sequence[str] = ()) -> str:
+    """The field `lengths()` reads when none is named: input_ids, else the first ragged tensor
+    field (`ragged`), else the first tensor field."""
     if "input_ids" in tensor_fields:
         return "input_ids"
+    if ragged:
+        return ragged[0]
     if not tensor_fields:
-        raise ValueError("no tensor field to take lengths from; pass length_field")
+        raise ValueError("no tensor field to take lengths from; pass length_field or lengths")
     return tensor_fields[0]
+
+
+def check_lengths(values: Any, count: int, what: str = "lengths") -> np.ndarray:
+    """Per-task lengths given as a tensor, array or list: `count` non-negative integers, as int64."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.dtype.kind not in "iub" and not (array.size == 0 and array.dtype.kind == "f"):
+        raise ValueError(f"{what} must be integers (one length per task), got {array.dtype} values")
+    if array.ndim != 1 or len(array) != count:
+        raise ValueError(f"{what} must hold one length per task: {count}, got shape {list(array.shape)}")
+    array = array.astype(np.int64)
+    if count and int(array.min()) < 0:
+        raise ValueError(f"{what} must be non-negative, got {int(array.min())}")
+    return array
 
 
 def check_chunk_count(n: Any) -> None:

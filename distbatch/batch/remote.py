@@ -136,9 +136,6 @@ class RemoteColumns:
             cached = {f: self.cache.column(f)[index] for f in self.meta.fields if f not in fetched}
         return {f: fetched[f] if f in fetched else cached[f] for f in self.meta.fields}
 
-    def tensor_fields(self) -> list[str]:
-        return [name for name, fm in self.meta.fields.items() if fm.is_tensor]
-
     def delete_plan(self) -> dict[str, list[tuple[list[str], list[str]]]]:
         """Per node, the (task ids, fields) products that delete every shard the batch names."""
         return {

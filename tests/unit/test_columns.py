@@ -327,7 +327,8 @@ def test_chunk_balanced_of_a_remote_batch_keeps_each_tasks_metadata(
     tensor_fields = [n for n, fm in meta.fields.items() if fm.is_tensor]
     if not tensor_fields or len(meta) < k:
         return
-    chunks = DistributedBatchMemory.from_meta(meta).chunk_balanced(k, length_field=tensor_fields[0])
+    batch = DistributedBatchMemory.from_meta(meta)
+    chunks = batch.chunk_balanced(k, lengths=batch.lengths(tensor_fields[0]))  # metadata only
     position = {t: i for i, t in enumerate(meta.task_ids)}
     seen = [t for c in chunks for t in c.task_ids]
     assert sorted(seen) == sorted(meta.task_ids)
