@@ -440,9 +440,11 @@ class DistributedBatchMemory:
         ops.check_chunk_count(n)
         if not isinstance(group_size, int) or group_size < 1 or len(self) % group_size:
             raise ValueError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
-        task_lengths = self._balance_lengths(length_field, lengths)
         if not len(self):
+            if lengths is not None or length_field is not None:  # bad ones fail on an empty batch too
+                self._balance_lengths(length_field, lengths)
             return [self._make_empty(self._schema) for _ in range(n)]
+        task_lengths = self._balance_lengths(length_field, lengths)
         return [self._take(rows) for rows in ops.balanced_rows(task_lengths, n, group_size)]
 
     def _balance_lengths(self, length_field: str | None, lengths: Any) -> np.ndarray:

@@ -84,7 +84,7 @@ def chunk_rows(count: int, n: int) -> list[np.ndarray]:
     return out
 
 
-def balanced_rows(lengths: Sequence[int], n: int, group_size: int) -> list[np.ndarray]:
+def balanced_rows(lengths: Sequence[int] | np.ndarray, n: int, group_size: int) -> list[np.ndarray]:
     """The rows of `n` chunks with balanced total length, groups of `group_size` rows kept
     together, each chunk in ascending order and the chunks ordered by their first group."""
     group_lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, group_size).sum(axis=1)
