@@ -115,6 +115,15 @@ class RequestError(NodeError, ValueError):
         self.payload = payload or {}
 
 
+class ShardsReplacedError(RequestError):
+    """The batch's shards were replaced by a later put of the same task ids and fields (HTTP 409
+    `shards_replaced`): the values this batch handle was made for are gone, and nothing was read
+    or deleted. Use the batch the later put returned, or give each put its own task ids."""
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.message}"
+
+
 class ClearError(DistBatchError):
     """Some shards could not be deleted (a worker down or not answering); nothing is hidden.
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from distbatch import wire
 from distbatch.errors import InvalidIdError, MetaFormatError, WireFormatError
 from rpc_server.errors import (
     ApiError,
     BadArgumentsError,
     MissingShardsError,
+    ReplacedShardsError,
     ShuttingDownError,
     StoreCapacityError,
     UnknownMethodError,
@@ -22,6 +25,9 @@ from rpc_server.errors import (
 # so both are bounded (tasks by --max-keys-per-request).
 MAX_FIELDS_PER_REQUEST = 4096
 
+# Generations are JSON integers; JSON carries integers exactly up to this.
+JSON_INT_BOUND = 1 << 53
+
 # Exceptions that are the client's doing (or the worker's state), by HTTP status and error code.
 ERROR_ANSWERS: dict[type[Exception], tuple[int, str]] = {
     WireFormatError: (400, "bad_container"),
@@ -30,6 +36,7 @@ ERROR_ANSWERS: dict[type[Exception], tuple[int, str]] = {
     BadArgumentsError: (400, "bad_arguments"),
     UnknownMethodError: (404, "unknown_method"),
     UnknownStageError: (404, "unknown_stage"),
+    ReplacedShardsError: (409, "shards_replaced"),
     StoreCapacityError: (507, "insufficient_storage"),
     ShuttingDownError: (503, "shutting_down"),
 }
@@ -76,3 +83,19 @@ def check_response_size(keys: int, size: int, limit: int) -> None:
             limit=limit,
             bytes=size,
         )
+
+
+def generation_list(value: Any, count: int) -> np.ndarray | None:
+    """A request's `generations` (per task: the put its values came from, 0 for any) as an
+    array, None when absent; 400 unless it is `count` whole numbers from 0 to 2**53."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(type(g) is int and 0 <= g < JSON_INT_BOUND for g in value)
+    ):
+        raise ApiError(
+            400, "bad_request", f"'generations' must be {count} whole numbers (one per task), 0 to 2**53"
+        )
+    return np.asarray(value, dtype=np.int64)

@@ -332,16 +332,18 @@ class EngineHost:
             count, freed = count + c, freed + b
         return count, freed
 
-    def _put_for_call(self, bundle: Bundle) -> None:
-        """Store a call's result, unless the call was abandoned; remember the put."""
+    def _put_for_call(self, bundle: Bundle) -> int:
+        """Store a call's result, unless the call was abandoned; remember the put. Returns the
+        put's generation (0 when nothing was stored)."""
         call_id = getattr(self._engine_thread, "call_id", None)
         if call_id is None:
-            self.context.store.put(bundle)
-            return
+            return self.context.store.put(bundle).generation
         with self._calls_lock:
             if call_id in self._abandoned:
-                return  # `_run_call` reports the abandonment once the engine's code returns
-            self._active[call_id].stored.append(self.context.store.put(bundle))
+                return 0  # `_run_call` reports the abandonment once the engine's code returns
+            receipt = self.context.store.put(bundle)
+            self._active[call_id].stored.append(receipt)
+        return receipt.generation
 
     def abandon(self, call_ids: list[str]) -> dict[str, int]:
         """Drop these calls' results: not run if queued, not kept if running, deleted if finished.
@@ -418,8 +420,8 @@ class EngineHost:
         """Keep a LOCAL batch's columns in this worker's store (one copy per column); return the
         REMOTE view."""
         bundle, meta = batch.export_bundle(self.context.node, copy=True)
-        self._put_for_call(bundle)
-        return DistributedBatchMemory.from_meta(meta, self.context.client)
+        generation = self._put_for_call(bundle)
+        return DistributedBatchMemory.from_meta(meta.stored_by(generation), self.context.client)
 
     def shutdown(self) -> None:
         """Take no more calls: queued ones are cancelled (their requests answer 503), a running one ends."""

@@ -77,6 +77,22 @@ class MissingShardsError(WorkerError):
         self.keys = keys
 
 
+class ReplacedShardsError(WorkerError):
+    """A read or delete named shards a later put has replaced (same task ids, same fields):
+    the batch handle asking was made for the earlier values, which are gone. Nothing was read
+    or deleted."""
+
+    def __init__(self, replaced: list[tuple[str, str, int, int]], count: int, what: str) -> None:
+        self.replaced, self.count = replaced, count
+        shown = ", ".join(f"{t}/{f}" for t, f, _, _ in replaced[:5])
+        more = f" (+{count - 5} more)" if count > 5 else ""
+        super().__init__(
+            f"{count} shard(s) were replaced by a later put of the same task ids: {shown}{more}; "
+            f"the values this batch was made for are gone, so nothing was {what}. Use the batch "
+            f"from the later put, or give each put its own task ids"
+        )
+
+
 class UnstorableResultError(WorkerError):
     """Our own account of why an engine's result cannot be stored or sent (reported as `kind`)."""
 

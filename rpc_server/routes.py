@@ -18,7 +18,13 @@ from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.server import SENDS_BUFFERS, connection_gauges
-from rpc_server.checks import check_field_count, check_put, check_response_size, key_list
+from rpc_server.checks import (
+    check_field_count,
+    check_put,
+    check_response_size,
+    generation_list,
+    key_list,
+)
 from rpc_server.context import state
 from rpc_server.errors import ApiError
 
@@ -195,7 +201,7 @@ def put_shards() -> Response:
         staged, nbytes = state().store.stage(validate_id(stage_id, "stage"), bundle, size, part)
         return jsonify({"staged": staged, "bytes": nbytes})
     receipt = state().store.put(bundle, size)
-    return jsonify({"stored": receipt.stored, "bytes": receipt.bytes})
+    return jsonify({"stored": receipt.stored, "bytes": receipt.bytes, "generation": receipt.generation})
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -213,8 +219,8 @@ def _stage_id_from_body() -> str:
 @data_routes.post("/v1/shards/commit")
 def commit_stage() -> Response:
     """Make a staged multi-request put visible, all at once (idempotent)."""
-    stored, nbytes = state().store.commit(_stage_id_from_body())
-    return jsonify({"stored": stored, "bytes": nbytes})
+    stored, nbytes, generation = state().store.commit(_stage_id_from_body())
+    return jsonify({"stored": stored, "bytes": nbytes, "generation": generation})
 
 
 @data_routes.post("/v1/shards/abort")
@@ -241,7 +247,7 @@ def fetch_shards() -> Response:
         task_ids = wire.validate_id_list(_key_list(body["task_ids"], "task_ids"))
         fields = wire.validate_id_list(_key_list(body.get("fields"), "fields"), "field")
         check_field_count(len(fields))
-        bundle = store.fetch(task_ids, fields)
+        bundle = store.fetch(task_ids, fields, generation_list(body.get("generations"), len(task_ids)))
     else:
         bundle = store.fetch_keys(_validated_keys(body["keys"]))
     limit = state().config.max_response_bytes
@@ -283,11 +289,17 @@ def delete_shards() -> Response:
     if "fields" in body and not has_tasks:
         raise ApiError(400, "bad_request", "'fields' goes with 'task_ids'")
     store = state().store
+    if "generations" in body and "fields" not in body:
+        raise ApiError(400, "bad_request", "'generations' goes with 'task_ids' and 'fields'")
     if has_tasks:
-        task_ids = _distinct_ids(_key_list(body["task_ids"], "task_ids"), "task_id")
+        raw_ids = _key_list(body["task_ids"], "task_ids")
+        # Generations pair with the ids one to one, so those ids must be distinct.
+        checked = "generations" in body
+        task_ids = wire.validate_id_list(raw_ids) if checked else _distinct_ids(raw_ids, "task_id")
         if "fields" in body:
             fields = _distinct_ids(_key_list(body["fields"], "fields"), "field")
-            count, freed = store.delete_product(task_ids, fields)
+            generations = generation_list(body.get("generations"), len(task_ids))
+            count, freed = store.delete_product(task_ids, fields, generations)
         else:
             count, freed = store.delete_tasks(task_ids)
     else:

@@ -53,6 +53,7 @@ from rpc_server.checks import (
     check_field_count,
     check_put,
     check_response_size,
+    generation_list,
     key_list,
     missing_shards,
 )
@@ -236,7 +237,8 @@ class SharedMemoryService:
         task_ids = wire.validate_id_list(key_list(header.get("task_ids"), "task_ids", max_keys))
         fields = wire.validate_id_list(key_list(header.get("fields"), "fields", max_keys), "field")
         check_field_count(len(fields))
-        bundle, regions = self.store.fetch_shared(task_ids, fields, INLINE_BELOW_BYTES)
+        generations = generation_list(header.get("generations"), len(task_ids))
+        bundle, regions = self.store.fetch_shared(task_ids, fields, INLINE_BELOW_BYTES, generations)
         with paused_gc():
             parts = wire.build_bundle(bundle)
         # Only the inline part counts: the regions are handed over, not sent.
@@ -258,7 +260,13 @@ class SharedMemoryService:
             staged, nbytes = self.store.stage(stage, bundle, region.size, part, region)
             return {"status": 200, "staged": staged, "bytes": nbytes}, region.size
         receipt = self.store.put(bundle, region.size, region)
-        return {"status": 200, "stored": receipt.stored, "bytes": receipt.bytes}, region.size
+        answer = {
+            "status": 200,
+            "stored": receipt.stored,
+            "bytes": receipt.bytes,
+            "generation": receipt.generation,
+        }
+        return answer, region.size
 
 
 def _refusal(exc: Exception, op: str) -> ApiError:

@@ -21,6 +21,7 @@ import torch
 from distbatch import wire
 from distbatch.batch.columns import Column, pack_rows
 from distbatch.batch.meta import BatchMeta
+from distbatch.client.planning import Product
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
 from distbatch.gc_pause import paused_gc
@@ -162,7 +163,7 @@ class FetchPlan:
 
     meta: BatchMeta
     names: list[str]
-    requests: list[tuple[str, list[str], list[str]]]
+    requests: list[Product]
     placed: list[np.ndarray]
 
 
@@ -202,7 +203,7 @@ def progress_bar(plan: FetchPlan, min_bytes: int) -> Any:
 def assemble(plan: FetchPlan, bundles: list[wire.Bundle], allocate: Allocate | None) -> dict[str, Gathered]:
     """The responses to `plan`'s requests as one `Gathered` per field, in batch order."""
     pieces: dict[str, list[tuple[np.ndarray, wire.RawColumn]]] = {name: [] for name in plan.names}
-    for (node, _, fields), rows, bundle in zip(plan.requests, plan.placed, bundles):
+    for (node, _, fields, _), rows, bundle in zip(plan.requests, plan.placed, bundles):
         for name in fields:
             column = bundle.columns.get(name)
             if column is None or column.rows is not None:

@@ -47,7 +47,7 @@ from distbatch.batch.gather import FetchPlan, Gathered, fetch
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
 from distbatch.batch.remote import FieldCache, RemoteColumns
 from distbatch.client.default import default_client
-from distbatch.client.planning import cut_points
+from distbatch.client.planning import DeleteProduct, Product, cut_points
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, ClearError, MetaFormatError, NodeError
@@ -363,8 +363,8 @@ class DistributedBatchMemory:
         if self._remote is not None:
             raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
         bundle, meta = self.export_bundle(node)
-        (client or default_client()).put_bundle(meta.nodes[0], bundle)
-        return self._make_remote(RemoteColumns(meta, client))
+        result = (client or default_client()).put_bundle(meta.nodes[0], bundle)
+        return self._make_remote(RemoteColumns(meta.stored_by(result.generation), client))
 
     async def _clear(self, twin: Twin) -> int:
         if self._remote is None:
@@ -607,7 +607,7 @@ def _fetch_plan(meta: BatchMeta, names: Sequence[str], client: ShardClient) -> F
     and the batch rows each covers; None when there is nothing to fetch."""
     if not names:
         return None
-    requests: list[tuple[str, list[str], list[str]]] = []
+    requests: list[Product] = []
     placed: list[np.ndarray] = []  # the batch rows each request covers
     for node, products in meta.plan(list(names)).items():
         max_bytes = client.request_bytes_bound(node)
@@ -616,18 +616,19 @@ def _fetch_plan(meta: BatchMeta, names: Sequence[str], client: ShardClient) -> F
             cuts = cut_points(per_task, max_bytes, client.max_keys_per_request)
             for a, b in zip(cuts, cuts[1:]):
                 chunk = rows[a:b]
-                requests.append((node, pick(meta.task_ids, chunk), fields))
+                gens = meta.fields[fields[0]].generations_at(chunk)
+                requests.append((node, pick(meta.task_ids, chunk), fields, gens))
                 placed.append(chunk)
     return FetchPlan(meta, list(names), requests, placed)
 
 
 def _cleared(
-    plan: dict[str, list[tuple[list[str], list[str]]]], outcome: dict[str, DeleteResult | NodeError]
+    plan: dict[str, list[DeleteProduct]], outcome: dict[str, DeleteResult | NodeError]
 ) -> int:
     """The count a clear deleted, or `ClearError` naming the nodes that failed."""
     deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
     failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
     if failed:
-        undeleted = {n: sum(len(ids) * len(names) for ids, names in plan[n]) for n in failed}
+        undeleted = {n: sum(len(ids) * len(names) for ids, names, _ in plan[n]) for n in failed}
         raise ClearError(failed, sum(deleted.values()), undeleted, deleted_by_node=deleted)
     return sum(deleted.values())

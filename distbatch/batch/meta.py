@@ -26,6 +26,9 @@ from distbatch.wire.shapes import RowShapes
 
 META_VERSION = 1
 NODE_INDEX = np.int32
+GENERATION = np.int64
+# Generations are JSON integers, exact below this.
+MAX_GENERATION = 1 << 53
 
 
 def pick(values: Sequence[Any], rows: np.ndarray) -> list[Any]:
@@ -53,23 +56,33 @@ class FieldMeta:
     `ragged` is the field's kind, part of its schema: a ragged field is a list of per-task
     tensors in every slice, chunk and gather, even one whose tasks happen to share a shape; a
     fixed-shape one (False) is one stacked tensor. Tasks of different shapes make it ragged.
+
+    `generations[i]` is the generation of the put that stored task i's value on its node (0 or
+    None: not known). Reads and deletes name it, so a later put of the same task ids and field
+    (which replaces the value) makes this handle's reads and deletes fail instead of reaching
+    the new values.
     """
 
     dtype: str | None
     nodes: np.ndarray
     shapes: RowShapes
     ragged: bool = False
+    generations: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, np.ndarray) or self.nodes.dtype != NODE_INDEX:
             self.nodes = np.asarray(self.nodes, dtype=NODE_INDEX).reshape(-1)
+        gens = self.generations
+        if gens is not None and (not isinstance(gens, np.ndarray) or gens.dtype != GENERATION):
+            self.generations = np.asarray(gens, dtype=GENERATION).reshape(-1)
         if not isinstance(self.shapes, RowShapes):
             self.shapes = RowShapes.from_list(list(self.shapes))
         self.ragged = self.dtype is not None and (bool(self.ragged) or self.shapes.shape is None)
 
     def like(self, nodes: np.ndarray, shapes: RowShapes | None = None) -> FieldMeta:
-        """This field's schema (dtype, kind) over other `nodes` (and `shapes`)."""
-        return FieldMeta(self.dtype, nodes, self.shapes if shapes is None else shapes, self.ragged)
+        """This field's schema (dtype, kind) over other `nodes` (and `shapes`), same tasks."""
+        shapes = self.shapes if shapes is None else shapes
+        return FieldMeta(self.dtype, nodes, shapes, self.ragged, self.generations)
 
     @property
     def is_tensor(self) -> bool:
@@ -88,7 +101,15 @@ class FieldMeta:
 
     def take(self, indices: Sequence[int] | np.ndarray) -> FieldMeta:
         rows = _rows(indices, len(self.nodes))
-        return self.like(self.nodes[rows], self.shapes.take(rows))
+        gens = None if self.generations is None else self.generations[rows]
+        return FieldMeta(self.dtype, self.nodes[rows], self.shapes.take(rows), self.ragged, gens)
+
+    def generations_at(self, rows: np.ndarray) -> list[int] | None:
+        """The generations of the tasks at `rows`, for a request (None when none is known)."""
+        if self.generations is None:
+            return None
+        picked = self.generations[rows]
+        return picked.tolist() if picked.any() else None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FieldMeta):
@@ -98,7 +119,16 @@ class FieldMeta:
             and self.ragged == other.ragged
             and bool(np.array_equal(self.nodes, other.nodes))
             and self.shapes == other.shapes
+            and _same_generations(self.generations, other.generations)
         )
+
+
+def _same_generations(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Equal generations, unknown (None) being all zeros."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or not other.any()
+    return bool(np.array_equal(a, b))
 
 
 @dataclass
@@ -151,12 +181,15 @@ class BatchMeta:
         """Per node, the (task rows, fields) products it holds of `fields`.
 
         Fields whose tasks sit on the same nodes (the usual case: a put stores all of a
-        task's fields together) share one product per node.
+        task's fields together) and came from the same puts share one product per node, so a
+        product's tasks have one generation each, whatever the field.
         """
         out: dict[str, list[tuple[np.ndarray, list[str]]]] = {}
-        groups: dict[bytes, list[str]] = {}
+        groups: dict[tuple[bytes, bytes], list[str]] = {}
         for name in fields:
-            groups.setdefault(self.fields[name].nodes.tobytes(), []).append(name)
+            fm = self.fields[name]
+            gens = b"" if fm.generations is None or not fm.generations.any() else fm.generations.tobytes()
+            groups.setdefault((fm.nodes.tobytes(), gens), []).append(name)
         for names in groups.values():
             nodes = self.fields[names[0]].nodes
             if len(self.nodes) == 1:
@@ -194,6 +227,17 @@ class BatchMeta:
         return sum(int(fm.row_nbytes().sum()) for fm in self.fields.values())
 
     # --------------------------------------------------------------- derivation
+
+    def stored_by(self, generation: int) -> BatchMeta:
+        """This meta with every field's values stored by one put of `generation` (0: not known)."""
+        if not generation:
+            return self
+        gens = np.full(len(self.task_ids), generation, dtype=GENERATION)
+        fields = {
+            name: FieldMeta(fm.dtype, fm.nodes, fm.shapes, fm.ragged, gens)
+            for name, fm in self.fields.items()
+        }
+        return BatchMeta(self.task_ids, self.nodes, fields)
 
     def take(self, indices: Sequence[int] | np.ndarray) -> BatchMeta:
         """The sub-batch of the tasks at `indices`, nodes compacted to those still named."""
@@ -272,6 +316,7 @@ class BatchMeta:
                 np.concatenate([m[meta.fields[n].nodes] for meta, m in zip(metas, maps)]),
                 RowShapes.concat([meta.fields[n].shapes for meta in metas]),
                 any(meta.fields[n].ragged for meta in metas),
+                _concat_generations([meta.fields[n] for meta in metas]),
             )
             for n in names
         }
@@ -282,7 +327,11 @@ class BatchMeta:
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-safe, compact form.
 
-        Node indexes are run-length encoded (`[index, run, index, run, ...]`); shapes are
+        Node indexes are run-length encoded (`[index, run, index, run, ...]`); generations
+        (where known) are a list of one per node when each node's tasks share one (the usual
+        case: one put per node), else `{"runs": [generation, run, ...]}`; the most common
+        field's form is said once for the batch (`"generations"` next to `"fields"`), and a
+        field says its own only when it differs (null: not known); shapes are
         `{"uniform": dims}` when every task has the same shape, `{"tail": dims, "lengths":
         [...]}` for a ragged field, `{"like": other_field}` when they equal an earlier
         field's, else a flat list of `rank, dims...` per task. A ragged field says so
@@ -290,6 +339,8 @@ class BatchMeta:
         """
         fields: dict[str, Any] = {}
         seen: list[tuple[str, RowShapes]] = []
+        generations = {name: self._generations_json(fm) for name, fm in self.fields.items()}
+        default = _most_common(generations.values())
         for name, fm in self.fields.items():
             shapes: Any
             if fm.shapes.shape is not None:
@@ -301,7 +352,17 @@ class BatchMeta:
             fields[name] = {"dtype": fm.dtype, "nodes": _run_length(fm.nodes), "shapes": shapes}
             if fm.ragged:
                 fields[name]["ragged"] = True
-        return {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
+            if generations[name] != default:
+                fields[name]["generations"] = generations[name]
+        out = {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
+        if default is not None:
+            out["generations"] = default
+        return out
+
+    def _generations_json(self, fm: FieldMeta) -> list[int] | dict[str, list[int]] | None:
+        if fm.generations is None or not fm.generations.any():
+            return None
+        return _encode_generations(fm.generations, fm.nodes, len(self.nodes))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -323,6 +384,63 @@ class BatchMeta:
         except (ValueError, RecursionError) as exc:
             raise MetaFormatError(f"batch metadata is not valid JSON: {exc}") from None
         return BatchMeta.from_dict(data)
+
+
+def _concat_generations(parts: Sequence[FieldMeta]) -> np.ndarray | None:
+    """The parts' generations one after another (zeros for a part that knows none); None if none does."""
+    if all(fm.generations is None for fm in parts):
+        return None
+    return np.concatenate(
+        [np.zeros(len(fm.nodes), GENERATION) if fm.generations is None else fm.generations for fm in parts]
+    )
+
+
+def _most_common(values: Iterable[Any]) -> Any:
+    """The value most entries have (the first of equals; None for no entries)."""
+    counts: dict[str, tuple[int, Any]] = {}
+    for value in values:
+        key = json.dumps(value)
+        counts[key] = (counts.get(key, (0, value))[0] + 1, value)
+    return max(counts.values(), key=lambda c: c[0])[1] if counts else None
+
+
+def _encode_generations(
+    gens: np.ndarray, nodes: np.ndarray, node_count: int
+) -> list[int] | dict[str, list[int]]:
+    """A field's generations in JSON: one per node when each node's tasks share one, else runs."""
+    table = np.zeros(node_count, dtype=GENERATION)
+    table[nodes] = gens
+    if np.array_equal(table[nodes], gens):
+        return table.tolist()
+    return {"runs": _run_length(gens)}
+
+
+def _expand_generations(raw: Any, nodes: np.ndarray, node_count: int) -> np.ndarray:
+    """A field's generations from `_encode_generations`' form, checked: whole numbers from 0 to
+    2**53, one per node or runs covering every task."""
+    if isinstance(raw, list):
+        form, values = "per_node", raw
+    elif isinstance(raw, dict) and set(raw) == {"runs"}:
+        form, values = "runs", raw["runs"]
+    else:
+        raise MetaFormatError('generations must be a list (one per node) or {"runs": [...]}')
+    if not isinstance(values, list) or set(map(type, values)) - {int}:
+        raise MetaFormatError("generations must be a list of integers")
+    array = np.asarray(values, dtype=np.int64) if values else np.zeros(0, np.int64)
+    if form == "per_node":
+        if len(array) != node_count:
+            raise MetaFormatError(f"{len(array)} per-node generations for {node_count} nodes")
+        checked, out = array, array[nodes]
+    else:
+        if len(array) % 2:
+            raise MetaFormatError("generation runs must be [generation, count] pairs")
+        checked, runs = array[0::2], array[1::2]
+        if (len(runs) and runs.min() <= 0) or int(runs.sum()) != len(nodes):
+            raise MetaFormatError(f"generation runs must cover the batch's {len(nodes)} tasks")
+        out = np.repeat(checked, runs)
+    if len(checked) and (checked.min() < 0 or checked.max() >= MAX_GENERATION):
+        raise MetaFormatError("generations must be 0 to 2**53")
+    return out.astype(GENERATION)
 
 
 def _run_length(values: np.ndarray) -> list[int]:
@@ -385,22 +503,25 @@ def _load_meta(data: Any) -> BatchMeta:
     fields: dict[str, FieldMeta] = {}
     # JSON objects are unordered (Flask's jsonify sorts keys, for one), so a `{"like": other}`
     # field may come before `other`: resolve those once every other field is loaded.
-    like_fields: dict[str, tuple[str | None, np.ndarray, Any, bool]] = {}
+    like_fields: dict[str, tuple[str | None, np.ndarray, Any, bool, np.ndarray | None]] = {}
+    default_generations = data.get("generations")  # a field's unless it says its own
     for name, raw in raw_fields.items():
         dtype, ragged = _field_schema(name, raw)
         node_list = _expand_runs(raw["nodes"], n, len(nodes))
+        raw_gens = raw.get("generations", default_generations)
+        gens = None if raw_gens is None else _expand_generations(raw_gens, node_list, len(nodes))
         raw_shapes = raw["shapes"]
         if isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
-            like_fields[name] = (dtype, node_list, raw_shapes["like"], ragged)
+            like_fields[name] = (dtype, node_list, raw_shapes["like"], ragged, gens)
             continue
         try:
             shapes = RowShapes.from_json(raw_shapes, n)
         except ShapeError as exc:
             raise MetaFormatError(f"field {name!r}: {exc}") from None
-        fields[name] = FieldMeta(dtype, node_list, shapes, ragged)
-    for name, (dtype, node_list, like, ragged) in like_fields.items():
+        fields[name] = FieldMeta(dtype, node_list, shapes, ragged, gens)
+    for name, (dtype, node_list, like, ragged, gens) in like_fields.items():
         other = fields.get(like) if isinstance(like, str) else None
         if other is None:
             raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {like!r}")
-        fields[name] = FieldMeta(dtype, node_list, other.shapes, ragged)
+        fields[name] = FieldMeta(dtype, node_list, other.shapes, ragged, gens)
     return BatchMeta(task_ids, nodes, {name: fields[name] for name in raw_fields})

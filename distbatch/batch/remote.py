@@ -18,6 +18,7 @@ import torch
 from distbatch.batch.columns import Column, concat_columns, pack_column, take_column
 from distbatch.batch.gather import Gathered
 from distbatch.batch.meta import BatchMeta, pick
+from distbatch.client.planning import DeleteProduct
 from distbatch.client.shard_client import ShardClient
 
 
@@ -136,9 +137,14 @@ class RemoteColumns:
             cached = {f: self.cache.column(f)[index] for f in self.meta.fields if f not in fetched}
         return {f: fetched[f] if f in fetched else cached[f] for f in self.meta.fields}
 
-    def delete_plan(self) -> dict[str, list[tuple[list[str], list[str]]]]:
-        """Per node, the (task ids, fields) products that delete every shard the batch names."""
+    def delete_plan(self) -> dict[str, list[DeleteProduct]]:
+        """Per node, the (task ids, fields, generations) products that delete every shard the
+        batch names (and no value a later put of the same keys stored)."""
+        meta = self.meta
         return {
-            node: [(pick(self.meta.task_ids, rows), names) for rows, names in products]
-            for node, products in self.meta.plan(list(self.meta.fields)).items()
+            node: [
+                (pick(meta.task_ids, rows), names, meta.fields[names[0]].generations_at(rows))
+                for rows, names in products
+            ]
+            for node, products in meta.plan(list(meta.fields)).items()
         }

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
-from distbatch.client.planning import tasks_by_fields
+from distbatch.client.planning import DeleteProduct, tasks_by_fields
 from distbatch.client.responses import merge_errors
 from distbatch.client.results import DeleteResult
 from distbatch.client.transport import HttpTransport
@@ -66,14 +66,19 @@ class Deleter:
         task_ids: Sequence[str] | None = None,
         keys: Sequence[ShardKey] | None = None,
         fields: Sequence[str] | None = None,
+        generations: list[int] | None = None,
     ) -> DeleteResult:
-        """All fields of `task_ids` (only `fields` of them, if given), or exactly `keys`."""
+        """All fields of `task_ids` (only `fields` of them, if given), or exactly `keys`.
+        With `generations` (and `fields`), values a later put replaced are refused, not deleted."""
         step = self.max_keys  # for task ids a task count: the worker deletes a product at once
         if task_ids is not None:
             named = {} if fields is None else {"fields": list(fields)}
             bodies: list[dict[str, Any]] = [
                 {"task_ids": list(task_ids[i : i + step]), **named} for i in range(0, len(task_ids), step)
             ]
+            if generations is not None:
+                for i, body in enumerate(bodies):
+                    body["generations"] = generations[i * step : (i + 1) * step]
         elif keys is not None:
             items = list(keys)
             bodies = [{"keys": items[i : i + step]} for i in range(0, len(items), step)]
@@ -85,20 +90,20 @@ class Deleter:
             total += DeleteResult(reply["deleted"], reply["bytes_freed"])
         return total
 
-    async def products(
-        self, node: str, products: Iterable[tuple[Sequence[str], Sequence[str]]]
-    ) -> DeleteResult:
-        """Each `(task_ids, fields)` product on `node`, one after the other."""
+    async def products(self, node: str, products: Iterable[DeleteProduct]) -> DeleteResult:
+        """Each `(task_ids, fields, generations)` product on `node`, one after the other."""
         total = DeleteResult(0, 0)
-        for task_ids, fields in products:
-            total += await self.delete(node, task_ids=task_ids, fields=fields)
+        for task_ids, fields, generations in products:
+            total += await self.delete(node, task_ids=task_ids, fields=fields, generations=generations)
         return total
 
     async def keys_each(self, keys_by_node: dict[str, list[ShardKey]]) -> Outcomes:
         """Exactly the given keys, sent as products; nodes concurrently, each node's outcome."""
         return await _each_node(
             {
-                node: self.products(node, [(ids, fields) for fields, ids in tasks_by_fields(keys).items()])
+                node: self.products(
+                    node, [(ids, list(fields), None) for fields, ids in tasks_by_fields(keys).items()]
+                )
                 for node, keys in keys_by_node.items()
             }
         )
@@ -116,6 +121,6 @@ class Deleter:
             raise merge_errors(errors)
         return total
 
-    async def products_each(self, plan: dict[str, list[tuple[list[str], list[str]]]]) -> Outcomes:
-        """`(task_ids, fields)` products per node, nodes concurrently; each node's outcome."""
+    async def products_each(self, plan: dict[str, list[DeleteProduct]]) -> Outcomes:
+        """`(task_ids, fields, generations)` products per node, nodes concurrently; each node's outcome."""
         return await _each_node({node: self.products(node, products) for node, products in plan.items()})

@@ -55,13 +55,18 @@ class Gatherer:
         self.max_keys = max_keys
 
     async def product(
-        self, node: str, task_ids: list[str], fields: list[str], progress: Progress | None = None
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        progress: Progress | None = None,
+        generations: list[int] | None = None,
     ) -> wire.Bundle:
         """One product from `node` in one request, or in parts if the response would be too
         large for the worker (`--max-response-bytes`); a single task's fields over the limit
-        raise `RequestError`."""
+        raise `RequestError`. `generations`: see `planning.Product`."""
         try:
-            bundle = await self.path.fetch(node, task_ids, fields, progress)
+            bundle = await self.path.fetch(node, task_ids, fields, progress, generations)
         except RequestError as exc:
             if exc.status != 413 or exc.code != "response_too_large":
                 raise
@@ -70,7 +75,16 @@ class Gatherer:
             parts = _part_count(exc, len(task_ids))
             bounds = [i * len(task_ids) // parts for i in range(parts + 1)]
             results = await asyncio.gather(
-                *(self.product(node, task_ids[a:b], fields, progress) for a, b in zip(bounds, bounds[1:])),
+                *(
+                    self.product(
+                        node,
+                        task_ids[a:b],
+                        fields,
+                        progress,
+                        None if generations is None else generations[a:b],
+                    )
+                    for a, b in zip(bounds, bounds[1:])
+                ),
                 return_exceptions=True,
             )
             return wire.concat_bundles(all_results(results))
@@ -82,7 +96,7 @@ class Gatherer:
         """Products from their nodes concurrently, one bundle each, in order; all missing keys
         raised together."""
         results = await asyncio.gather(
-            *(self.product(node, ids, fields, progress) for node, ids, fields in requests),
+            *(self.product(node, ids, fields, progress, gens) for node, ids, fields, gens in requests),
             return_exceptions=True,
         )
         return all_results(results)

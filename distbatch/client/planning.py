@@ -16,8 +16,12 @@ import numpy as np
 from distbatch import wire
 from distbatch.ids import ShardKey, ShardRef, validate_key, validate_node
 
-Product = tuple[str, list[str], list[str]]
-"""`(node, task_ids, fields)`: every field of every task named, from one node."""
+Product = tuple[str, list[str], list[str], list[int] | None]
+"""`(node, task_ids, fields, generations)`: every field of every task named, from one node; with
+`generations` (per task, the put its values came from), values a later put replaced are refused."""
+
+ProductRequest = tuple[str, Sequence[str], Sequence[str]] | tuple[str, Sequence[str], Sequence[str], Any]
+"""What callers pass: `(node, task_ids, fields)`, or with generations as a fourth element."""
 
 
 def cut_points(per_task: np.ndarray, max_bytes: int, max_tasks: int) -> list[int]:
@@ -91,11 +95,11 @@ def tasks_by_fields(keys: Iterable[tuple[str, str]]) -> dict[tuple[str, ...], li
 def key_products(node: str, sizes: dict[ShardKey, int], max_bytes: int, max_keys: int) -> list[Product]:
     """Fetch requests for explicit keys on `node`: a product per field set, cut to the request
     bounds (by bytes too when the sizes are known; 0 for unknown)."""
-    requests = []
+    requests: list[Product] = []
     for fields, task_ids in tasks_by_fields(sizes).items():
         per_task = np.asarray([sum(sizes[ShardKey(t, f)] for f in fields) for t in task_ids], dtype=np.int64)
         cuts = cut_points(per_task, max_bytes, max(1, max_keys // len(fields)))
-        requests += [(node, task_ids[a:b], list(fields)) for a, b in zip(cuts, cuts[1:])]
+        requests += [(node, task_ids[a:b], list(fields), None) for a, b in zip(cuts, cuts[1:])]
     return requests
 
 
@@ -116,22 +120,49 @@ def plan_refs(refs: Iterable[Any]) -> tuple[list[tuple[str, ShardKey]], dict[str
     return order, dict(per_node)
 
 
-def check_products(requests: Iterable[tuple[str, Sequence[str], Sequence[str]]]) -> list[Product]:
-    """`(node, task_ids, fields)` requests with every id checked."""
-    return [
-        (validate_node(node), wire.validate_id_list(list(ids)), wire.validate_id_list(list(fields), "field"))
-        for node, ids, fields in requests
-    ]
+def product_body(task_ids: list[str], fields: list[str], generations: list[int] | None) -> dict[str, Any]:
+    """A fetch or delete request naming a product (and the generations it was made for, if known)."""
+    body: dict[str, Any] = {"task_ids": task_ids, "fields": fields}
+    if generations is not None:
+        body["generations"] = generations
+    return body
+
+
+def _generations(value: Any, count: int) -> list[int] | None:
+    """Per-task generations as a list of `count` ints (None stays None)."""
+    if value is None:
+        return None
+    out = np.asarray(value, dtype=np.int64).reshape(-1).tolist()
+    if len(out) != count:
+        raise ValueError(f"{len(out)} generations for {count} tasks")
+    return out
+
+
+def check_products(requests: Iterable[ProductRequest]) -> list[Product]:
+    """`(node, task_ids, fields[, generations])` requests with every id checked."""
+    out: list[Product] = []
+    for node, ids, fields, *rest in requests:
+        task_ids = wire.validate_id_list(list(ids))
+        generations = _generations(rest[0] if rest else None, len(task_ids))
+        out.append((validate_node(node), task_ids, wire.validate_id_list(list(fields), "field"), generations))
+    return out
+
+
+DeleteProduct = tuple[list[str], list[str], list[int] | None]
+"""`(task_ids, fields, generations)`: one product to delete on a node (generations as for `Product`)."""
 
 
 def check_product_plan(
-    plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]],
-) -> dict[str, list[tuple[list[str], list[str]]]]:
-    """Per node, `(task_ids, fields)` products with every id checked."""
-    return {
-        validate_node(node): [
-            (wire.validate_id_list(list(ids)), wire.validate_id_list(list(fields), "field"))
-            for ids, fields in products
-        ]
-        for node, products in plan.items()
-    }
+    plan: Mapping[
+        str, Iterable[tuple[Sequence[str], Sequence[str]] | tuple[Sequence[str], Sequence[str], Any]]
+    ],
+) -> dict[str, list[DeleteProduct]]:
+    """Per node, `(task_ids, fields[, generations])` products with every id checked."""
+    out: dict[str, list[DeleteProduct]] = {}
+    for node, products in plan.items():
+        checked = out[validate_node(node)] = []
+        for ids, fields, *rest in products:
+            task_ids = wire.validate_id_list(list(ids))
+            generations = _generations(rest[0] if rest else None, len(task_ids))
+            checked.append((task_ids, wire.validate_id_list(list(fields), "field"), generations))
+    return out

@@ -22,6 +22,7 @@ from distbatch.errors import (
     RequestError,
     ServerError,
     ShardNotFoundError,
+    ShardsReplacedError,
 )
 
 T = TypeVar("T")
@@ -72,6 +73,8 @@ def error_from_response(node: str, status: int, body: bytes) -> NodeError:
         return CapacityError(node, message)
     if status == 404 and isinstance(payload.get("missing"), list):
         return ShardNotFoundError(node, [tuple(k) for k in payload["missing"]])
+    if status == 409 and code == "shards_replaced":
+        return ShardsReplacedError(node, status, code, message, payload)
     if code == "engine_error":
         return EngineError(
             node, str(payload.get("exception", "Exception")), message, str(payload.get("traceback", ""))

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PutResult:
-    """A put's answer: shards stored and their bytes."""
+    """A put's answer: shards stored, their bytes, and the put's generation on the worker (what a
+    batch handle names so that a later put of the same keys is told apart; 0 if not given)."""
 
     stored: int
     bytes: int
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from distbatch import wire
+from distbatch.client.planning import product_body
 from distbatch.errors import (
     HandshakeRefused,
     SameHostAnswerError,
@@ -279,9 +280,15 @@ class SameHostPaths:
 
     # ------------------------------------------------------------------ requests
 
-    def fetch(self, channel: SameHostChannel, task_ids: list[str], fields: list[str]) -> wire.Bundle:
+    def fetch(
+        self,
+        channel: SameHostChannel,
+        task_ids: list[str],
+        fields: list[str],
+        generations: list[int] | None = None,
+    ) -> wire.Bundle:
         """One product from the worker as a bundle over its shared regions."""
-        answer, rest, fds = channel.request({"op": "fetch", "task_ids": task_ids, "fields": fields})
+        answer, rest, fds = channel.request({"op": "fetch", **product_body(task_ids, fields, generations)})
         try:
             sizes = answer.get("regions")
             if not isinstance(sizes, list) or len(sizes) != len(fds) or set(map(type, sizes)) - {int}:

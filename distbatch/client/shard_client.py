@@ -24,7 +24,7 @@ from distbatch.client.deletes import Deleter, Outcomes, check_delete_args
 from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, EngineCalls, check_liveness_timeout
 from distbatch.client.fetches import Gatherer
 from distbatch.client.loop import ProcessRuntime, Runtime
-from distbatch.client.planning import check_product_plan, check_products, plan_refs
+from distbatch.client.planning import ProductRequest, check_product_plan, check_products, plan_refs
 from distbatch.client.results import DeleteResult, PutResult, Traffic
 from distbatch.client.same_host import SameHostPaths
 from distbatch.client.shard_paths import HttpShardPath, SameHostShardPath
@@ -221,11 +221,13 @@ class ShardClient:
 
     def _fetch_products_verb(
         self,
-        requests: Iterable[tuple[str, Sequence[str], Sequence[str]]],
+        requests: Iterable[ProductRequest],
         *,
         progress: Progress | None = None,
     ) -> Coroutine[Any, Any, list[wire.Bundle]]:
         """Fetch `(node, task_ids, fields)` products concurrently; one bundle per request, in order.
+        A request may carry per-task generations as a fourth element (a batch's gather does):
+        values a later put replaced are then refused with `ShardsReplacedError`.
 
         The columnar path: each response is one buffer, and each field in it one entry
         (decode with `wire.decode_column` / `wire.column_tensor`). `ShardNotFoundError`
@@ -290,11 +292,13 @@ class ShardClient:
         return self.run(self._deletes.keys_each(_key_plan(keys_by_node)))
 
     def _delete_products_each_verb(
-        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]]]]
+        self, plan: Mapping[str, Iterable[tuple[Sequence[str], Sequence[str]] | tuple[Any, ...]]]
     ) -> Coroutine[Any, Any, Outcomes]:
         """Delete `(task_ids, fields)` products per node, nodes concurrently; each node's outcome.
 
-        The columnar delete: a request names tasks and fields, never one key per shard.
+        The columnar delete: a request names tasks and fields, never one key per shard. A
+        product may carry per-task generations as a third element (a batch's clear does): values
+        a later put replaced are then refused (`ShardsReplacedError`) and nothing is deleted there.
         """
         return self._deletes.products_each(check_product_plan(plan))
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from distbatch import wire
-from distbatch.client.planning import split_bundle
+from distbatch.client.planning import product_body, split_bundle
 from distbatch.client.responses import error_from_response
 from distbatch.client.results import PutResult
 from distbatch.client.same_host import SameHostChannel, SameHostPaths
@@ -52,9 +52,15 @@ class ShardPath(Protocol):
         ...
 
     async def fetch(
-        self, node: str, task_ids: list[str], fields: list[str], progress: Progress | None
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        progress: Progress | None,
+        generations: list[int] | None = None,
     ) -> wire.Bundle:
-        """The product `task_ids` x `fields` from `node` in one answer, as the worker sent it."""
+        """The product `task_ids` x `fields` from `node` in one answer, as the worker sent it
+        (refused where a later put replaced the values `generations` names)."""
         ...
 
     def request_bytes_bound(self, node: str) -> int:
@@ -79,7 +85,7 @@ class HttpShardPath:
             reply = await self.transport.request(
                 node, "PUT", "/v1/shards", body=wire.build_bundle(bundles[0])
             )
-            return PutResult(reply["stored"], reply["bytes"])
+            return PutResult(reply["stored"], reply["bytes"], reply.get("generation", 0))
         # Several requests: stage them, then commit once, so the call stores all or nothing
         # and never touches existing shards before it succeeds. Each part has a name, so a
         # retried request replaces its first attempt instead of adding to it.
@@ -108,16 +114,21 @@ class HttpShardPath:
     async def commit_stage(self, node: str, stage: str) -> PutResult:
         """Store every part of a staged put at once."""
         reply = await self.transport.request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
-        return PutResult(reply["stored"], reply["bytes"])
+        return PutResult(reply["stored"], reply["bytes"], reply.get("generation", 0))
 
     async def fetch(
-        self, node: str, task_ids: list[str], fields: list[str], progress: Progress | None
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        progress: Progress | None,
+        generations: list[int] | None = None,
     ) -> wire.Bundle:
         body = await self.transport.request(
             node,
             "POST",
             "/v1/shards/fetch",
-            json_body={"task_ids": task_ids, "fields": fields},
+            json_body=product_body(task_ids, fields, generations),
             binary_response=True,
         )
         if progress is not None:
@@ -196,16 +207,21 @@ class SameHostShardPath:
                 await self.http.abort_stage(node, stage)
             raise
         if stage is None:
-            return PutResult(answers[0]["stored"], answers[0]["bytes"])
+            return PutResult(answers[0]["stored"], answers[0]["bytes"], answers[0].get("generation", 0))
         return await self.http.commit_stage(node, stage)
 
     async def fetch(
-        self, node: str, task_ids: list[str], fields: list[str], progress: Progress | None
+        self,
+        node: str,
+        task_ids: list[str],
+        fields: list[str],
+        progress: Progress | None,
+        generations: list[int] | None = None,
     ) -> wire.Bundle:
         channel = await self.channel(node)
         if channel is not None:
             try:
-                bundle = await self._call(node, self.paths.fetch, channel, task_ids, fields)
+                bundle = await self._call(node, self.paths.fetch, channel, task_ids, fields, generations)
             except SameHostFallback as exc:
                 self.paths.fell_back(node, str(exc))
             except WireFormatError as exc:
@@ -218,7 +234,7 @@ class SameHostShardPath:
                 if progress is not None:
                     progress(received)
                 return bundle
-        return await self.http.fetch(node, task_ids, fields, progress)
+        return await self.http.fetch(node, task_ids, fields, progress, generations)
 
     def _broke(self, node: str, exc: BaseException) -> None:
         """A same-host request broke: forget the channel (HTTP carries this request), unless the

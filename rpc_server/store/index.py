@@ -19,18 +19,20 @@ from distbatch.wire.shapes import unique_ints
 
 
 class FieldIndex:
-    """Per task row: the segment (-1: none) and the row in it holding this field's value.
+    """Per task row: the segment (-1: none) and the row in it holding this field's value, and
+    the generation of the put that stored it (so a stale batch handle can be told apart).
 
     Sized to the highest row the field has touched (rows past it hold nothing), and
     dropped by the store once the field holds no value: a field costs memory for the
     rows it spans, never for every task the store knows.
     """
 
-    __slots__ = ("seg", "pos", "live")
+    __slots__ = ("seg", "pos", "gen", "live")
 
     def __init__(self) -> None:
         self.seg = np.full(0, -1, dtype=np.int64)
         self.pos = np.zeros(0, dtype=np.int64)
+        self.gen = np.zeros(0, dtype=np.int64)
         self.live = 0  # rows holding a value
 
     def ensure(self, max_row: int) -> None:
@@ -39,6 +41,7 @@ class FieldIndex:
         extra = max(max_row + 1, 2 * len(self.seg), 64) - len(self.seg)
         self.seg = np.concatenate([self.seg, np.full(extra, -1, dtype=np.int64)])
         self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
+        self.gen = np.concatenate([self.gen, np.zeros(extra, dtype=np.int64)])
 
     def segs_at(self, rows: np.ndarray) -> np.ndarray:
         """The segment at each of `rows` (-1 for none, rows past the index included)."""
@@ -50,7 +53,7 @@ class FieldIndex:
         return out
 
     def nbytes(self) -> int:
-        return self.seg.nbytes + self.pos.nbytes
+        return self.seg.nbytes + self.pos.nbytes + self.gen.nbytes
 
 
 class TaskRows:
@@ -137,14 +140,16 @@ class ShardIndex:
     def nbytes(self) -> int:
         return sum(index.nbytes() for index in self.fields.values())
 
-    def place(self, name: str, rows: np.ndarray, seg_id: int) -> None:
-        """Field `name` of the tasks at `rows` is now row i of segment `seg_id` (rows hold none)."""
+    def place(self, name: str, rows: np.ndarray, seg_id: int, generation: int = 0) -> None:
+        """Field `name` of the tasks at `rows` is now row i of segment `seg_id`, stored by put
+        `generation` (rows hold none)."""
         index = self.fields.get(name)
         if index is None:
             index = self.fields[name] = FieldIndex()
         index.ensure(int(rows.max()))
         index.seg[rows] = seg_id
         index.pos[rows] = np.arange(len(rows))
+        index.gen[rows] = generation
         index.live += len(rows)
 
     def kill(
@@ -196,6 +201,11 @@ class ShardIndex:
         if index is None:
             return np.full(len(rows), -1)
         return np.where(rows >= 0, index.segs_at(np.maximum(rows, 0)), -1)
+
+    def generations(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """The generation of field `name`'s value at each of `rows` (rows that `locate` found)."""
+        index = self.fields.get(name)
+        return index.gen[rows] if index is not None else np.zeros(len(rows), dtype=np.int64)
 
     def positions(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Where field `name` of the tasks at `rows` sits in its segment (rows that `locate` found)."""

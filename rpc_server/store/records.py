@@ -50,12 +50,15 @@ class StoreStats:
 
 
 class PutReceipt(NamedTuple):
-    """What one put stored: counts, and its segments by id (not the data, so holding a
-    receipt holds no memory); `delete_put` deletes the rows still in those segments."""
+    """What one put stored: counts, its segments by id (not the data, so holding a receipt
+    holds no memory; `delete_put` deletes the rows still in those segments), and the put's
+    generation, which its values carry: a batch handle names it so that a later put of the
+    same keys is told apart."""
 
     stored: int
     bytes: int
     segments: tuple[tuple[str, int], ...]
+    generation: int = 0
 
 
 def bundle_from_raw(shards: Mapping[Any, Any]) -> Bundle:

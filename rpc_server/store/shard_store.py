@@ -10,6 +10,7 @@ to rehome them), and counting an aborted stage's shards. The collaborators never
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,6 +34,11 @@ from rpc_server.store.segments import Buffer
 from rpc_server.store.shards import Shards
 from rpc_server.store.stages import StageBook, StagedPart
 from rpc_server.store.sweeper import StageSweeper, sweep_interval
+
+# Put generations start at a random point below this, so a worker restarted at the same address
+# (almost surely) never gives a put the generation an old batch handle names; ten digits at most,
+# since every batch's metadata carries them.
+GENERATION_START_BOUND = 1 << 32
 
 # A same-host fetch looks again this often when the rows it moves into shared memory change meanwhile.
 SHARE_ATTEMPTS = 3
@@ -82,6 +88,12 @@ class ShardStore:
         )
         self._evicted_shards = 0
         self._evicted_bytes = 0
+        self._last_generation = secrets.randbelow(GENERATION_START_BOUND)
+
+    def _next_generation(self) -> int:
+        """A new put's generation (caller holds the lock)."""
+        self._last_generation += 1
+        return self._last_generation
 
     @property
     def stage_ttl(self) -> float:
@@ -129,7 +141,7 @@ class ShardStore:
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
-            return self._shards.apply(bundle, body_size, region)
+            return self._shards.apply(bundle, body_size, region, self._next_generation())
 
     def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
         """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
@@ -182,8 +194,9 @@ class ShardStore:
             self._sweeper.ensure_running()
         return bundle.shard_count(), incoming
 
-    def commit(self, stage_id: str) -> tuple[int, int]:
-        """Store everything staged under `stage_id` at once; idempotent for a while after."""
+    def commit(self, stage_id: str) -> tuple[int, int, int]:
+        """Store everything staged under `stage_id` at once, as one put (one generation);
+        idempotent for a while after. Returns (shards stored, bytes, generation)."""
         with self._lock:
             now = self._clock()
             self._stages.expire(now)
@@ -194,11 +207,12 @@ class ShardStore:
             if parts is None:
                 raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
             stored = nbytes = 0
+            generation = self._next_generation()
             # Capacity was reserved when staging, and replacing only frees bytes.
             for bundle, body_size, region in parts:
-                receipt = self._shards.apply(bundle, body_size, region)
+                receipt = self._shards.apply(bundle, body_size, region, generation)
                 stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
-            result = (stored, nbytes)
+            result = (stored, nbytes, generation)
             self._stages.record_commit(stage_id, now, result)
         return result
 
@@ -221,16 +235,24 @@ class ShardStore:
 
     # ------------------------------------------------------------------ fetching
 
-    def fetch(self, task_ids: Sequence[str], fields: Sequence[str]) -> Bundle:
+    def fetch(
+        self, task_ids: Sequence[str], fields: Sequence[str], generations: np.ndarray | None = None
+    ) -> Bundle:
         """The product `task_ids` x `fields` as a bundle whose columns point into the segments.
 
-        `MissingShardsError` lists every absent key. The bytes are not copied when the rows
-        form a few runs; scattered rows are gathered into one buffer per field.
+        `MissingShardsError` lists every absent key; with `generations` (per task, the put the
+        asker's values came from; 0: any), `ReplacedShardsError` lists values a later put
+        replaced. The bytes are not copied when the rows form a few runs; scattered rows are
+        gathered into one buffer per field.
         """
-        return Bundle(list(task_ids), build_columns(self._pick(task_ids, fields)))
+        return Bundle(list(task_ids), build_columns(self._pick(task_ids, fields, generations)))
 
     def fetch_shared(
-        self, task_ids: Sequence[str], fields: Sequence[str], inline_below: int = 0
+        self,
+        task_ids: Sequence[str],
+        fields: Sequence[str],
+        inline_below: int = 0,
+        generations: np.ndarray | None = None,
     ) -> tuple[Bundle, list[SharedRegion]]:
         """`fetch` for a same-host reader: tensor columns of `inline_below` bytes or more come as
         runs in shared regions (`RawColumn.runs`; slots index the returned regions), moving a
@@ -241,7 +263,7 @@ class ShardStore:
         """
         for _ in range(SHARE_ATTEMPTS):
             pending: dict[int, Buffer] = {}
-            picked = self._pick(task_ids, fields, share_from=inline_below, pending=pending)
+            picked = self._pick(task_ids, fields, generations, inline_below, pending)
             if not pending:
                 slots = RegionSlots()
                 columns = build_columns(picked, slots)
@@ -253,6 +275,7 @@ class ShardStore:
         self,
         task_ids: Sequence[str],
         fields: Sequence[str],
+        generations: np.ndarray | None = None,
         share_from: int | None = None,
         pending: dict[int, Buffer] | None = None,
     ) -> list[Picked]:
@@ -260,6 +283,7 @@ class ShardStore:
         with self._lock:
             shards = self._shards
             rows = shards.index.rows.lookup(task_ids)
+            shards.check_generations(task_ids, rows, fields, generations, "read")
             picked = pick(shards.index, shards.segments, task_ids, rows, fields, share_from, pending)
             shards.touch(rows)
         return picked
@@ -305,12 +329,20 @@ class ShardStore:
             rows = self._shards.index.rows.lookup(task_ids)
             return self._shards.delete_rows(rows[rows >= 0], self._shards.index.names())
 
-    def delete_product(self, task_ids: Iterable[str], fields: Iterable[str]) -> tuple[int, int]:
-        """Delete `fields` of the given tasks (absent ones are skipped). Returns (count, bytes freed)."""
+    def delete_product(
+        self, task_ids: Iterable[str], fields: Iterable[str], generations: np.ndarray | None = None
+    ) -> tuple[int, int]:
+        """Delete `fields` of the given tasks (absent ones are skipped). Returns (count, bytes freed).
+
+        With `generations` (per task, as for `fetch`), a value a later put replaced is not the
+        asker's to delete: `ReplacedShardsError`, and nothing is deleted.
+        """
         task_ids = list(task_ids)
+        fields = list(dict.fromkeys(fields))
         with self._lock:
             rows = self._shards.index.rows.lookup(task_ids)
-            return self._shards.delete_rows(rows[rows >= 0], list(dict.fromkeys(fields)))
+            self._shards.check_generations(task_ids, rows, fields, generations, "deleted")
+            return self._shards.delete_rows(rows[rows >= 0], fields)
 
     def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
         """Delete the given shards; absent keys are skipped. Returns (count, bytes freed)."""

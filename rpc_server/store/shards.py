@@ -15,9 +15,13 @@ import numpy as np
 from distbatch.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, column_field
 from distbatch.wire.shapes import unique_ints
+from rpc_server.errors import ReplacedShardsError
 from rpc_server.store.index import ShardIndex
 from rpc_server.store.records import PutReceipt
 from rpc_server.store.segments import Buffer, SegmentTable
+
+# A 409 for replaced shards lists at most this many (and says how many there are).
+MAX_REPLACED_LISTED = 100
 
 
 class Shards:
@@ -44,8 +48,45 @@ class Shards:
             replaced += self.segments.nbytes_at(*self.index.values_at(column_field(key), col_rows))
         return incoming, replaced
 
-    def apply(self, bundle: Bundle, body_size: int | None, region: SharedRegion | None = None) -> PutReceipt:
-        """Store a measured bundle (capacity already checked), replacing the values it replaces."""
+    def check_generations(
+        self,
+        task_ids: Sequence[str],
+        rows: np.ndarray,
+        fields: Sequence[str],
+        generations: np.ndarray | None,
+        what: str,
+    ) -> None:
+        """`ReplacedShardsError` if a value held at `rows` was stored by another put than the
+        one `generations` names per task (0: not known, not checked); absent values pass (a
+        fetch reports them missing, a delete skips them)."""
+        if generations is None:
+            return
+        listed: list[tuple[str, str, int, int]] = []
+        count = 0
+        for name in fields:
+            held = self.index.locate(name, rows) >= 0
+            held &= generations != 0
+            if not held.any():
+                continue
+            at = np.flatnonzero(held)
+            stored = self.index.generations(name, rows[at])
+            stale = np.flatnonzero(stored != generations[at])
+            count += len(stale)
+            for j in stale[: max(MAX_REPLACED_LISTED - len(listed), 0)].tolist():
+                i = int(at[j])
+                listed.append((task_ids[i], name, int(stored[j]), int(generations[i])))
+        if count:
+            raise ReplacedShardsError(listed, count, what)
+
+    def apply(
+        self,
+        bundle: Bundle,
+        body_size: int | None,
+        region: SharedRegion | None = None,
+        generation: int = 0,
+    ) -> PutReceipt:
+        """Store a measured bundle (capacity already checked), replacing the values it replaces;
+        its values carry `generation`, the put's."""
         rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
         buffer = Buffer(0, region)
         stored = nbytes = 0
@@ -57,7 +98,7 @@ class Shards:
                 continue  # a column of no rows stores nothing
             self.kill(name, col_rows)
             seg = self.segments.add(name, column, col_rows, buffer)
-            self.index.place(name, col_rows, seg.id)
+            self.index.place(name, col_rows, seg.id, generation)
             segments.append((name, seg.id))
             stored += len(col_rows)
             nbytes += int(seg.sizes.sum())
@@ -66,7 +107,7 @@ class Shards:
         self.segments.nbytes += nbytes
         self.touch(rows)
         self.index.release_empty(rows)  # tasks no column covered hold nothing
-        return PutReceipt(stored, nbytes, tuple(segments))
+        return PutReceipt(stored, nbytes, tuple(segments), generation)
 
     def _keep_body(self, buffer: Buffer, body_size: int | None, segments: list[tuple[str, int]]) -> None:
         """Hold a put's body buffer while its segments point into it."""

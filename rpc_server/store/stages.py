@@ -42,7 +42,7 @@ class StageBook:
         self.ttl = ttl
         self._stages: dict[str, _Stage] = {}
         self.staged_bytes = 0
-        self._committed: dict[str, tuple[float, tuple[int, int]]] = {}
+        self._committed: dict[str, tuple[float, tuple[int, int, int]]] = {}
 
     def __bool__(self) -> bool:
         """Whether any stage is open."""
@@ -78,12 +78,12 @@ class StageBook:
         self.staged_bytes -= stage.nbytes
         return list(stage.parts.values())
 
-    def committed(self, stage_id: str) -> tuple[int, int] | None:
+    def committed(self, stage_id: str) -> tuple[int, int, int] | None:
         """What committing `stage_id` stored, if it was committed within `ttl`."""
         done = self._committed.get(stage_id)
         return None if done is None else done[1]
 
-    def record_commit(self, stage_id: str, now: float, result: tuple[int, int]) -> None:
+    def record_commit(self, stage_id: str, now: float, result: tuple[int, int, int]) -> None:
         self._committed[stage_id] = (now, result)
 
     def expire(self, now: float) -> tuple[int, int]:

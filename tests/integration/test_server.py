@@ -346,7 +346,10 @@ def test_put_fetch_roundtrip_and_stats(plain: WorkerProcess) -> None:
     half = torch.randn(5, dtype=torch.bfloat16)
     response = put(plain, {("rt-1", "ids"): ids, ("rt-1", "lp"): half, ("rt-1", "uid"): "abc"})
     assert response.status_code == 200
-    assert response.json() == {"stored": 3, "bytes": 48 + 10 + len('"abc"')}
+    answer = response.json()
+    assert {k: answer[k] for k in ("stored", "bytes")} == {"stored": 3, "bytes": 48 + 10 + len('"abc"')}
+    # The put's generation: what a batch handle names so that a later put of these keys shows.
+    assert type(answer["generation"]) is int and 0 < answer["generation"] < 2**53
     after = stats(plain)
     assert after["shards"] - before["shards"] == 3
     assert after["tasks"] - before["tasks"] == 1
@@ -357,6 +360,7 @@ def test_put_fetch_roundtrip_and_stats(plain: WorkerProcess) -> None:
     assert same_tensor(ids, got[("rt-1", "ids")])
     assert same_tensor(half, got[("rt-1", "lp")])
     assert got[("rt-1", "uid")] == "abc"
+    assert put(plain, {("rt-0", "x"): ids}).json()["generation"] == answer["generation"] + 1
 
 
 def test_put_overwrite_is_idempotent(plain: WorkerProcess) -> None:
