@@ -1,6 +1,6 @@
 """The guide (docs/guide/*.md): every page's ```python blocks run, in order, in one namespace
-(each page starts and stops its own workers), and every relative link in the guide, the README
-and the API reference's pages points at a file that exists."""
+(each page starts and stops its own workers), and every relative link in the README, the site's
+home page, the guide and the API reference's pages points at a file that exists."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from docs_support import GUIDE, README, ROOT, python_blocks, relative_links, run
 
 PAGES = sorted(GUIDE.glob("*.md"))
 SESSIONS = [page for page in PAGES if python_blocks(page)]
-LINKED = [README, *PAGES, *sorted((ROOT / "docs" / "api").glob("*.md"))]
+LINKED = [README, ROOT / "docs" / "index.md", *PAGES, *sorted((ROOT / "docs" / "api").glob("*.md"))]
 
 
 def test_the_guide_has_its_pages_and_sessions() -> None:
