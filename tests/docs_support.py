@@ -2,7 +2,7 @@
 
 A block fenced as ```python is a runnable session: the tests run every such block of a page in
 order, in one namespace, as a reader pasting them would. Blocks that cannot run here (they need
-a cluster, the reader's own engine or data) are fenced as ```py, ```text or ```bash instead.
+a cluster, the reader's own engine or data) are fenced as ```text or ```bash instead.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ home page, the guide and the API reference's pages points at a file that exists.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,11 @@ def test_guide_page_sessions_run(page: Path, capsys: pytest.CaptureFixture[str])
 def test_relative_links_resolve(page: Path) -> None:
     missing = [t for t in relative_links(page) if t and not (page.parent / t).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=["README", *[page.stem for page in PAGES]])
+def test_code_blocks_say_whether_they_run(page: Path) -> None:
+    """```python runs (above); anything that cannot run here is ```text or ```bash, never ```py."""
+    fences = re.findall(r"^```(\S*)$", page.read_text(), re.M)
+    openings = fences[::2]
+    assert set(openings) <= {"python", "bash", "text", ""}, f"{page.name}: {sorted(set(openings))}"
