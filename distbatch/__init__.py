@@ -3,7 +3,7 @@
 The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 
-Layers, bottom up (each imports only those below it; `docs/architecture.md` draws them):
+Layers, bottom up (each imports only those below it; `docs/guide/architecture.md` draws them):
 `errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `shm` and
 `recv_pool`; `client` (moving bytes to and from workers); `batch` (the batch object and its
 metadata); `calls`, `balance`, `samplers`; `controller`; `launch` (workers and groups);

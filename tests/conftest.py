@@ -6,7 +6,7 @@ The suite has three tiers, each with its own conftest:
 - `tests/unit/`: library code in this process; no worker, no server, no listening socket
   (its conftest refuses them).
 - `tests/integration/`: real `rpc_server` processes, real HTTP, the controller's HTTP face, the
-  CLI, the examples, the README and the API reference.
+  CLI, the examples, the README, the guide and the API reference.
 - `tests/system/`: faults, soak, leaks, stress and hostile input, Ray clusters.
 
 Support modules every tier imports (`bundle_support`, `engines_for_tests`, ...) sit beside this

@@ -84,8 +84,8 @@ class DistributedBatchMemory:
     """A batch of tasks: LOCAL (holds data), REMOTE (holds where the data is) or EMPTY.
 
     Build one with `from_dict` / `from_list` (LOCAL), `from_meta` / `from_json`
-    (REMOTE) or `DistributedBatchMemory()` (EMPTY). See the README for the
-    full tour.
+    (REMOTE) or `DistributedBatchMemory()` (EMPTY). The guide's Batches page
+    (docs/guide/batches.md) has the full tour.
     """
 
     #: gathers of at least this many bytes show a tqdm bar when stderr is a terminal

@@ -1,5 +1,6 @@
-"""The API reference (mkdocs + mkdocstrings, `scripts/docs`): it builds, its links resolve, and a
-docstring that names nothing, or documents a parameter the signature lacks, fails the strict build."""
+"""The documentation site (mkdocs + mkdocstrings, `scripts/docs`): the guide and the API reference
+build as one site, its links resolve, and a docstring that names nothing, or documents a parameter
+the signature lacks, fails the strict build."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ yaml = importlib.import_module("yaml")  # mkdocs' own dependency
 
 
 def build(tmp_path: Path, source: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Build the reference with the repository's config, reading the packages from `source`."""
+    """Build the site with the repository's config, reading the packages from `source`."""
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    config["docs_dir"] = str(ROOT / "docs" / "api")
+    config["docs_dir"] = str(ROOT / "docs")
     config["site_dir"] = str(tmp_path / "site")
     python = config["plugins"][1]["mkdocstrings"]["handlers"]["python"]
     python["paths"] = [str(source)]
@@ -57,18 +58,26 @@ def copy_packages(tmp_path: Path, edit: dict[str, Any]) -> Path:
     return source
 
 
-def test_the_reference_builds_and_links_resolve(tmp_path: Path) -> None:
+def test_the_site_builds_and_links_resolve(tmp_path: Path) -> None:
     done, site = build(tmp_path, ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
-    controller = (site / "controller.html").read_text()
+    api = site / "api"
+    controller = (api / "controller.html").read_text()
     # A backticked name became a link into another page.
     assert 'href="samplers.html#distbatch.samplers.SequentialSampler"' in controller
     assert 'id="distbatch.controller.server.ControllerServer.shutdown"' in controller
-    workers = (site / "workers.html").read_text()
+    workers = (api / "workers.html").read_text()
     assert re.search(r"call_timeout", workers)
-    assert 'id="rpc_server.engine.WorkerContext"' in (site / "engines.html").read_text()
-    samplers = (site / "samplers.html").read_text()
+    assert 'id="rpc_server.engine.WorkerContext"' in (api / "engines.html").read_text()
+    samplers = (api / "samplers.html").read_text()
     assert 'id="distbatch.samplers.SeqlenBalancedSampler"' in samplers
+    # The guide is in the same site: every guide page is built, linked to the reference, and
+    # files that are not pages (raw results, the dashboard, the griffe extensions) are left out.
+    guide = {page.stem for page in (ROOT / "docs" / "guide").glob("*.md")}
+    assert guide and {page.stem for page in (site / "guide").glob("*.html")} == guide
+    assert 'href="../api/batch.html"' in (site / "guide" / "batches.html").read_text()
+    assert (site / "guide" / "architecture.svg").exists() and (site / "bench" / "bench.png").exists()
+    assert not [*site.glob("bench/*.json"), *site.glob("*.py"), *site.glob("grafana")]
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_a_type_checker_sees_the_real_classes(tmp_path: Path) -> None:
 
 
 def test_module_paths_users_imported_before_the_restructure_still_work() -> None:
-    """README sessions and user code written against the flat layout keep importing."""
+    """Documented sessions and user code written against the flat layout keep importing."""
     ray_group = importlib.import_module("distbatch.ray_group")  # now distbatch.launch.ray_actors
     ray_actors = importlib.import_module("distbatch.launch.ray_actors")
     assert ray_group.init_local_ray is ray_actors.init_local_ray

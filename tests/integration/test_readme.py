@@ -1,26 +1,33 @@
-"""The README's Python sessions run as written (they start and stop their own workers).
-
-Blocks fenced as ```python are runnable sessions and run here; ```py marks an
-illustrative excerpt that needs the reader's own engine or data.
+"""The README is a front page: short, set-up first, and its Python session runs as written
+(it starts and stops its own workers). The rest lives in the guide (docs/guide, test_guide.py).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from docs_support import README, python_blocks, run_blocks
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-
-
-def test_readme_has_python_sessions() -> None:
-    assert len(BLOCKS) >= 2
+MAX_LINES = 250
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_block_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
-    namespace: dict[str, object] = {"__name__": f"readme_block_{index}"}
-    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), namespace)  # noqa: S102 - our own README
+def test_readme_is_a_front_page() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/guide"
+
+
+def test_readme_starts_its_set_up_with_the_two_scripts() -> None:
+    first_block = re.search(r"^```(\w*)\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert first_block is not None and first_block.group(1) == "bash"
+    commands = [line.split("#", 1)[0].strip() for line in first_block.group(2).splitlines()]
+    assert [c for c in commands if c] == ["scripts/demo", "scripts/test"]
+
+
+def test_readme_has_one_python_session() -> None:
+    assert len(python_blocks(README)) == 1
+
+
+def test_readme_session_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    run_blocks(README)
     assert capsys.readouterr().out.strip(), "a README session should print what it shows"

@@ -6,9 +6,9 @@ both implementations with the same ready lists, arrival orders, batch sizes, gro
 sizes, ranks, batch indexes and lengths, through the same controller loop (a sampler is asked
 only once a batch is ready, or when it has the answer cached, as both controllers do).
 
-Results must agree, except for the deliberate differences listed in the README ("Coming from
-TransferQueue"); each of those has its own test below (`test_difference_*`) showing what their
-sampler does and why ours does otherwise.
+Results must agree, except for the deliberate differences listed in the guide
+(docs/guide/from-transferqueue.md); each of those has its own test below (`test_difference_*`)
+showing what their sampler does and why ours does otherwise.
 """
 
 from __future__ import annotations

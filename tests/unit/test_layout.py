@@ -4,7 +4,7 @@
   `distbatch` never imports `rpc_server`, not even lazily inside a function.
 - `rpc_server`'s modules import each other without circles.
 - The worker's data path (store, routes) imports neither torch nor aiohttp.
-- `distbatch`'s modules sit in layers (`LAYERS`, drawn in docs/architecture.md): a module imports
+- `distbatch`'s modules sit in layers (`LAYERS`, drawn in docs/guide/architecture.md): a module imports
   its own layer and those below, never one above; the package has no import circle; the worker
   imports only the parts of the library it needs.
 """
@@ -160,7 +160,7 @@ def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
 
 
 # ----------------------------------------------------------------------------- the layers
-# docs/architecture.md draws these. A module may import its own layer and the layers below it,
+# docs/guide/architecture.md draws these. A module may import its own layer and the layers below it,
 # never one above (function-level imports included): the rule that keeps each concern in one room.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.checks", "distbatch.protocol",
@@ -196,7 +196,9 @@ def _layer(name: str) -> int | None:
 def test_every_library_module_has_a_layer() -> None:
     modules = _import_graph("distbatch", top_level_only=False)
     unplaced = [m for m in modules if m != "distbatch" and _layer(m) is None]
-    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+    assert not unplaced, (
+        f"modules in no layer (add them to LAYERS and docs/guide/architecture.md): {unplaced}"
+    )
 
 
 def test_imports_never_go_up_a_layer() -> None:

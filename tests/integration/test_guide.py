@@ -1,0 +1,41 @@
+"""The guide (docs/guide/*.md): every page's ```python blocks run, in order, in one namespace
+(each page starts and stops its own workers), and every relative link in the README, the site's
+home page, the guide and the API reference's pages points at a file that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from docs_support import GUIDE, README, ROOT, python_blocks, relative_links, run_blocks
+
+PAGES = sorted(GUIDE.glob("*.md"))
+SESSIONS = [page for page in PAGES if python_blocks(page)]
+LINKED = [README, ROOT / "docs" / "index.md", *PAGES, *sorted((ROOT / "docs" / "api").glob("*.md"))]
+
+
+def test_the_guide_has_its_pages_and_sessions() -> None:
+    names = {page.stem for page in PAGES}
+    assert {"index", "batches", "engines", "controller", "streaming", "operating"} <= names
+    assert len(SESSIONS) >= 5
+
+
+@pytest.mark.parametrize("page", SESSIONS, ids=[page.stem for page in SESSIONS])
+def test_guide_page_sessions_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_blocks(page)
+    assert capsys.readouterr().out.strip(), f"{page.name}'s sessions should print what they show"
+
+
+@pytest.mark.parametrize("page", LINKED, ids=[str(page.relative_to(ROOT)) for page in LINKED])
+def test_relative_links_resolve(page: Path) -> None:
+    missing = [t for t in relative_links(page) if t and not (page.parent / t).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=["README", *[page.stem for page in PAGES]])
+def test_code_blocks_say_whether_they_run(page: Path) -> None:
+    """```python runs (above); anything that cannot run here is ```text or ```bash, never ```py."""
+    fences = re.findall(r"^```(\S*)$", page.read_text(), re.M)
+    openings = fences[::2]
+    assert set(openings) <= {"python", "bash", "text", ""}, f"{page.name}: {sorted(set(openings))}"
