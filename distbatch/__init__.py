@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run t
     from distbatch.controller.api import ControllerAPI
     from distbatch.controller.core import Controller
     from distbatch.controller.remote import RemoteController
+    from distbatch.controller.results import ForgottenNode
     from distbatch.controller.server import serve_controller
     from distbatch.dataloader import StreamingDataLoader, StreamingDataset
     from distbatch.launch.group import WorkerGroup
@@ -72,6 +73,7 @@ _LAZY = {
     "Controller": "distbatch.controller.core",
     "ControllerAPI": "distbatch.controller.api",
     "RemoteController": "distbatch.controller.remote",
+    "ForgottenNode": "distbatch.controller.results",
     "serve_controller": "distbatch.controller.server",
     "StreamingDataLoader": "distbatch.dataloader",
     "StreamingDataset": "distbatch.dataloader",
@@ -104,6 +106,7 @@ __all__ = [
     "DistributedBatchMemory",
     "EngineError",
     "FieldMeta",
+    "ForgottenNode",
     "InvalidArgumentError",
     "InvalidIdError",
     "MetaFormatError",

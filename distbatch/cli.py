@@ -1,12 +1,18 @@
 """`distbatch`: what a running set of workers holds, from a shell (as `ray status` is for Ray).
 
-    distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime, engine
+    distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime, engine;
+                                                           a served controller: its partitions
     distbatch ls HOST:PORT [--after ID] [--limit N] [--all] [--json]   task ids and their fields
     distbatch clear HOST:PORT (--tasks ID [ID ...] | --all --yes)      delete tasks
     distbatch worker [worker flags]                            the same as `python -m rpc_server`
 
 The token comes from `DISTBATCH_TOKEN`, as for every client. Exit status: 0, or 1 when a worker
 could not be reached or refused (its row says why), or 2 for a bad command line.
+
+`status` takes workers and served controllers (`serve_controller`) alike: a worker is a row of
+the worker table; a controller (an address that has no worker stats but answers the controller's
+summary) gets its own table, a row per partition: tasks, tasks with every field, what each
+consumer (task name) consumed, the `get_meta` calls waiting in it, and its fields.
 """
 
 from __future__ import annotations
@@ -81,13 +87,30 @@ def _failure(exc: DistBatchError) -> tuple[str, str]:
     return label, " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the body held
 
 
+def _ask(client: ShardClient, node: str) -> dict[str, Any]:
+    """A worker's stats; or, for an address without them (a 404) that answers the controller's
+    summary, that summary with ``"role": "controller"``. The worker's error if it is neither."""
+    try:
+        return client.stats(node)
+    except RequestError as exc:
+        if exc.status != 404:
+            raise
+        try:
+            summary = client.request_json(node, "GET", "/v1/controller/summary")
+        except DistBatchError:
+            raise exc from None
+        if not isinstance(summary, dict) or not isinstance(summary.get("partitions"), dict):
+            raise exc from None
+        return {"role": "controller", **summary}
+
+
 def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
-    """One row per worker; 1 if any could not be asked."""
+    """One row per worker, one table per controller; 1 if any address could not be asked."""
     results: dict[str, dict[str, Any]] = {}
     failed = False
     for node in nodes:
         try:
-            results[node] = client.stats(node)
+            results[node] = _ask(client, node)
         except DistBatchError as exc:
             label, why = _failure(exc)
             results[node] = {"error": why, "state": label}
@@ -95,6 +118,49 @@ def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(results, indent=1))
         return int(failed)
+    controllers = {node: r for node, r in results.items() if r.get("role") == "controller"}
+    workers = {node: r for node, r in results.items() if node not in controllers}
+    sections = [_worker_table(workers)] if workers else []
+    sections += [_controller_table(node, summary) for node, summary in controllers.items()]
+    print("\n\n".join(sections))
+    return int(failed)
+
+
+def _counts(counts: Any) -> str:
+    """``{"train": 4, "critic": 0}`` -> 'train=4 critic=0'; nothing -> '-'."""
+    if not isinstance(counts, dict) or not counts:
+        return "-"
+    return " ".join(f"{name}={count:,}" for name, count in counts.items())
+
+
+def _controller_table(node: str, summary: dict[str, Any]) -> str:
+    """A controller's partitions: a line naming it, then a row per partition."""
+    partitions: dict[str, dict[str, Any]] = summary["partitions"]
+    title = (
+        f"controller {node}: {len(partitions)} partition(s), "
+        f"{summary.get('waiting_consumers', 0)} get_meta call(s) waiting"
+    )
+    if not partitions:
+        return title
+    header = ["partition", "tasks", "ready", "consumed", "waiting", "fields"]
+    rows = []
+    for pid, p in partitions.items():
+        fields = {name: f.get("produced", 0) for name, f in (p.get("fields") or {}).items()}
+        rows.append(
+            [
+                pid if p.get("exists", True) else f"{pid} (not created)",
+                f"{p.get('tasks', 0):,}",
+                f"{p.get('ready', 0):,}",
+                _counts(p.get("consumed")),
+                _counts(p.get("waiting")),
+                _counts(fields),
+            ]
+        )
+    return title + "\n" + _table(header, rows)
+
+
+def _worker_table(results: dict[str, dict[str, Any]]) -> str:
+    """A row per worker (or per address that could not be asked, saying why)."""
     header = ["worker", "shards", "tasks", "live", "held", "capacity", "shared", "uptime", "engine"]
     rows = []
     for node, r in results.items():
@@ -114,8 +180,7 @@ def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
                 str(r.get("engine") or "-"),
             ]
         )
-    print(_table(header, rows))
-    return int(failed)
+    return _table(header, rows)
 
 
 def ls(client: ShardClient, node: str, after: str | None, limit: int, every: bool, as_json: bool) -> int:
@@ -189,7 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per worker (default: 10)")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("status", help="per worker: shards, tasks, bytes, capacity, uptime, engine")
+    p = commands.add_parser(
+        "status",
+        help="per worker: shards, tasks, bytes, capacity, uptime, engine; per controller: its partitions",
+    )
     p.add_argument("nodes", nargs="+", type=_node, metavar="HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = commands.add_parser("ls", help="the task ids a worker holds and their fields, in id order")

@@ -10,6 +10,7 @@ implement (`api`: `ControllerAPI`, which the data loader takes), the controller'
 
 from distbatch.controller.api import ControllerAPI
 from distbatch.controller.core import Controller
+from distbatch.controller.results import ForgottenNode
 from distbatch.errors import ClearInProgressError, SchemaConflictError
 
-__all__ = ["ClearInProgressError", "Controller", "ControllerAPI", "SchemaConflictError"]
+__all__ = ["ClearInProgressError", "Controller", "ControllerAPI", "ForgottenNode", "SchemaConflictError"]

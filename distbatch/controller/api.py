@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from distbatch.batch.memory import DistributedBatchMemory
+    from distbatch.controller.results import ForgottenNode
 
 
 @runtime_checkable
@@ -79,12 +80,20 @@ class ControllerAPI(Protocol):
         """Delete the partition's shards on the workers, then forget the partition."""
         ...
 
+    def forget_node(self, node: str) -> ForgottenNode:
+        """Drop every task with a shard on a node gone for good (without contacting it)."""
+        ...
+
     def partitions(self) -> list[str]:
         """The partition ids, in creation order."""
         ...
 
     def waiting_consumers(self) -> int:
         """How many `get_meta` calls are waiting for tasks right now."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """Every partition at a glance: tasks, fields, consumption, waiting consumers."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -104,6 +104,15 @@ def custom_meta_object(meta: Any, task_id: str) -> dict[str, Any]:
     return copy
 
 
+def checked_node(node: Any) -> str:
+    """`node` as `validate_node` gives it, else `InvalidArgumentError` (a 400 over HTTP, where a bare
+    ValueError would be a bug's 500)."""
+    try:
+        return validate_node(node)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
 def refuse_local_batch(batch: DistributedBatchMemory) -> None:
     """A controller takes metadata only: a LOCAL batch (data in this process) is refused."""
     if batch.status is BatchStatus.LOCAL:
@@ -119,10 +128,7 @@ def check_put_meta(meta: BatchMeta) -> None:
     if len(set(meta.task_ids)) != len(meta.task_ids):
         raise InvalidArgumentError("the batch lists a task id twice")
     for node in meta.nodes:
-        try:
-            validate_node(node)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
+        checked_node(node)
     for name, fm in meta.fields.items():
         validate_id(name, "field")
         if fm.dtype is not None and fm.dtype not in ITEMSIZE:

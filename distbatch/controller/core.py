@@ -22,9 +22,11 @@ consuming new ones.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,12 +40,14 @@ from distbatch.controller.answers import DEFAULT_REQUEST_MEMORY, DEFAULT_REQUEST
 from distbatch.controller.arguments import (
     check_get_meta_args,
     check_put_meta,
+    checked_node,
     custom_meta_object,
     id_list,
     refuse_local_batch,
 )
 from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
 from distbatch.controller.partitions import Partition
+from distbatch.controller.results import ForgottenNode
 from distbatch.errors import (
     ClearError,
     DistBatchError,
@@ -55,8 +59,12 @@ from distbatch.errors import (
 from distbatch.ids import ShardKey, validate_id
 from distbatch.samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SequentialSampler
 
+logger = logging.getLogger("distbatch.controller")
 
-# Answers remembered per request id (see `Controller`): how many, and for how long.
+# Partition -> (its object, the indexes a clear or forget_node marked as being cleared in it).
+Marked = dict[str, tuple[Partition, list[int]]]
+
+
 class Controller:
     """Per-partition, per-task bookkeeping of produced fields and consumption.
 
@@ -85,7 +93,8 @@ class Controller:
         self._partitions: dict[str, Partition] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._waiting = 0  # get_meta calls now waiting for producers
+        # get_meta calls now waiting for producers, per (partition id, task name)
+        self._waiting: Counter[tuple[str, str]] = Counter()
 
     @property
     def client(self) -> ShardClient:
@@ -185,11 +194,13 @@ class Controller:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is None or remaining <= 0:
                     return DistributedBatchMemory()
-                self._waiting += 1
+                self._waiting[partition_id, task_name] += 1
                 try:
                     self._changed.wait(min(remaining, threading.TIMEOUT_MAX))
                 finally:
-                    self._waiting -= 1
+                    self._waiting[partition_id, task_name] -= 1
+                    if not self._waiting[partition_id, task_name]:
+                        del self._waiting[partition_id, task_name]
 
     def _sample(
         self, partition: Partition, request: tuple[Any, ...], request_id: str | None
@@ -249,11 +260,28 @@ class Controller:
     def waiting_consumers(self) -> int:
         """How many `get_meta` calls are waiting for producers right now (a starvation gauge)."""
         with self._lock:
-            return self._waiting
+            return sum(self._waiting.values())
 
     def partitions(self) -> list[str]:
         with self._lock:
             return list(self._partitions)
+
+    def summary(self) -> dict[str, Any]:
+        """Every partition at a glance, as JSON-able data (what `distbatch status` shows).
+
+        ``{"waiting_consumers": n, "partitions": {id: {...}}}``; per partition: ``exists``,
+        ``tasks``, ``ready`` (tasks with every field), ``clearing`` (tasks a clear is deleting),
+        ``fields`` (per field: ``produced``, ``dtype``, ``ragged``), ``consumed`` (per consumer
+        task name: tasks it took) and ``waiting`` (per task name: `get_meta` calls waiting for
+        producers). A partition that consumers wait for but nobody created yet is listed too,
+        with ``"exists": false``.
+        """
+        with self._lock:
+            out = {pid: {"exists": True, **p.summary(), "waiting": {}} for pid, p in self._partitions.items()}
+            for (pid, task_name), count in self._waiting.items():
+                entry = out.setdefault(pid, {"exists": False, **Partition(pid).summary(), "waiting": {}})
+                entry["waiting"][task_name] = count
+            return {"waiting_consumers": sum(self._waiting.values()), "partitions": out}
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
         """Tasks in the partition, how many have each field, and how many have all of `fields`.
@@ -341,11 +369,27 @@ class Controller:
         failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
         return deleted, failed
 
+    def _delete_marked(
+        self, marked: Marked, keys_by_node: dict[str, list[ShardKey]]
+    ) -> tuple[dict[str, int], dict[str, NodeError]]:
+        """`_delete_on_workers` for tasks marked as being cleared; if it raises (an interrupt),
+        the marks go first, so those tasks are not hidden for ever."""
+        try:
+            return self._delete_on_workers(keys_by_node)
+        except BaseException:
+            with self._changed:
+                for partition_id, (partition, indexes) in marked.items():
+                    if self._partitions.get(partition_id) is partition:  # not replaced by a load
+                        partition.mark_clearing(indexes, -1)
+                self._changed.notify_all()
+            raise
+
     def clear_tasks(self, partition_id: str, task_ids: Iterable[str]) -> int:
         """Delete these tasks' shards on the workers, then forget the tasks; returns shards deleted.
 
         If a worker cannot be reached, `ClearError` says which shards stayed;
-        tasks whose shards all went are forgotten, the others kept for a retry.
+        tasks whose shards all went are forgotten, the others kept for a retry (or, for a
+        worker gone for good, dropped with `forget_node`).
         """
         validate_id(partition_id, "partition_id")
         ids = id_list(task_ids, "task_ids", "task_id")
@@ -358,19 +402,10 @@ class Controller:
             # While the deletes run (outside the lock), nobody is handed these tasks and no
             # producer adds a field to them: a new shard would outlive the forgotten task.
             partition.mark_clearing(indexes, +1)
-        try:
-            deleted_by_node, failed = self._delete_on_workers(plan)
-            deleted = sum(deleted_by_node.values())
-        except BaseException:
-            with self._changed:
-                partition = self._partitions.get(partition_id)
-                if partition is not None:
-                    partition.mark_clearing(indexes, -1)
-                self._changed.notify_all()
-            raise
+        deleted_by_node, failed = self._delete_marked({partition_id: (partition, indexes)}, plan)
+        deleted = sum(deleted_by_node.values())
         with self._changed:
-            partition = self._partitions.get(partition_id)
-            if partition is not None:
+            if self._partitions.get(partition_id) is partition:
                 forgotten = partition.settle_clear(indexes, plan, failed)
                 self._answers.forget(
                     partition_id, [partition.task_of[i] for i in forgotten if i in partition.task_of]
@@ -385,7 +420,8 @@ class Controller:
     def clear_partition(self, partition_id: str) -> int:
         """Delete every shard of the partition on the workers, then drop the partition.
 
-        Raises `ClearError` (keeping what could not be deleted) if a worker is down.
+        Raises `ClearError` (keeping what could not be deleted) if a worker is down; see
+        `forget_node` for one that will not come back.
         """
         validate_id(partition_id, "partition_id")
         with self._lock:
@@ -401,6 +437,76 @@ class Controller:
                 self.sampler.clear_cache(partition_id)
                 self._answers.forget(partition_id)
         return deleted
+
+    def forget_node(self, node: str) -> ForgottenNode:
+        """Drop every task that has a shard on `node`, a worker gone for good; returns what was lost.
+
+        For a node that will not come back, when `clear_partition` / `clear_tasks` keep raising
+        `ClearError` for it. Every partition forgets those tasks (their fields, consumption,
+        custom metadata and the samplers' cached answers naming them): no `get_meta` hands them
+        out again, checkpoints no longer hold them, and clears no longer need the node.
+
+        The node itself is never contacted. A lost task's other shards, on live nodes (a task
+        whose fields were put on several workers), are deleted there, best effort; those a
+        live node did not answer for are listed in the result's ``undeleted``, for the caller
+        to delete later. While those deletes run, the tasks are not handed out and a put that
+        adds to them raises `ClearInProgressError`, as during a clear.
+
+        A node the controller does not know (never seen, or already forgotten) is not an error:
+        the result is empty, so calling again is harmless. An address that is not ``host:port``
+        is an `InvalidArgumentError`.
+        """
+        node = checked_node(node)
+        with self._lock:
+            marked: Marked = {}
+            for partition_id, partition in self._partitions.items():
+                indexes = partition.rows_on(node)
+                if indexes:
+                    partition.mark_clearing(indexes, +1)
+                    marked[partition_id] = (partition, indexes)
+            plans = [partition.keys_by_node(indexes) for partition, indexes in marked.values()]
+        on_node = {key for plan in plans for key in plan.get(node, ())}
+        elsewhere: dict[str, list[ShardKey]] = {}
+        for plan in plans:
+            for other, keys in plan.items():
+                if other != node:
+                    elsewhere.setdefault(other, []).extend(keys)
+        elsewhere = {n: list(dict.fromkeys(keys)) for n, keys in elsewhere.items()}  # one key once
+        deleted_by_node, failed = self._delete_marked(marked, elsewhere)
+        lost = self._forget_marked(marked)
+        if lost:
+            logger.warning(
+                "forgot node %s: %d task(s) lost in %d partition(s) (%s)",
+                node,
+                sum(map(len, lost.values())),
+                len(lost),
+                ", ".join(lost),
+            )
+        return ForgottenNode(
+            node=node,
+            lost=lost,
+            shards_lost=len(on_node),
+            deleted=sum(deleted_by_node.values()),
+            undeleted={n: tuple(elsewhere[n]) for n in failed},
+            failed={n: exc.detail for n, exc in failed.items()},
+        )
+
+    def _forget_marked(self, marked: Marked) -> dict[str, tuple[str, ...]]:
+        """Unmark and forget the marked tasks of each partition still there; their ids per partition."""
+        lost: dict[str, tuple[str, ...]] = {}
+        with self._changed:
+            for partition_id, (partition, indexes) in marked.items():
+                if self._partitions.get(partition_id) is not partition:  # replaced by a load meanwhile
+                    continue
+                partition.mark_clearing(indexes, -1)
+                task_ids = tuple(partition.task_of[i] for i in indexes if i in partition.task_of)
+                self._answers.forget(partition_id, task_ids)
+                partition.forget(indexes)
+                _forget_in_sampler(self.sampler, partition_id, indexes)
+                if task_ids:
+                    lost[partition_id] = task_ids
+            self._changed.notify_all()
+        return lost
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -90,7 +90,10 @@ class Partition:
         """
         if len(self.task_of) < self.next_index:  # there are holes to reuse
             for start in range(0, self.next_index, count):
-                if all(i not in self.task_of for i in range(start, start + count)):
+                # An index a clear still holds (its task forgotten by `forget_node` meanwhile)
+                # is not free yet: that clear settles by index.
+                block = range(start, start + count)
+                if all(i not in self.task_of and i not in self.clearing for i in block):
                     self.next_index = max(self.next_index, start + count)
                     return start
         start = -(-self.next_index // count) * count
@@ -230,6 +233,13 @@ class Partition:
                     out.setdefault(self.nodes[n], []).append(ShardKey(self.task_of[i], name))
         return out
 
+    def rows_on(self, node: str) -> list[int]:
+        """Indexes of the tasks that have a shard on `node`, in order."""
+        n = self.node_index.get(node)
+        if n is None:
+            return []
+        return sorted({i for column in self.columns.values() for i, m in column.node.items() if m == n})
+
     def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
         """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
         n = self.node_index.get(node)
@@ -266,6 +276,25 @@ class Partition:
         produced = {n: len(self.columns[n].node) if n in self.columns else 0 for n in names}
         ready = len(self.ready("\0", names)) if names else 0
         return {"tasks": len(self.task_of), "produced": produced, "ready": ready}
+
+    def summary(self) -> dict[str, Any]:
+        """Tasks, per field how many have it (and its kind), how many have every field, and per
+        consumer how many it consumed: what `distbatch status` shows of a controller."""
+        fields = {}
+        for name in self.known_fields():
+            column = self.columns.get(name)
+            fields[name] = {
+                "produced": len(column.node) if column is not None else 0,
+                "dtype": column.dtype if column is not None else None,
+                "ragged": column.ragged if column is not None else False,
+            }
+        return {
+            "tasks": len(self.task_of),
+            "ready": len(self.ready("\0", self.known_fields())),
+            "clearing": len(self.clearing),
+            "fields": fields,
+            "consumed": {name: len(indexes) for name, indexes in self.consumed.items()},
+        }
 
     def set_custom_meta(self, checked: Mapping[str, dict[str, Any]]) -> None:
         """Attach checked objects to tasks; an unknown task sets nothing."""

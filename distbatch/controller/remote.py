@@ -23,6 +23,7 @@ from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
 from distbatch.controller.arguments import refuse_local_batch, refuse_one_string
 from distbatch.controller.http_errors import BY_CODE, MAX_WAIT_SECONDS
+from distbatch.controller.results import ForgottenNode
 from distbatch.errors import (
     ClearError,
     InvalidArgumentError,
@@ -168,6 +169,10 @@ class RemoteController:
         """How many `get_meta` calls the served controller has waiting for producers."""
         return self._get("/v1/controller/waiting_consumers")["waiting_consumers"]
 
+    def summary(self) -> dict[str, Any]:
+        """Every partition of the served controller at a glance; see `Controller.summary`."""
+        return self._get("/v1/controller/summary")
+
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
         body = {"partition_id": partition_id, "fields": None if fields is None else list(fields)}
         return self._post("/v1/controller/production_status", body)
@@ -204,6 +209,10 @@ class RemoteController:
 
     def clear_partition(self, partition_id: str) -> int:
         return self._post("/v1/controller/clear_partition", {"partition_id": partition_id})["deleted"]
+
+    def forget_node(self, node: str) -> ForgottenNode:
+        """Drop every task with a shard on `node`, gone for good; see `Controller.forget_node`."""
+        return ForgottenNode.from_dict(self._post("/v1/controller/forget_node", {"node": node}))
 
     def state_dict(self) -> dict[str, Any]:
         return self._get("/v1/controller/state")

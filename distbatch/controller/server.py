@@ -185,6 +185,11 @@ def clear_partition() -> Response:
     return jsonify({"deleted": _controller().clear_partition(_required(_body(), "partition_id"))})
 
 
+@_ROUTES.post("/v1/controller/forget_node")
+def forget_node() -> Response:
+    return jsonify(_controller().forget_node(_required(_body(), "node")).to_dict())
+
+
 @_ROUTES.get("/v1/controller/partitions")
 def partitions() -> Response:
     return jsonify({"partitions": _controller().partitions()})
@@ -193,6 +198,12 @@ def partitions() -> Response:
 @_ROUTES.get("/v1/controller/waiting_consumers")
 def waiting_consumers() -> Response:
     return jsonify({"waiting_consumers": _controller().waiting_consumers()})
+
+
+@_ROUTES.get("/v1/controller/summary")
+def summary() -> Response:
+    """Every partition at a glance (read only; what `distbatch status` shows of a controller)."""
+    return jsonify(_controller().summary())
 
 
 @_ROUTES.get("/v1/controller/state")

@@ -7,15 +7,18 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from flask import Flask
 from werkzeug.serving import make_server
 
-from distbatch import ShardClient
+from distbatch import Controller, DistributedBatchMemory, ShardClient
 from distbatch.cli import main
+from distbatch.controller.server import ControllerServer
 from distbatch.launch import WorkerProcess
 
 
@@ -91,6 +94,79 @@ def test_status_keeps_every_column_of_a_live_worker_after_a_failed_one(
     code, out, _ = run(capsys, "--timeout", "2", "status", dead, filled.node, "--json")
     table = json.loads(out)
     assert table[dead]["state"] == "unreachable" and table[filled.node]["tasks"] == 25
+
+
+def test_status_of_a_controller_shows_its_partitions_next_to_workers(
+    filled: WorkerProcess,
+    serve: Callable[..., ControllerServer],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per partition: tasks, tasks with every field, consumed per consumer, get_meta calls
+    waiting per consumer (a partition awaited but not created too), fields; workers as before."""
+    monkeypatch.delenv("DISTBATCH_TOKEN", raising=False)
+    controller = Controller()
+    server = serve(controller)
+
+    def put(partition: str, ids: list[str], **columns: object) -> None:
+        controller.put(
+            partition, DistributedBatchMemory.from_dict(columns, task_ids=ids).to_remote(filled.node)
+        )
+
+    ids = [f"c{i}" for i in range(4)]
+    put("step-1", ids, x=torch.zeros(4, 2))
+    put("step-1", ids[:2], y=torch.ones(2, 1))
+    assert len(controller.get_meta("step-1", "train", ["x"], 2)) == 2
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        waiting = [
+            pool.submit(controller.get_meta, "step-1", "critic", ["x", "y"], 4, timeout=30),
+            pool.submit(controller.get_meta, "step-2", "rollout", ["x"], 1, timeout=30),
+        ]
+        deadline = time.monotonic() + 10
+        while controller.waiting_consumers() < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        code, out, _ = run(capsys, "status", filled.node, server.address)
+        assert code == 0
+        workers, block = out.split("\n\n")
+        assert workers.splitlines()[0].split()[:3] == ["worker", "shards", "tasks"]
+        assert workers.splitlines()[1].split()[:3] == [filled.node, str(38 + 6), str(25 + 4)]
+        title, header, *rows = block.splitlines()
+        assert title == f"controller {server.address}: 2 partition(s), 2 get_meta call(s) waiting"
+        assert re.split(r"\s{2,}", header) == ["partition", "tasks", "ready", "consumed", "waiting", "fields"]
+        assert re.split(r"\s{2,}", rows[0]) == ["step-1", "4", "2", "train=2", "critic=1", "x=4 y=2"]
+        assert re.split(r"\s{2,}", rows[1]) == ["step-2 (not created)", "0", "0", "-", "rollout=1", "-"]
+
+        code, out, _ = run(capsys, "status", server.address, "--json")
+        table = json.loads(out)[server.address]
+        assert code == 0 and table["role"] == "controller" and table["waiting_consumers"] == 2
+        step = table["partitions"]["step-1"]
+        assert step["consumed"] == {"train": 2} and step["waiting"] == {"critic": 1}
+        assert step["fields"]["y"] == {"produced": 2, "dtype": "F32", "ragged": False}
+
+        put("step-1", ids[2:], y=torch.ones(2, 1))
+        put("step-2", ["c9"], x=torch.zeros(1, 2))
+        assert [len(w.result(timeout=30)) for w in waiting] == [4, 1]
+    code, out, _ = run(capsys, "status", server.address)  # a controller alone: its table only
+    assert code == 0 and out.startswith(f"controller {server.address}: 2 partition(s), 0 get_meta")
+    cells = re.split(r"\s{2,}", out.splitlines()[2])
+    assert cells == ["step-1", "4", "4", "train=2 critic=4", "-", "x=4 y=4"]
+
+
+def test_status_of_a_controller_needs_its_token(
+    serve: Callable[..., ControllerServer],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = serve(Controller(), token="secret")
+    monkeypatch.setenv("DISTBATCH_TOKEN", "wrong")
+    code, out, _ = run(capsys, "status", server.address)
+    said = " ".join(out.splitlines()[1].split())
+    assert code == 1 and said.startswith(f"{server.address} refused: AuthError")
+    monkeypatch.setenv("DISTBATCH_TOKEN", "secret")
+    code, out, _ = run(capsys, "status", server.address)
+    assert out.strip() == f"controller {server.address}: 0 partition(s), 0 get_meta call(s) waiting"
+    assert code == 0
 
 
 def test_ls_pages_through_task_ids_in_order_with_their_fields(

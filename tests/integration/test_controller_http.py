@@ -184,6 +184,62 @@ def test_waiting_consumers_never_starve_a_producer_sharing_their_client(
         stored.clear()
 
 
+def test_summary_shows_partitions_consumers_and_who_waits_where(
+    shared_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
+) -> None:
+    node = shared_workers[0].node
+    server = serve(Controller())
+    rc = RemoteController(server.address, timeout=30)
+    assert rc.summary() == {"waiting_consumers": 0, "partitions": {}}
+    ids = [f"{prefix()}-{i}" for i in range(4)]
+    rc.create_partition("p", expected_fields=["reward"])
+    rc.put("p", remote(node, ids, x=[torch.arange(k) for k in range(1, 5)]))
+    rc.put("p", remote(node, ids[:2], y=torch.zeros(2, 3)))
+    assert len(rc.get_meta("p", "train", ["x"], 3)) == 3
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        waiting = [
+            pool.submit(rc.get_meta, "p", "critic", ["y"], 4, timeout=20),
+            pool.submit(rc.get_meta, "p", "judge", ["x", "y"], 3, timeout=20),
+            pool.submit(rc.get_meta, "later", "gen", ["x"], 1, timeout=20),
+        ]
+        deadline = time.monotonic() + 10
+        while rc.waiting_consumers() < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        summary = rc.summary()
+        assert summary == server.controller.summary()
+        assert summary["waiting_consumers"] == 3
+        assert summary["partitions"]["p"] == {
+            "exists": True,
+            "tasks": 4,
+            "ready": 0,  # nobody has `reward` yet
+            "clearing": 0,
+            "fields": {
+                "x": {"produced": 4, "dtype": "I64", "ragged": True},
+                "y": {"produced": 2, "dtype": "F32", "ragged": False},
+                "reward": {"produced": 0, "dtype": None, "ragged": False},
+            },
+            "consumed": {"train": 3},
+            "waiting": {"critic": 1, "judge": 1},
+        }
+        assert summary["partitions"]["later"] == {
+            "exists": False,
+            "tasks": 0,
+            "ready": 0,
+            "clearing": 0,
+            "fields": {},
+            "consumed": {},
+            "waiting": {"gen": 1},
+        }
+        rc.put("p", remote(node, ids[2:], y=torch.zeros(2, 3)))
+        rc.put("later", remote(node, [f"{prefix()}-later"], x=torch.zeros(1, 1)))
+        assert sorted(len(w.result(timeout=30)) for w in waiting) == [1, 3, 4]
+    after = rc.summary()
+    assert after["waiting_consumers"] == 0 and list(after["partitions"]) == ["p", "later"]
+    assert after["partitions"]["p"]["consumed"] == {"train": 3, "critic": 4, "judge": 3}
+    assert after["partitions"]["p"]["waiting"] == {} and after["partitions"]["later"]["exists"] is True
+    assert rc.clear_partition("p") == 8 and rc.clear_partition("later") == 1
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -409,6 +465,8 @@ def test_token_guards_everything_but_health(
                 lambda rc: rc.production_status("p"),
                 lambda rc: rc.partitions(),
                 lambda rc: rc.waiting_consumers(),
+                lambda rc: rc.summary(),
+                lambda rc: rc.forget_node(shared_workers[0].node),
                 lambda rc: rc.state_dict(),
                 lambda rc: rc.load_state_dict(server.controller.state_dict()),
                 lambda rc: rc.clear_partition("p"),
