@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.batch.ragged import column_problem
 from distbatch.calls import decode_call, encode_value
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
 from distbatch.wire.bundle import Bundle
 from distbatch.wire.json_values import check_json, find_non_json
-from distbatch.wire.tensors import tensor_problem
 from rpc_server.errors import (
     ApiError,
     BadArgumentsError,
@@ -95,9 +95,10 @@ def _check_arguments(name: str, fn: Any, args: list[Any], kwargs: dict[str, Any]
 
 # What an engine method may return, for the messages that refuse anything else.
 RESULT_KINDS = (
-    "return a dict of per-task columns (a tensor with one row, or a list with one entry, per task "
-    "of the call's batch argument), a LOCAL batch (DistributedBatchMemory.from_dict(columns, "
-    "task_ids=...)), or JSON (str, int, float, bool, None, lists and dicts of those)"
+    "return a dict of per-task columns (a tensor or jagged nested tensor with one row, or a list "
+    "with one entry, per task of the call's batch argument), a LOCAL batch "
+    "(DistributedBatchMemory.from_dict(columns, task_ids=...)), or JSON (str, int, float, bool, "
+    "None, lists and dicts of those)"
 )
 
 
@@ -120,7 +121,7 @@ def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], 
     for key, value in result.items():
         if not isinstance(key, str):
             problems.append(f"key {key!r} is not a field name")
-        elif isinstance(value, torch.Tensor) and (problem := tensor_problem(value)) is not None:
+        elif isinstance(value, torch.Tensor) and (problem := column_problem(value)) is not None:
             problems.append(f"field {key!r}: {problem}")
             layout_problems += 1
         elif _is_array(value) and value.ndim == 0:

@@ -1,5 +1,6 @@
-"""Helpers the batch tests share: sample batches, equality checks, and the workers' own request
-counters (read from `GET /metrics`), by which "moves no data" is checked without mocking anything.
+"""Helpers the batch tests share: sample batches, equality checks, placing a batch on workers, and
+the workers' own request counters (read from `GET /metrics`), by which "moves no data" is checked
+without mocking anything.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from typing import Any
 
 import torch
 
-from distbatch import (
-    DistributedBatchMemory,
-)
+from distbatch import BatchStatus, DistributedBatchMemory, ShardClient
 
 DBM = DistributedBatchMemory
 LENS = [3, 8, 3, 5, 9, 5]  # ragged, but tasks 0/2 and 3/5 share a length
@@ -122,3 +121,25 @@ def lognormal_lengths(n: int, seed: int, sigma: float, mu: float = 6.0) -> list[
     """`n` sequence lengths drawn from a lognormal, as RL rollouts are (clamped to 1..16384)."""
     rng = random.Random(seed)
     return [max(1, min(16384, int(math.exp(rng.gauss(mu, sigma))))) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- placing on workers
+
+
+def place(local: DBM, how: str, nodes: list[str], module_client: ShardClient, pushed: list[DBM]) -> DBM:
+    """`local` as a REMOTE batch: on one node, split over two, or interleaved task by task."""
+    n = len(local)
+    if how == "one_node":
+        parts = [local.to_remote(nodes[0], module_client)]
+    elif how == "two_nodes":
+        half = n // 2
+        parts = [
+            local[:half].to_remote(nodes[0], module_client),
+            local[half:].to_remote(nodes[1], module_client),
+        ]
+    else:
+        parts = [local[[i]].to_remote(nodes[i % 2], module_client) for i in range(n)]
+    pushed.extend(parts)
+    batch = DBM.concat(parts)
+    assert batch.status is BatchStatus.REMOTE and batch.task_ids == local.task_ids
+    return batch

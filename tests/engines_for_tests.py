@@ -79,6 +79,19 @@ class EchoEngine:
             {"rows": rows, "length": (cu[1:] - cu[:-1]).to(torch.int64)}, task_ids=batch.task_ids
         )
 
+    def nested_result(self, batch: DistributedBatchMemory, field: str = "x", kind: str = "twice") -> Any:
+        """TransferQueue-style engine code: `field` as a jagged nested tensor in, a nested column out.
+
+        `twice`: nested arithmetic (`twice`) and the tasks' lengths from its offsets (`length`);
+        `strided` / `dim2`: a strided nested tensor, or a jagged one ragged in dim 2, as `bad`
+        (both refused). Tests: tests/integration/test_nested.py."""
+        nt = batch.nested(field)
+        if kind == "twice":
+            return {"twice": nt * 2, "length": torch.diff(nt.offsets())}
+        rows = [t.unsqueeze(0) for t in nt.unbind()]  # (1, L_i): ragged in dim 2
+        layout = torch.strided if kind == "strided" else torch.jagged
+        return {"bad": torch.nested.nested_tensor(rows, layout=layout)}
+
     def split_views(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
         """A LOCAL batch whose `views` column is `split` views of one tensor this engine keeps
         (task i: i + 1 values counting on from the previous task's), to scribble on later."""

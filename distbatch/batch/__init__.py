@@ -7,6 +7,8 @@ Owns what a batch is and how it is rearranged:
 - `meta`: its columnar metadata (per field a dtype, per task a node and a shape);
 - `columns`: a LOCAL batch's data (building, taking, concatenating, packing, pickling and
   exporting columns);
+- `ragged`: ragged columns over one packed tensor (`RaggedViews`), and jagged nested tensors
+  (`torch.nested`, `layout=torch.jagged`) in and out;
 - `remote`: a REMOTE batch's state (metadata, client, cache of gathered fields) and its
   metadata-only rearrangements;
 - `gather`: fetching fields through `distbatch.client` and putting the responses in task order;

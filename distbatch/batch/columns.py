@@ -16,6 +16,7 @@ import torch
 
 from distbatch import wire
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.batch.ragged import RaggedViews, compact_tensor, nested_column
 from distbatch.errors import WireFormatError
 from distbatch.ids import validate_id
 from distbatch.wire.shapes import RowShapes
@@ -47,10 +48,13 @@ def normalize_column(name: str, values: Sequence[Any]) -> Column:
 
 
 def to_column(name: str, value: Any) -> Column:
-    """A field's value as given to `from_dict` or `batch[name] = ...`, as a column."""
+    """A field's value as given to `from_dict` or `batch[name] = ...`, as a column.
+
+    A jagged nested tensor is a ragged field whose tasks are its `unbind()` (see `nested_column`).
+    """
     if isinstance(value, torch.Tensor):
-        if value.is_nested:  # has no shape[0]; its components are a ragged column
-            raise ValueError(f"field {name!r} is a nested tensor: pass its components as a list of tensors")
+        if value.is_nested:
+            return nested_column(name, value)
         if value.dim() == 0:
             raise ValueError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
         return value
@@ -99,6 +103,8 @@ def take_column(col: Column, indices: Sequence[int] | np.ndarray) -> Column:
     rows = np.asarray(indices, dtype=np.int64).reshape(-1)
     if isinstance(col, torch.Tensor):
         return col[torch.from_numpy(rows)]
+    if isinstance(col, RaggedViews) and len(rows) and rows[0] >= 0 and bool(np.all(np.diff(rows) == 1)):
+        return col.rows(int(rows[0]), int(rows[-1]) + 1)  # a chunk or slice: still one packed tensor
     return pick(col, rows)  # a ragged column stays a list, whatever shapes the picked tasks have
 
 
@@ -137,6 +143,8 @@ def column_lengths(name: str, col: Column) -> list[int]:
     """Per-task length (first dimension; 1 for a 0-d value) of a tensor column."""
     if isinstance(col, torch.Tensor):
         return [col.shape[1] if col.dim() > 1 else 1] * col.shape[0]
+    if isinstance(col, RaggedViews):
+        return col.lengths.tolist()
     if col and not isinstance(col[0], torch.Tensor):
         raise ValueError(f"field {name!r} holds JSON values; lengths need a tensor field")
     return [v.shape[0] if v.dim() else 1 for v in col]
@@ -144,6 +152,8 @@ def column_lengths(name: str, col: Column) -> list[int]:
 
 def is_ragged(col: Column) -> bool:
     """Whether a column is a ragged tensor field: per-task tensors in a list."""
+    if isinstance(col, RaggedViews):
+        return True
     return isinstance(col, list) and bool(col) and isinstance(col[0], torch.Tensor)
 
 
@@ -159,7 +169,7 @@ def schema_of(data: Mapping[str, Column]) -> dict[str, FieldMeta]:
         if isinstance(col, torch.Tensor):
             out[name] = FieldMeta(wire.dtype_name(col.dtype), none, RowShapes.uniform(0, col.shape[1:]))
         elif is_ragged(col):
-            first = col[0]
+            first = col.values if isinstance(col, RaggedViews) else col[0]  # it may hold zero tasks
             tail = tuple(first.shape[1:]) if first.dim() else ()
             out[name] = FieldMeta(wire.dtype_name(first.dtype), none, RowShapes(0, shape=(0, *tail)), True)
         else:
@@ -186,16 +196,11 @@ def empty_packed(name: str, fm: FieldMeta) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- pickling
 
 
-def compact_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that owns exactly its bytes, so pickling a view does not drag its base along."""
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 def column_for_pickle(col: Column) -> Column:
     if isinstance(col, torch.Tensor):
         return compact_tensor(col)
+    if isinstance(col, RaggedViews):
+        return col  # pickles its packed tensor once, compacted
     return [compact_tensor(v) if isinstance(v, torch.Tensor) else v for v in col]
 
 
@@ -226,10 +231,13 @@ def pack_rows(name: str, flat: torch.Tensor, shapes: RowShapes) -> tuple[torch.T
 
 
 def pack_column(name: str, col: Column) -> tuple[torch.Tensor, torch.Tensor]:
-    """`packed()` of a column held in memory: a view for a stacked tensor, one `cat` for a list."""
+    """`packed()` of a column held in memory: a view for a stacked tensor, the packed tensor itself
+    for `RaggedViews` (a nested tensor's values, a gathered buffer), one `cat` for other lists."""
     if isinstance(col, torch.Tensor):
         n = col.shape[0]
         return pack_rows(name, col.reshape(-1), RowShapes.uniform(n, col.shape[1:]))
+    if isinstance(col, RaggedViews):
+        return col.values.contiguous(), cu_seqlens(col.lengths)
     if not col or not isinstance(col[0], torch.Tensor):
         raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
     shapes = RowShapes.from_list([tuple(v.shape) for v in col])
@@ -267,15 +275,26 @@ def export_bundle(
 
 
 def _wire_column(name: str, col: Column, task_ids: list[str], copy: bool) -> wire.RawColumn:
-    """A stacked tensor travels as it is (no per-task work); a ragged one is packed with one `cat`."""
+    """A stacked tensor travels as it is (no per-task work), so does the packed tensor of
+    `RaggedViews`; another ragged column is packed with one `cat`."""
+    if isinstance(col, RaggedViews):
+        shapes = RowShapes.ragged(col.lengths, col.values.shape[1:])
+        return _tensor_wire_column(name, col.values, copy, shapes)
     if not isinstance(col, torch.Tensor):
         return wire.list_column(name, col, task_ids, copy=copy)
-    if (problem := wire.tensor_problem(col)) is not None:
+    return _tensor_wire_column(name, col, copy)
+
+
+def _tensor_wire_column(
+    name: str, tensor: torch.Tensor, copy: bool, shapes: RowShapes | None = None
+) -> wire.RawColumn:
+    """One tensor of every row's values as a wire column (`shapes`: packed ragged rows)."""
+    if (problem := wire.tensor_problem(tensor)) is not None:
         raise WireFormatError(f"field {name!r}: {problem}")
-    tensor = col.detach()
+    tensor = tensor.detach()
     if copy and tensor.device.type == "cpu":
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     try:
-        return wire.tensor_column(tensor)
+        return wire.tensor_column(tensor, shapes)
     except WireFormatError as exc:
         raise WireFormatError(f"field {name!r}: {exc}") from None

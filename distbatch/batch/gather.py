@@ -21,6 +21,7 @@ import torch
 from distbatch import wire
 from distbatch.batch.columns import Column, pack_rows
 from distbatch.batch.meta import BatchMeta
+from distbatch.batch.ragged import RaggedViews
 from distbatch.client.planning import Product
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
@@ -126,12 +127,16 @@ class Gathered:
 
     def column(self) -> Column:
         """The column as `batch[field]` gives it: stacked for a fixed-shape field, a list of
-        per-task views for a ragged one."""
+        per-task views for a ragged one (`RaggedViews` when they are views of one response)."""
         if self.json is not None:
             return list(self.json)
         shapes = self.tensor_shapes
         if shapes.shape is not None and not self.ragged:
             return self.flat().view(shapes.n, *shapes.shape)
+        tail = shapes.packable()
+        if len(self.pieces) == 1 and tail is not None:  # views of one buffer, which packed() reuses
+            lengths = shapes.first_dims()
+            return RaggedViews.of(self.pieces[0].reshape(int(lengths.sum()), *tail), lengths)
         with paused_gc():  # one tensor per task: no collection passes over them mid-build
             return [
                 view

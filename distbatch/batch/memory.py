@@ -45,6 +45,7 @@ from distbatch.batch.columns import (
 )
 from distbatch.batch.gather import FetchPlan, Gathered, fetch
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.batch.ragged import nested_of_packed
 from distbatch.batch.remote import FieldCache, RemoteColumns
 from distbatch.client.default import default_client
 from distbatch.client.planning import DeleteProduct, Product, cut_points
@@ -131,7 +132,12 @@ class DistributedBatchMemory:
     def from_dict(
         cls, data: Mapping[str, Any], task_ids: Sequence[str] | None = None
     ) -> DistributedBatchMemory:
-        """A LOCAL batch from columns: tensors are split on dim 0, lists hold one value per task."""
+        """A LOCAL batch from columns: tensors are split on dim 0, lists hold one value per task.
+
+        A jagged nested tensor (`layout=torch.jagged`, ragged in dim 1) is a ragged field whose
+        tasks are its `unbind()`: views of its `values()`, which `packed` then returns without a
+        copy. A strided nested tensor, or one ragged in another dim, is a `ValueError`.
+        """
         columns, count = columns_from_dict(data)
         if count is None:
             count = len(task_ids) if task_ids is not None else 0
@@ -256,6 +262,8 @@ class DistributedBatchMemory:
         return self._make_local(pick(self._task_ids, rows), take_columns(self._data or {}, rows))
 
     def __setitem__(self, name: str, value: Any) -> None:
+        """Set field `name` of a LOCAL batch to a column, as `from_dict` takes one (a tensor with
+        one row per task, a list of per-task values, or a jagged nested tensor)."""
         self._require_local("set a field")
         validate_id(name, "field")
         col = to_column(name, value)
@@ -331,15 +339,52 @@ class DistributedBatchMemory:
         int32 tensor of the N+1 offsets where each task starts (the flash-attn varlen convention).
 
         For trainers that remove padding. Built without per-task tensors when REMOTE (the
-        gathered column is already one buffer); a LOCAL ragged column costs one `cat`.
-        0-d values count as one row each. `device=` moves both with one copy each.
+        gathered column is already one buffer); a LOCAL ragged column costs one `cat`, none
+        when its tasks are views of one tensor (a nested tensor's values, or a column gathered
+        from one node). 0-d values count as one row each. `device=` moves both with one copy each.
         """
+        return to_device(*self._packed(field), device)
+
+    def _packed(self, field: str) -> tuple[torch.Tensor, torch.Tensor]:
         self._require_field(field)
         if not self._task_ids:
-            return to_device(*empty_packed(field, self._schema[field]), device)
+            return empty_packed(field, self._schema[field])
         if self._remote is None:
-            return to_device(*pack_column(field, (self._data or {})[field]), device)
-        return to_device(*self._cached(field).packed(field), device)
+            return pack_column(field, (self._data or {})[field])
+        return self._cached(field).packed(field)
+
+    def nested(self, field: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """`field` as a jagged nested tensor (`layout=torch.jagged`, TransferQueue's convention):
+        `nt[i]` is task i's value, ragged along dim 1, trailing dims kept, dtype kept.
+
+        Built from `packed(field)` without copying its values (`nt.values()` is the packed
+        tensor, `nt.offsets()` the `cu_seqlens` as int64), so it costs what `packed` costs:
+        nothing for a field given as a nested tensor or gathered from one node, one `cat` for
+        other ragged lists. A REMOTE batch gathers the field (once, then cached), as `packed`
+        does. A fixed-shape field gives tasks of one length; an EMPTY batch a nested tensor of
+        zero tasks. `device=` moves values and offsets with one copy each.
+
+        Raises `ValueError` for a JSON field, for a field of one scalar per task (`batch[field]`
+        already is a `[n]` tensor) and for tasks that differ in rank or trailing dimensions.
+        """
+        self._require_field(field)
+        fm = self._field_meta(field)
+        if fm.dtype is None:
+            raise ValueError(f"field {field!r} holds JSON values; nested() needs a tensor field")
+        if not fm.ragged and fm.shapes.shape == ():
+            raise ValueError(
+                f"field {field!r} holds one scalar per task: batch[{field!r}] already is a tensor of "
+                "shape [n]; a jagged nested tensor needs at least one dimension per task"
+            )
+        return nested_of_packed(*self._packed(field), device)
+
+    def _field_meta(self, name: str) -> FieldMeta:
+        """Field `name`'s schema: its dtype, its kind and (per task, or over zero tasks) its shape."""
+        if self._remote is not None:
+            return self._remote.meta.fields[name]
+        if self._data is not None and self._task_ids:
+            return schema_of({name: self._data[name]})[name]
+        return self._schema[name]
 
     def get_data(self) -> dict[str, Column]:
         """Every field as a column (gathered first if REMOTE)."""

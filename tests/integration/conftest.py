@@ -43,6 +43,15 @@ def remote(nodes: list[str]) -> Iterator[Callable[..., DistributedBatchMemory]]:
         batch.clear()
 
 
+@pytest.fixture
+def pushed() -> Iterator[list[DistributedBatchMemory]]:
+    """REMOTE batches a test made (it appends them); cleared at teardown."""
+    batches: list[DistributedBatchMemory] = []
+    yield batches
+    for batch in batches:
+        batch.clear()
+
+
 @pytest.fixture(params=["LOCAL", "REMOTE"])
 def status(request: pytest.FixtureRequest) -> BatchStatus:
     return BatchStatus[request.param]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from batch_support import place
 from engines_for_tests import ENGINES_ENV
 
 from distbatch import DistributedBatchMemory, EngineError, ShardClient, WorkerGroup, wire
@@ -31,15 +32,6 @@ ENV = ENGINES_ENV
 @pytest.fixture(scope="module")
 def group(echo_pair: WorkerGroup) -> WorkerGroup:
     return echo_pair
-
-
-@pytest.fixture
-def pushed() -> Iterator[list[DBM]]:
-    """REMOTE batches a test made; cleared at teardown."""
-    batches: list[DBM] = []
-    yield batches
-    for batch in batches:
-        batch.clear()
 
 
 def fetch_requests(node: str) -> int:
@@ -93,25 +85,6 @@ def assert_packed(result: tuple[torch.Tensor, torch.Tensor], values: list[torch.
     assert cu.shape == (len(values) + 1,)
     assert cu.tolist() == offsets
     return packed
-
-
-def place(local: DBM, how: str, nodes: list[str], module_client: ShardClient, pushed: list[DBM]) -> DBM:
-    """`local` as a REMOTE batch: on one node, split over two, or interleaved task by task."""
-    n = len(local)
-    if how == "one_node":
-        parts = [local.to_remote(nodes[0], module_client)]
-    elif how == "two_nodes":
-        half = n // 2
-        parts = [
-            local[:half].to_remote(nodes[0], module_client),
-            local[half:].to_remote(nodes[1], module_client),
-        ]
-    else:
-        parts = [local[[i]].to_remote(nodes[i % 2], module_client) for i in range(n)]
-    pushed.extend(parts)
-    batch = DBM.concat(parts)
-    assert batch.status is BatchStatus.REMOTE and batch.task_ids == local.task_ids
-    return batch
 
 
 # --------------------------------------------------------------------------- packed

@@ -1,0 +1,117 @@
+"""Ragged columns over one packed tensor, and torch's jagged nested tensors in and out.
+
+`RaggedViews` is a ragged column (a list of per-task tensors) that also keeps the packed tensor
+its tasks are views of, so `packed()` and the wire use that tensor as it is instead of joining
+the tasks again. A jagged nested tensor (`layout=torch.jagged`, TransferQueue's convention for
+every non-scalar field) becomes one without a copy: its `values()` are the packed tensor and
+its `offsets()` say where each task starts. `nested_of_packed` goes the other way.
+Separate from `columns` because this is the one place that knows torch's nested API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from distbatch import wire
+from distbatch.gc_pause import paused_gc
+
+
+class RaggedViews(list[torch.Tensor]):
+    """A ragged column held as one packed tensor: task i is a view of the next `lengths[i]` rows
+    (along dim 0) of `values`. A list like any ragged column; never changed in place (a batch
+    hands out copies of its lists), so `values` and the views always agree."""
+
+    __slots__ = ("values", "lengths")
+    values: torch.Tensor
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, values: torch.Tensor, lengths: np.ndarray) -> RaggedViews:
+        """Views of `values` (rows along dim 0, `sum(lengths)` of them), one per task: one `split`."""
+        with paused_gc():  # one tensor per task: no collection passes over them mid-build
+            col = cls(values.split(lengths.tolist()) if len(lengths) else ())
+        col.values, col.lengths = values, lengths
+        return col
+
+    def rows(self, start: int, stop: int) -> RaggedViews:
+        """Tasks `start:stop` (a chunk or a slice), still over one packed tensor (a view of ours)."""
+        first = int(self.lengths[:start].sum())
+        lengths = self.lengths[start:stop]
+        col = RaggedViews(self[start:stop])
+        col.values, col.lengths = self.values[first : first + int(lengths.sum())], lengths
+        return col
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The packed tensor once (owning just its bytes), not one tensor per task.
+        return (RaggedViews.of, (compact_tensor(self.values), self.lengths))
+
+
+def compact_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes, so pickling a view does not drag its base along."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def nested_problem(value: torch.Tensor) -> str | None:
+    """Why a nested tensor cannot be a column (None: it can: jagged, ragged in dim 1)."""
+    if value.layout != torch.jagged:
+        return (
+            f"a nested tensor of layout {value.layout} cannot be a column: build it with "
+            "layout=torch.jagged (torch.nested.nested_tensor(rows, layout=torch.jagged)), or pass "
+            "its rows as a list of tensors (list(nt.unbind()))"
+        )
+    ragged_dim = getattr(value, "_ragged_idx", 1)
+    if ragged_dim != 1:
+        return (
+            f"a jagged nested tensor ragged in dim {ragged_dim} cannot be a column: a ragged field's "
+            f"tasks differ in their first dimension, dim 1 of the nested tensor (transpose(1, "
+            f"{ragged_dim}) it), or pass its rows as a list of tensors (list(nt.unbind()))"
+        )
+    return wire.tensor_problem(value.values())
+
+
+def column_problem(value: torch.Tensor) -> str | None:
+    """Why a tensor given as a column cannot be stored (None: it can); callers prefix the field.
+
+    A jagged nested tensor is a ragged column; any other tensor must be one the wire carries.
+    """
+    return nested_problem(value) if value.is_nested else wire.tensor_problem(value)
+
+
+def nested_column(name: str, value: torch.Tensor) -> RaggedViews:
+    """A jagged nested tensor as a ragged column, its tasks `value.unbind()`: its `values()` as the
+    packed tensor, no copy (one gather when it has holes, as `torch.nested.narrow` leaves)."""
+    if (problem := nested_problem(value)) is not None:
+        raise ValueError(f"field {name!r}: {problem}")
+    # torch's stubs type a jagged nested tensor as a plain Tensor, which has no offsets or lengths
+    values, offsets, holes = value.values(), value.offsets(), value.lengths()  # type: ignore[attr-defined]
+    bounds = offsets.detach().cpu().numpy().astype(np.int64, copy=False)
+    if holes is None:
+        lengths = np.diff(bounds)
+        start, stop = int(bounds[0]), int(bounds[-1])
+        if start != 0 or stop != values.shape[0]:
+            values = values[start:stop]
+        return RaggedViews.of(values, lengths)
+    lengths = holes.detach().cpu().numpy().astype(np.int64, copy=False)
+    packed_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(bounds[:-1] - packed_starts, lengths)
+    return RaggedViews.of(values.index_select(0, torch.from_numpy(index).to(values.device)), lengths)
+
+
+def nested_of_packed(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """A jagged nested tensor over packed `values` (not copied unless moved to `device`), task i
+    being `values[cu_seqlens[i]:cu_seqlens[i + 1]]`; its offsets are `cu_seqlens` as int64 (torch's
+    own dtype for them), on the values' device. `cu_seqlens` is on the CPU: the min and max
+    lengths are read there, so kernels that want them need no device sync."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    shortest, longest = (int(lengths.min()), int(lengths.max())) if len(lengths) else (None, None)
+    if device is not None:
+        values = values.to(device)
+    offsets = cu_seqlens.to(device=values.device, dtype=torch.int64)  # beside the values (a GPU column)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=shortest, max_seqlen=longest)
