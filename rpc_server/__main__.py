@@ -40,6 +40,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_json_bytes=args.max_json_bytes,
         max_keys_per_request=args.max_keys_per_request,
         engine=args.engine,
+        engine_kwargs=args.engine_kwargs or {},
+        accept_engine=args.accept_engine,
+        rank=args.rank,
+        world_size=args.world_size,
         max_idle_seconds=args.max_idle_seconds,
         max_response_bytes=args.max_response_bytes,
         stage_ttl=args.stage_ttl,
@@ -107,15 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         print(f"rpc_server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    address_fd = _divert_stdout()  # before create_app, which imports the engine
+    address_fd = _divert_stdout()  # before the engine is imported
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
-        app = create_app(config)
+        # Binding builds the engine, once its node is known (see `create_app`).
+        server = WorkerServer(create_app(config), args.host, args.port)
     except EngineLoadError as exc:
         print(f"rpc_server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    try:
-        server = WorkerServer(app, args.host, args.port)
     except ServerBindError as exc:
         print(f"rpc_server: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

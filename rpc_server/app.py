@@ -10,7 +10,7 @@ from distbatch.auth import bearer_ok
 from distbatch.serving.errors import error_response, register_json_errors
 from distbatch.serving.metrics import record_requests
 from rpc_server.checks import ERROR_ANSWERS, missing_shards
-from rpc_server.config import ServerConfig
+from rpc_server.config import UNBOUND, ServerConfig
 from rpc_server.context import ServerState, state
 from rpc_server.errors import ApiError, EngineCallFailed, MissingShardsError
 from rpc_server.metrics import Metrics
@@ -34,7 +34,12 @@ logger = logging.getLogger("rpc_server")
 
 
 def create_app(config: ServerConfig | None = None, *, store: ShardStore | None = None) -> Flask:
-    """Build a worker app. State lives on the app, so several can share a process."""
+    """Build a worker app. State lives on the app, so several can share a process.
+
+    The engine `config` names is built once its node is known, so that its `WorkerContext.node`
+    is valid in its constructor: at once if `config.node` is set, else when a server binds the
+    app (`WorkerServer(app, ...)`, which raises what building it raised).
+    """
     config = config or ServerConfig()
     app = Flask("rpc_server")
     # "/v1//stats" is an unknown route (a JSON 404), not an HTML 308 redirect to "/v1/stats".
@@ -56,21 +61,31 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
         ),
         metrics=Metrics(),
     )
-    if config.engine:
-        from rpc_server.engine import EngineHost, WorkerContext, load_engine  # imports torch
-
-        context = WorkerContext(server_state.store, config)
-        server_state.engine = EngineHost(load_engine(config.engine, context), context)
+    if config.engine and config.node != UNBOUND:
+        _host_engine(server_state)
     if server_state.store.max_idle_seconds is not None:
         server_state.sweeper = IdleSweeper(server_state.store).start()
     app.extensions["distbatch"] = server_state
-    app.extensions["on_bound"] = lambda node: setattr(config, "node", node)
+    app.extensions["on_bound"] = lambda node: _bound(server_state, node)
     app.extensions["on_close"] = server_state.close
     app.register_blueprint(data_routes)
     record_requests(app, server_state.metrics)
     app.before_request(_authenticate)
     _register_error_handlers(app)
     return app
+
+
+def _host_engine(server_state: ServerState) -> None:
+    from rpc_server.engine import host_engine  # imports torch
+
+    server_state.engine = host_engine(server_state.store, server_state.config)
+
+
+def _bound(server_state: ServerState, node: str) -> None:
+    """A server bound the app at `node`: now the engine can be built."""
+    server_state.config.node = node
+    if server_state.config.engine and server_state.engine is None:
+        _host_engine(server_state)
 
 
 def _authenticate() -> Response | None:
@@ -91,7 +106,12 @@ def _register_error_handlers(app: Flask) -> None:
     def _engine_failed(exc: EngineCallFailed) -> Response:
         # The caller gets the traceback too, but the worker's log is where an operator looks.
         method = request.path.rsplit("/", 1)[-1]
-        logger.warning("engine call %r raised %s: %s\n%s", method, exc.exception_type, exc, exc.traceback)
+        what = (
+            "the engine's constructor"
+            if request.endpoint == "data.start_engine"
+            else f"engine call {method!r}"
+        )
+        logger.warning("%s raised %s: %s\n%s", what, exc.exception_type, exc, exc.traceback)
         return error_response(
             500, "engine_error", str(exc), exception=exc.exception_type, traceback=exc.traceback
         )

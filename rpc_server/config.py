@@ -7,6 +7,7 @@ a config built in Python mean the same server.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from distbatch.auth import token_from_env
 from distbatch.launch.flags import (
@@ -18,7 +19,9 @@ from distbatch.launch.flags import (
 )
 from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
-__all__ = ["ServerConfig"]
+__all__ = ["UNBOUND", "ServerConfig"]
+
+UNBOUND = "unbound"  # `ServerConfig.node` until a server binds the app
 
 
 @dataclass
@@ -30,8 +33,16 @@ class ServerConfig:
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_keys_per_request: int = DEFAULT_MAX_KEYS_PER_REQUEST
     token: str | None = field(default_factory=token_from_env)
-    node: str = "unbound"
+    # This worker's address, set once a server binds the app (an engine is built after that).
+    node: str = UNBOUND
     engine: str | None = None
+    # Keyword arguments for the engine factory (JSON values; `--engine-kwargs`).
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Whether a client may choose and build the engine (`POST /v1/engine`): code it names runs here.
+    accept_engine: bool = False
+    # This worker's index in its group and the group's size, for the engine (`WorkerContext`).
+    rank: int = 0
+    world_size: int = 1
     # Delete tasks nobody put or fetched for this many seconds (None: never).
     max_idle_seconds: float | None = None
     # A fetch whose response would be larger is refused (413); clients split below it.

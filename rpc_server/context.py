@@ -37,6 +37,7 @@ class ServerState:
     store: ShardStore
     metrics: Metrics
     engine: EngineHost | None = None
+    engine_lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is built
     sweeper: IdleSweeper | None = None
     # Put bodies land here (`routes._receive_body`): a mapping freed by a clear is reused by
     # the next put within BODY_POOL_IDLE_SECONDS (no page faults), then unmapped.

@@ -25,8 +25,10 @@ from distbatch.calls import decode_call, encode_value
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
+from distbatch.launch.flags import check_engine_kwargs, check_rank
 from distbatch.wire.bundle import Bundle
 from distbatch.wire.json_values import check_json, find_non_json
+from rpc_server.context import ServerState
 from rpc_server.errors import (
     ApiError,
     BadArgumentsError,
@@ -42,22 +44,79 @@ from rpc_server.store.shard_store import PutReceipt, ShardStore
 
 @dataclass
 class WorkerContext:
-    """What an engine may use of the worker hosting it (passed as `context=` if accepted)."""
+    """What an engine may use of the worker hosting it: passed as `context=` to an engine factory
+    that takes a parameter of that name.
+
+    `node`, `rank` and `world_size` are valid in the engine's constructor already, so an engine
+    can set itself up there (pick its GPU, join a process group). `rank` is the worker's index
+    in its group and `world_size` the group's size: `WorkerGroup.local` and `WorkerGroup.ray`
+    give worker i rank i, `WorkerGroup.connect(addresses, engine=...)` the position of its
+    address; a worker started by hand is rank 0 of 1 unless `--rank` / `--world-size` say
+    otherwise. A group's `engine_kwargs=` (`--engine-kwargs` on the command line) arrive as
+    the factory's keyword arguments, next to `context`. An engine module:
+
+    ```py
+    import torch
+
+    from distbatch import DistributedBatchMemory
+    from rpc_server.engine import WorkerContext
+
+
+    class TrainEngine:
+        def __init__(self, context: WorkerContext, model: str, lr: float = 1e-6) -> None:
+            self.context = context  # its store and client serve the methods later
+            self.device = torch.device("cuda", context.rank % torch.cuda.device_count())
+            print(f"rank {context.rank} of {context.world_size} at {context.node} loads {model}")
+            self.lr = lr
+
+        def train_step(self, batch: DistributedBatchMemory) -> dict[str, float]:
+            ...
+    ```
+
+    and the controller that starts two of them, worker i as rank i of 2:
+
+    ```py
+    from distbatch import WorkerGroup
+
+    group = WorkerGroup.local(
+        2, "my_pkg.engines:TrainEngine", engine_kwargs={"model": "Qwen/Qwen3-0.6B", "lr": 2e-6}
+    )
+    ```
+
+    `engine_kwargs` must be JSON (str, int, float, bool, None, lists and string-keyed dicts of
+    those; no NaN, tuples or tensors): groups refuse anything else before a worker starts.
+    """
 
     store: ShardStore
     config: Any
 
     @property
     def node(self) -> str:
-        return self.config.node
+        """This worker's `host:port`: the address its peers and the controller reach it at."""
+        return str(self.config.node)
+
+    @property
+    def rank(self) -> int:
+        """This worker's index in its group, from 0."""
+        return int(self.config.rank)
+
+    @property
+    def world_size(self) -> int:
+        """How many workers its group has."""
+        return int(self.config.world_size)
 
     @property
     def client(self) -> ShardClient:
+        """The worker's client, for gathering from peers (batch arguments use it already)."""
         return default_client()
 
 
-def load_engine(spec: str, context: WorkerContext) -> Any:
-    """Import `pkg.module:Factory` and build the engine (with `context=` when it takes one)."""
+def load_engine(spec: str, context: WorkerContext, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Import `pkg.module:Factory` and build the engine with `kwargs` (and `context=` when it takes one).
+
+    `EngineLoadError` if it cannot be imported or does not take these keyword arguments; what
+    the factory itself raises propagates.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise EngineLoadError(f"engine spec {spec!r} must look like 'pkg.module:Factory'")
@@ -69,7 +128,88 @@ def load_engine(spec: str, context: WorkerContext) -> Any:
         accepts_context = "context" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         accepts_context = False
-    return factory(context=context) if accepts_context else factory()
+    arguments = {**(kwargs or {}), **({"context": context} if accepts_context else {})}
+    problem = _signature_problem(factory, [], arguments)
+    if problem is not None:
+        given = sorted(kwargs or {})
+        takes = (
+            f"does not take engine_kwargs {given}" if given else "needs arguments: pass them as engine_kwargs"
+        )
+        raise EngineLoadError(f"cannot build engine {spec!r}: {attr}{problem[0]} {takes} ({problem[1]})")
+    return factory(**arguments)
+
+
+def host_engine(store: ShardStore, config: Any) -> EngineHost:
+    """Build the engine `config` names (`engine`, `engine_kwargs`, `rank`, `world_size`, and its
+    `node`, which must be known by now) and the host that runs its methods."""
+    context = WorkerContext(store, config)
+    return EngineHost(load_engine(config.engine, context, config.engine_kwargs), context)
+
+
+def start_requested_engine(current: ServerState, body: Any) -> dict[str, Any]:
+    """`POST /v1/engine`: build the engine a body `{"engine", "kwargs", "rank", "world_size"}` asks
+    for on a worker started without one but with `--accept-engine` (`WorkerGroup.connect(...,
+    engine=)`); 403 without that flag, since it imports and calls the factory the body names.
+
+    Asking again for the engine the worker hosts, with the same arguments, changes nothing (a
+    controller that reconnects); asking for another is a 409. A factory that cannot be imported
+    or called with these arguments is a 400, one that raises an `engine_error` with its traceback.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("engine"), str):
+        raise ApiError(400, "bad_request", 'expected {"engine": "pkg.module:Factory", "kwargs": {...}, ...}')
+    try:
+        kwargs = check_engine_kwargs(body.get("kwargs") or {})
+        rank, world_size = body.get("rank", 0), body.get("world_size", 1)
+        check_rank(rank, world_size)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, "bad_request", str(exc)) from None
+    asked = {"engine": body["engine"], "engine_kwargs": kwargs, "rank": rank, "world_size": world_size}
+    config = current.config
+    with current.engine_lock:
+        hosted = {name: getattr(config, name) for name in asked}
+        if current.engine is not None:
+            if hosted != asked:
+                message = (
+                    f"this worker already hosts an engine, {hosted}, not {asked}: restart it to host another"
+                )
+                raise ApiError(409, "engine_exists", message)
+            return {"engine": current.engine.name, "created": False, "node": config.node}
+        if not config.accept_engine:  # it would import and call whatever the request names
+            raise ApiError(
+                403,
+                "engine_not_accepted",
+                "this worker builds no engine on request: start it with --accept-engine (and a "
+                "DISTBATCH_TOKEN) to let a controller choose its engine, or with --engine",
+            )
+        for name, value in asked.items():
+            setattr(config, name, value)
+        try:
+            current.engine = host_engine(current.store, config)
+        except BaseException as exc:
+            for name, value in hosted.items():  # as it was: no engine
+                setattr(config, name, value)
+            if isinstance(exc, EngineLoadError):
+                raise ApiError(400, "engine_load_failed", str(exc)) from None
+            raise EngineCallFailed(exc) from exc  # the factory's own failure: reported like a failed call
+    return {"engine": current.engine.name, "created": True, "node": config.node}
+
+
+def _signature_problem(fn: Any, args: list[Any], kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why `fn(*args, **kwargs)` would not bind, as (its bare signature, the TypeError's text); None
+    if it binds, or if `fn` has no signature to check (some builtins: the call will tell)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        bare = signature.replace(  # `two(a, b=1)`: string annotations would read `a: 'int'`
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        return str(bare), str(exc)
+    return None
 
 
 def _check_arguments(name: str, fn: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -78,19 +218,11 @@ def _check_arguments(name: str, fn: Any, args: list[Any], kwargs: dict[str, Any]
     Checked on the request thread, so a bad call is answered at once instead of after
     a long call ahead of it; a TypeError the engine raises itself stays an engine error.
     """
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # nothing to introspect (some builtins): the call will tell
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        bare = signature.replace(  # `two(a, b=1)`: string annotations would read `a: 'int'`
-            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-            return_annotation=signature.empty,
+    problem = _signature_problem(fn, args, kwargs)
+    if problem is not None:
+        raise BadArgumentsError(
+            f"engine method {name}{problem[0]} does not take these arguments: {problem[1]}"
         )
-        message = f"engine method {name}{bare} does not take these arguments: {exc}"
-        raise BadArgumentsError(message) from None
 
 
 # What an engine method may return, for the messages that refuse anything else.

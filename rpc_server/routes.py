@@ -1,4 +1,5 @@
-"""The worker's data endpoints: health, shards (put / fetch / delete), stats, metrics."""
+"""The worker's endpoints: health, shards (put / fetch / delete), stats, metrics, and its engine's
+(build one, call its methods, abandon calls)."""
 
 from __future__ import annotations
 
@@ -175,8 +176,17 @@ def _validated_keys(value: Any) -> list[ShardKey]:
 @data_routes.get("/health")
 def health() -> Response:
     current = state()
+    config = current.config
     engine = current.engine.name if current.engine is not None else None
-    return jsonify({"status": "ok", "node": current.config.node, "engine": engine})
+    return jsonify(
+        {
+            "status": "ok",
+            "node": config.node,
+            "engine": engine,
+            "rank": config.rank,
+            "world_size": config.world_size,
+        }
+    )
 
 
 @data_routes.put("/v1/shards")
@@ -389,6 +399,15 @@ def call_engine(method: str) -> Response:
         )
     host.method(method)  # 404 before reading the body if there is no such method
     return jsonify({"result": host.call(method, _read_json_body(), call_id=_call_id())})
+
+
+@data_routes.post("/v1/engine")
+def start_engine() -> Response:
+    """Build an engine on a worker started without one: `{"engine": "pkg.module:Factory", "kwargs":
+    {...}, "rank": i, "world_size": n}` (`WorkerGroup.connect(..., engine=)`); answers once built."""
+    from rpc_server.engine import start_requested_engine  # imports torch
+
+    return jsonify(start_requested_engine(state(), _read_json_body()))
 
 
 def _call_id() -> str | None:

@@ -26,10 +26,13 @@ ECHO = "engines_for_tests:make_echo_engine"
 class EchoEngine:
     """The general-purpose test engine: echoes, columns, batches, JSON, errors, slow calls."""
 
-    def __init__(self, context: Any = None) -> None:
+    def __init__(self, context: Any = None, **config: Any) -> None:
         self.context = context
         self.counts: dict[str, int] = {}
         self.attribute = "not callable"  # a public non-method: must not be callable over HTTP
+        self.config = config  # the group's engine_kwargs
+        # What the context said in the constructor (node, rank and world size must be valid here).
+        self.at_init = {name: getattr(context, name, None) for name in ("node", "rank", "world_size")}
 
     # -------------------------------------------------------------- identity
 
@@ -44,6 +47,10 @@ class EchoEngine:
     def environ(self, name: str) -> str | None:
         """An environment variable as the engine's process sees it (launcher env settings)."""
         return os.environ.get(name)
+
+    def identity(self) -> dict[str, Any]:
+        """What the constructor got: the context's node, rank and world size, and the engine_kwargs."""
+        return {**self.at_init, "config": self.config}
 
     def store_shards(self) -> int:
         """How many shards the hosting worker's store holds (via the WorkerContext)."""
@@ -185,11 +192,29 @@ class EchoEngine:
         return "private"
 
 
-def make_echo_engine(context: Any) -> EchoEngine:
-    """A factory function (not a class) that takes the WorkerContext as `context=`."""
+def make_echo_engine(context: Any, **config: Any) -> EchoEngine:
+    """A factory function (not a class) that takes the WorkerContext as `context=`, and any
+    engine_kwargs."""
     if context is None or not hasattr(context, "store") or not isinstance(context.node, str):
         raise TypeError("make_echo_engine needs a WorkerContext")
-    return EchoEngine(context)
+    return EchoEngine(context, **config)
+
+
+class BrokenEngine:
+    """An engine whose constructor raises (a worker whose engine fails to start)."""
+
+    def __init__(self, context: Any, reason: str = "no GPU for this rank") -> None:
+        raise RuntimeError(f"rank {context.rank} of {context.world_size}: {reason}")
+
+
+class StrictEngine:
+    """An engine class that takes one named keyword argument and no context."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def which(self) -> str:
+        return self.model
 
 
 class PlainEngine:

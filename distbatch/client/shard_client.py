@@ -305,7 +305,7 @@ class ShardClient:
     delete_products_each = blocking(_delete_products_each_verb)
     adelete_products_each = awaiting(_delete_products_each_verb)
 
-    def request_json(
+    def _request_json_verb(
         self,
         node: str,
         method: str,
@@ -315,7 +315,7 @@ class ShardClient:
         timeout: float | None | object = ...,
         idempotent: bool = True,
         waits: bool = False,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """A JSON request to any distbatch HTTP service (worker or controller), with this
         client's session, token, retries and error mapping.
 
@@ -324,7 +324,7 @@ class ShardClient:
         """
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
-        request = self._transport.request(
+        return self._transport.request(
             validate_node(node),
             method,
             path,
@@ -333,7 +333,9 @@ class ShardClient:
             idempotent=idempotent,
             waits=waits,
         )
-        return self.run(request)
+
+    request_json = blocking(_request_json_verb)
+    arequest_json = awaiting(_request_json_verb)
 
     def list_tasks(self, node: str, after: str | None = None, limit: int = 1000) -> dict[str, Any]:
         """One page of the tasks `node` holds, in id order after `after`: `{"tasks": [[task_id,

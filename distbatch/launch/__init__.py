@@ -9,6 +9,7 @@ imports `ray`; import it only when Ray is wanted), `group` is `WorkerGroup` over
 
 from distbatch.launch.local import (
     LOG_TAIL_LINES,
+    WorkerLogs,
     WorkerProcess,
     controller_import_path,
     log_tail,
@@ -19,6 +20,7 @@ from distbatch.launch.local import (
 
 __all__ = [
     "LOG_TAIL_LINES",
+    "WorkerLogs",
     "WorkerProcess",
     "controller_import_path",
     "log_tail",

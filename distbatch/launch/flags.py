@@ -8,10 +8,13 @@ imports `rpc_server`. Pure argparse: no server, store or engine is imported here
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
@@ -23,9 +26,15 @@ __all__ = [
     "DEFAULT_MAX_THREADS",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_STAGE_TTL",
+    "GROUP_OPTIONS",
+    "MAX_ENGINE_KWARGS_BYTES",
     "UNSET",
     "build_parser",
+    "check_engine_kwargs",
     "check_flag_values",
+    "check_launcher_flags",
+    "check_rank",
+    "engine_kwargs_json",
     "parse_flags",
 ]
 
@@ -35,6 +44,10 @@ DEFAULT_MAX_KEYS_PER_REQUEST = 200_000
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_STAGE_TTL = 600.0
+# Engine keyword arguments travel on the worker's command line (one argument: Linux takes up to
+# 128 KiB) and in the process list: configuration, not data. A path to a file carries more.
+MAX_ENGINE_KWARGS_BYTES = 64 << 10
+MAX_ENGINE_KWARGS_DEPTH = 32
 
 DESCRIPTION = "Run one distbatch worker; prints its `host:port` as the first stdout line."
 EPILOG = (
@@ -175,6 +188,35 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
         "--engine", help="engine factory to host, as pkg.module:Factory (default: none, a store only)"
     )
     parser.add_argument(
+        "--engine-kwargs",
+        type=_engine_kwargs_flag,
+        default=None,
+        metavar="JSON",
+        help="keyword arguments for the engine factory, a JSON object such as '{\"lr\": 1e-06}'"
+        f" (at most {human_size(MAX_ENGINE_KWARGS_BYTES)}; default: none)",
+    )
+    parser.add_argument(
+        "--accept-engine",
+        action="store_true",
+        help="let a client choose and build this worker's engine (POST /v1/engine, as"
+        " WorkerGroup.connect(engine=...) does): it imports and calls the factory the request names,"
+        " so only where whoever can reach the worker (and holds its token) is trusted (default: off)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        metavar="N",
+        help="this worker's index in its group, the engine's context.rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="how many workers its group has, the engine's context.world_size (default: %(default)s)",
+    )
+    parser.add_argument(
         "--address-file", type=Path, help="also write host:port to this file, atomically (default: none)"
     )
     parser.add_argument(
@@ -195,6 +237,9 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_flag_values(args: argparse.Namespace) -> None:
     """ValueError for a parsed value no worker runs with (argparse only checks types)."""
+    check_rank(args.rank, args.world_size, "--rank", "--world-size")
+    if args.engine_kwargs and not args.engine:
+        raise ValueError("--engine-kwargs needs --engine: they are the engine factory's arguments")
     if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
         raise ValueError("--max-idle-seconds must be > 0")
     if args.shm_max_bytes is not None and args.shm_max_bytes < 0:
@@ -207,6 +252,117 @@ def check_flag_values(args: argparse.Namespace) -> None:
     ):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0")
+
+
+def check_rank(rank: Any, world_size: Any, rank_name: str = "rank", size_name: str = "world_size") -> None:
+    """ValueError unless `world_size` >= 1 and 0 <= `rank` < `world_size` (both int)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"{size_name} must be an integer >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"{rank_name} must be an integer in [0, {world_size}), got {rank!r}")
+
+
+def _json_problem(value: Any, where: str, depth: int = 0) -> tuple[type[Exception], str] | None:
+    """Why `value` (at `where`) would not arrive as itself through JSON: (error type, message)."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return None
+    if isinstance(value, float):
+        return (
+            None if math.isfinite(value) else (ValueError, f"{where} is {value!r}, which JSON cannot carry")
+        )
+    if depth >= MAX_ENGINE_KWARGS_DEPTH:
+        return ValueError, f"{where} nests deeper than {MAX_ENGINE_KWARGS_DEPTH} levels"
+    if isinstance(value, list):
+        items: Iterable[tuple[Any, Any]] = enumerate(value)
+    elif isinstance(value, dict):
+        key = next((k for k in value if not isinstance(k, str)), None)
+        if key is not None:
+            return TypeError, f"{where} has the key {key!r}; JSON object keys are strings"
+        items = value.items()
+    else:
+        name = type(value).__name__
+        hint = " (it would arrive as a list: pass a list)" if isinstance(value, tuple) else ""
+        if type(value).__module__.partition(".")[0] in ("torch", "numpy"):
+            hint = " (.tolist() / .item() it, or pass a path to a file the engine loads)"
+        return TypeError, f"{where} is a {name}, which does not arrive as itself through JSON{hint}"
+    for key, item in items:
+        problem = _json_problem(item, f"{where}[{key!r}]", depth + 1)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_engine_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`kwargs` as a dict, if it is keyword arguments that arrive in an engine unchanged.
+
+    That is: a mapping of Python identifiers (not `context`, which the worker passes itself) to
+    JSON values (str, int, float, bool, None, lists and string-keyed dicts of those; no NaN or
+    infinity, no tuples or sets, no tensors) that survive a JSON round trip equal, at most
+    `MAX_ENGINE_KWARGS_BYTES` as JSON. TypeError for a value of the wrong type, ValueError for
+    the rest, each naming the offending key.
+    """
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"engine_kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise TypeError(f"engine_kwargs key {key!r} is not a string")
+        if not key.isidentifier():
+            raise ValueError(
+                f"engine_kwargs key {key!r} is not a Python identifier, so not a keyword argument"
+            )
+        if key == "context":
+            raise ValueError(
+                "engine_kwargs key 'context' is taken: the worker passes its WorkerContext as it"
+            )
+        problem = _json_problem(value, f"engine_kwargs[{key!r}]")
+        if problem is not None:
+            raise problem[0](problem[1] + "; engine_kwargs must be JSON")
+    plain = dict(kwargs)
+    text = _dump(plain)
+    if json.loads(text) != plain:  # a subclass that encodes as something else
+        raise ValueError(f"engine_kwargs do not survive a JSON round trip unchanged: {text[:200]}")
+    size = len(text.encode())
+    if size > MAX_ENGINE_KWARGS_BYTES:
+        biggest = max(plain, key=lambda k: len(_dump(plain[k])))
+        raise ValueError(
+            f"engine_kwargs are {size} bytes as JSON, over the {human_size(MAX_ENGINE_KWARGS_BYTES)} bound"
+            f" (the biggest is {biggest!r}): pass a path to a file the engine loads instead"
+        )
+    return plain
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def engine_kwargs_json(kwargs: Mapping[str, Any] | None) -> str | None:
+    """The `--engine-kwargs` value for `kwargs` (None for none or empty), checked as
+    `check_engine_kwargs` does: launchers call it before they start anything."""
+    if kwargs is None:
+        return None
+    plain = check_engine_kwargs(kwargs)
+    return _dump(plain) if plain else None
+
+
+def _engine_kwargs_flag(text: str) -> dict[str, Any]:
+    """`--engine-kwargs`: a JSON object of keyword arguments (argparse type)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    try:
+        return check_engine_kwargs(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# The flags a worker group sets for each worker itself (argparse dest -> why), refused in `args=`.
+GROUP_OPTIONS = {
+    "rank": "is the group's to set: worker i is rank i",
+    "world_size": "is the group's to set: its worker count",
+    "engine_kwargs": "is the group's to set: pass engine_kwargs= to the group",
+    "accept_engine": "is for workers a controller connects to: a group names its engine itself",
+}
 
 
 UNSET = object()  # the default `parse_flags` gives the options a caller asks about
@@ -226,4 +382,19 @@ def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.
         raise ValueError(f"bad worker flag: {exc}") from None
     if unknown:
         raise ValueError(f"unknown worker flags: {unknown}")
+    return args
+
+
+def check_launcher_flags(flags: Sequence[str], decided: Mapping[str, str]) -> argparse.Namespace:
+    """Parse and check worker flags a launcher was given; ValueError for bad ones, or for one the
+    launcher sets itself (`decided`: argparse dest -> the rest of the message, e.g. "rank" ->
+    "is the group's to set: ...")."""
+    args = parse_flags(flags, unset=decided)  # argparse's abbreviations included
+    for name, why in decided.items():
+        if getattr(args, name) is not UNSET:
+            raise ValueError(f"--{name.replace('_', '-')} {why}")
+    parser = build_parser()
+    for name in decided:  # the launcher passes its own values; the defaults stand in for the checks
+        setattr(args, name, parser.get_default(name))
+    check_flag_values(args)
     return args

@@ -19,6 +19,12 @@ from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, check_livene
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import CallTimeoutError, WorkerUnavailableError
 from distbatch.ids import validate_node
+from distbatch.launch.flags import (
+    GROUP_OPTIONS,
+    check_engine_kwargs,
+    check_launcher_flags,
+    engine_kwargs_json,
+)
 from distbatch.launch.local import WorkerProcess, spawn_workers
 from distbatch.twins import awaiting, blocking, first_result
 
@@ -36,6 +42,14 @@ def _stop_all(processes: list[WorkerProcess], stoppers: list[Stoppable]) -> None
         process.stop()
     for stopper in stoppers:
         stopper.stop()
+
+
+def _engine_kwargs_flags(engine: str | None, engine_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """`--engine-kwargs JSON` for a group's workers ([] for none), checked before anything starts."""
+    text = engine_kwargs_json(engine_kwargs)
+    if text is not None and not engine:
+        raise ValueError("engine_kwargs are the engine's constructor arguments: name the engine too")
+    return ["--engine-kwargs", text] if text else []
 
 
 class WorkerGroup:
@@ -75,6 +89,7 @@ class WorkerGroup:
         n: int,
         engine: str | None = None,
         *,
+        engine_kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
         args: Sequence[str] = (),
         client: ShardClient | None = None,
@@ -85,10 +100,18 @@ class WorkerGroup:
     ) -> WorkerGroup:
         """Spawn `n` `rpc_server` processes on loopback, hosting `engine` ('pkg.module:Factory').
 
-        Workers import with this process's import path; whatever they print or log goes to
-        `group.log_files` (in `log_dir`, or a new temporary directory), see `spawn_workers`.
+        Worker i's engine is built as `Factory(**engine_kwargs, context=...)` (`context` if the
+        factory takes it: a `WorkerContext` whose `rank` is i and `world_size` n). `engine_kwargs`
+        must be JSON (checked before anything starts: `TypeError` / `ValueError` naming the key).
+        `args` are other worker flags (`--max-bytes`, ...), also checked first. Workers import
+        with this process's import path; whatever they print or log goes to `group.log_files`,
+        all in `group.log_dir`: `log_dir` if given, else `$DISTBATCH_LOG_DIR`, else a new
+        temporary directory, removed when the group stops cleanly and kept (and named in the
+        error) when a worker failed; see `spawn_workers`.
         """
-        extra = [*args, *(["--engine", engine] if engine else [])]
+        engine_flags = _engine_kwargs_flags(engine, engine_kwargs)
+        check_launcher_flags(args, GROUP_OPTIONS)
+        extra = [*args, *(["--engine", engine] if engine else []), *engine_flags]
         processes = spawn_workers(n, args=extra, env=env, startup_timeout=startup_timeout, log_dir=log_dir)
         group = cls(
             [p.node for p in processes],
@@ -105,6 +128,7 @@ class WorkerGroup:
         n: int,
         engine: str | None = None,
         *,
+        engine_kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
         placement: str = "spread",
         resources: Mapping[str, float] | None = None,
@@ -123,10 +147,12 @@ class WorkerGroup:
         trainer ranks that read them. `resources` are per worker, e.g. `{"GPU": 1}` or
         `{"CPU": 2}`. `args` are store flags as for `local` (`--max-bytes`, `--max-idle-seconds`);
         `runtime_env` is Ray's per-actor runtime environment (pip, env_vars, container, ...).
+        `engine_kwargs`, ranks and world size as for `local` (worker i, in bundle order, is rank i).
         Calls and data go over HTTP exactly as for `local`; `shutdown()` kills the actors and
         frees the placement group.
         Calls `ray.init` with closed-machine defaults if Ray is not initialised yet.
         """
+        engine_flags = _engine_kwargs_flags(engine, engine_kwargs)  # before Ray is imported
         try:
             from distbatch.launch.ray_actors import start_ray_workers
         except ImportError as exc:
@@ -136,6 +162,7 @@ class WorkerGroup:
         workers = start_ray_workers(
             n,
             engine,
+            engine_flags=engine_flags,
             env=env,
             placement=placement,
             resources=resources,
@@ -162,19 +189,70 @@ class WorkerGroup:
         cls,
         addresses: Sequence[str],
         *,
+        engine: str | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
         client: ShardClient | None = None,
         call_timeout: float | None = None,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
+        startup_timeout: float | None = 120.0,
     ) -> WorkerGroup:
-        """A group over workers someone else started (Slurm, by hand, another launcher)."""
+        """A group over workers someone else started (Slurm, by hand, another launcher).
+
+        With `engine`, each worker must have been started without `--engine` and with
+        `--accept-engine` (a worker refuses, 403, to import what a request names unless told
+        so): connect builds `engine` on every worker at once (as `local` does; `engine_kwargs`
+        checked the same way first), worker i, the i-th address, as rank i of `len(addresses)`,
+        and returns once all are built (each within `startup_timeout` seconds, None: no bound).
+        A worker that already hosts this engine with these arguments and rank keeps it (a
+        controller reconnecting); one hosting anything else is a `RequestError` (409), an
+        engine that fails to build an `EngineError`. Without `engine`, the workers keep the
+        engines they were started with, built with the rank, world size and keyword arguments
+        their `--rank`, `--world-size` and `--engine-kwargs` gave them (so `engine_kwargs` is
+        refused), whatever order the addresses come in. `shutdown()` leaves them running.
+        """
+        if engine is None and engine_kwargs is not None:
+            raise ValueError(
+                "engine_kwargs reach an engine that connect builds: pass engine= too (a worker "
+                "started with --engine built its engine at start, from its own --engine-kwargs)"
+            )
+        kwargs = check_engine_kwargs({} if engine_kwargs is None else engine_kwargs)
         group = cls(addresses, client=client, call_timeout=call_timeout, liveness_timeout=liveness_timeout)
         group.wait_ready()
+        if engine is not None:
+            group.client.run(group._start_engines(engine, kwargs, startup_timeout))
         return group
+
+    async def _start_engines(self, engine: str, kwargs: dict[str, Any], timeout: float | None) -> None:
+        """Build `engine` on every worker concurrently (ranks may wait for each other, as in a
+        `torch.distributed` rendezvous); the first failure once every worker has answered."""
+        world_size = len(self.nodes)
+        replies = await asyncio.gather(
+            *(
+                self.client.arequest_json(
+                    node,
+                    "POST",
+                    "/v1/engine",
+                    {"engine": engine, "kwargs": kwargs, "rank": rank, "world_size": world_size},
+                    timeout=timeout,
+                    idempotent=False,
+                )
+                for rank, node in enumerate(self.nodes)
+            ),
+            return_exceptions=True,
+        )
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
 
     @property
     def log_files(self) -> list[Path]:
         """Each started worker's log file (its prints and logs), in worker order; [] for connect/ray."""
         return [p.log_file for p in self.processes if p.log_file is not None]
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The directory the started workers log into (None for connect/ray): see `local`."""
+        return next((p.logs.path for p in self.processes if p.logs is not None), None)
 
     @property
     def client(self) -> ShardClient:
@@ -187,10 +265,14 @@ class WorkerGroup:
         return f"WorkerGroup({self.nodes})"
 
     def _ready_or_shut_down(self) -> WorkerGroup:
-        """Return self once every worker answers; stop what this group started if one does not."""
+        """Return self once every worker answers; stop what this group started if one does not
+        (keeping their logs)."""
         try:
             self.wait_ready()
         except BaseException:
+            for process in self.processes:
+                if process.logs is not None:
+                    process.logs.keep()
             self.shutdown()
             raise
         return self
@@ -257,7 +339,8 @@ class WorkerGroup:
         for process in self.processes:
             if process.node in nodes and not process.alive():
                 code = process.process.returncode
-                raise WorkerUnavailableError(process.node, f"worker process exited with code {code}")
+                log = f"; its log, kept: {process.log_file}" if process.log_file is not None else ""
+                raise WorkerUnavailableError(process.node, f"worker process exited with code {code}{log}")
 
     def _check_stoppers(self, nodes: list[str]) -> None:
         """After a failed call: name a worker whose launcher (e.g. Ray) knows it is dead."""

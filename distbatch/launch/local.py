@@ -2,7 +2,8 @@
 
 A worker's stdout carries one line, its address; everything else it writes (an engine's
 prints and logs, in any amount) goes to its stderr, which is a per-worker log file here:
-never a pipe nobody reads, so output can never block a worker.
+never a pipe nobody reads, so output can never block a worker. The workers started together
+log into one directory (`WorkerLogs`), which goes away with them when they all stopped cleanly.
 """
 
 from __future__ import annotations
@@ -15,26 +16,114 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from distbatch.errors import WorkerUnavailableError
 from distbatch.ids import validate_node
+from distbatch.launch.flags import check_rank
 
 LOG_TAIL_LINES = 20  # lines of a worker's log quoted when it fails to start
+LOG_DIR_PREFIX = "distbatch-workers-"
+
+
+class WorkerLogs:
+    """The directory the workers started together log into, one file per worker.
+
+    A directory this module made (`owned`: a new temporary one) is removed once every worker
+    logging into it stopped cleanly (exit code 0), so runs leave nothing behind; once one
+    failed (exited by itself, crashed, was killed, never started) it stays, logs and all, and
+    errors name it. A directory the caller named (`log_dir=`, `$DISTBATCH_LOG_DIR`) is never
+    removed. Several owners may share one directory (Ray actors on one node, `shared_name`):
+    each removes only the files of its own workers, and the directory once it is empty.
+    """
+
+    def __init__(self, path: Path, owned: bool) -> None:
+        self.path = path
+        self.owned = owned
+        self.failed = False
+        self._files: list[Path] = []
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls, log_dir: str | os.PathLike[str] | None = None, shared_name: str | None = None
+    ) -> WorkerLogs:
+        """`log_dir` (made if missing), else `$DISTBATCH_LOG_DIR`; else, owned, `shared_name` in the
+        temporary directory (made if missing) or a new `distbatch-workers-*` one there."""
+        given = log_dir if log_dir is not None else os.environ.get("DISTBATCH_LOG_DIR") or None
+        if given is not None:
+            path = Path(given)
+            path.mkdir(parents=True, exist_ok=True)
+            return cls(path, owned=False)
+        if shared_name is not None:
+            path = Path(tempfile.gettempdir()) / shared_name
+            path.mkdir(mode=0o700, exist_ok=True)
+            return cls(path, owned=True)
+        return cls(Path(tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)), owned=True)
+
+    def started(self, log_file: Path | None) -> None:
+        """A worker logging to `log_file` started."""
+        with self._lock:
+            if log_file is not None:
+                self._files.append(log_file)
+            self._running += 1
+
+    def keep(self) -> None:
+        """Keep the logs whatever happens next (a start failed)."""
+        with self._lock:
+            self.failed = True
+
+    def stopped(self, clean: bool) -> None:
+        """One of the workers exited (`clean`: with code 0); after the last, remove what was ours
+        if every one exited cleanly."""
+        with self._lock:
+            self.failed = self.failed or not clean
+            self._running -= 1
+            if self._running > 0 or self.failed or not self.owned:
+                return
+            files, self._files = self._files, []
+        for file in files:
+            file.unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:  # not empty (another owner's logs, a file someone added) or gone already
+            pass
+
+    def __repr__(self) -> str:
+        return f"WorkerLogs({str(self.path)!r}, owned={self.owned}, failed={self.failed})"
 
 
 class WorkerProcess:
     """One spawned worker: its process, the `host:port` it printed on start and its log file.
 
-    `log_file` holds everything the worker wrote besides its address (None if not known).
+    `log_file` holds everything the worker wrote besides its address (None if not known);
+    `logs`, if given, is told when the worker stopped (see `WorkerLogs`).
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], node: str, log_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        node: str,
+        log_file: Path | None = None,
+        logs: WorkerLogs | None = None,
+    ) -> None:
         self.process = process
         self.node = node
         self.log_file = log_file
+        self.logs = logs
+        self._reported = False
+        if logs is not None:
+            logs.started(log_file)
+
+    def _report_exit(self) -> None:
+        """Tell `logs`, once, how the process exited (call once it has)."""
+        if self.logs is not None and not self._reported:
+            self._reported = True
+            self.logs.stopped(clean=self.process.returncode == 0)
 
     @property
     def pid(self) -> int:
@@ -54,6 +143,7 @@ class WorkerProcess:
                 self.process.wait()
         if self.process.stdout is not None:
             self.process.stdout.close()
+        self._report_exit()
 
     def terminate(self) -> None:
         """Send SIGTERM without waiting (see `stop`)."""
@@ -65,6 +155,7 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._report_exit()
 
     def __repr__(self) -> str:
         return f"WorkerProcess(node={self.node!r}, pid={self.pid})"
@@ -157,9 +248,9 @@ def _worker_env(extra: Mapping[str, str], import_path: Sequence[str]) -> dict[st
     return env
 
 
-def _start(command: list[str], index: int, log_dir: Path, env: Mapping[str, str]) -> WorkerProcess:
-    """Popen one worker: stdout a pipe for its address line, stderr its log file `worker-<i>-<pid>.log`."""
-    fd, starting = tempfile.mkstemp(prefix=f"worker-{index}-", suffix=".starting", dir=log_dir)
+def _start(command: list[str], rank: int, logs: WorkerLogs, env: Mapping[str, str]) -> WorkerProcess:
+    """Popen one worker: stdout a pipe for its address line, stderr its log file `worker-<rank>-<pid>.log`."""
+    fd, starting = tempfile.mkstemp(prefix=f"worker-{rank}-", suffix=".starting", dir=logs.path)
     try:
         with open(fd, "wb") as log:
             process = subprocess.Popen(
@@ -168,13 +259,13 @@ def _start(command: list[str], index: int, log_dir: Path, env: Mapping[str, str]
     except BaseException:
         os.unlink(starting)
         raise
-    log_file = log_dir / f"worker-{index}-{process.pid}.log"
+    log_file = logs.path / f"worker-{rank}-{process.pid}.log"
     suffix = 1
     while log_file.exists():  # a pid reused since an earlier run that logged here
-        log_file = log_dir / f"worker-{index}-{process.pid}-{suffix}.log"
+        log_file = logs.path / f"worker-{rank}-{process.pid}-{suffix}.log"
         suffix += 1
     os.rename(starting, log_file)  # the worker keeps writing to it: renaming moves no data
-    return WorkerProcess(process, "?", log_file)
+    return WorkerProcess(process, "?", log_file, logs)
 
 
 def _stop_all(workers: Sequence[WorkerProcess]) -> None:
@@ -185,9 +276,9 @@ def _stop_all(workers: Sequence[WorkerProcess]) -> None:
 
 
 def _start_failure(
-    worker: WorkerProcess, index: int, line: str | None, code: int | None, timeout: float
+    worker: WorkerProcess, rank: int, line: str | None, code: int | None, timeout: float
 ) -> str:
-    """Why worker `index` gave no address, with the tail of its log (call once it is stopped).
+    """Why worker `rank` gave no address, with the tail of its log (call once it is stopped).
 
     `code` is its exit code if it exited by itself (negative: killed by that signal).
     """
@@ -197,9 +288,10 @@ def _start_failure(
         status = f"exited with code {code} before printing its address"
     else:
         status = f"printed no address within {timeout}s"
+    kept = f"; the workers' logs are kept in {worker.logs.path}" if worker.logs is not None else ""
     tail = log_tail(worker.log_file) if worker.log_file is not None else ""
     where = f"its log {worker.log_file}" if worker.log_file is not None else "no log"
-    return f"worker {index} {status}; {where}" + (f" ends with:\n{tail}" if tail else " is empty")
+    return f"worker {rank} {status}{kept}; {where}" + (f" ends with:\n{tail}" if tail else " is empty")
 
 
 def spawn_workers(
@@ -211,37 +303,44 @@ def spawn_workers(
     startup_timeout: float = 60.0,
     exit_with_parent: bool = True,
     python: str = sys.executable,
-    log_dir: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | WorkerLogs | None = None,
+    first_rank: int = 0,
+    world_size: int | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` workers on free ports (in parallel); return once all printed their address.
 
-    `env` adds variables to every worker, or one mapping per worker (e.g.
-    CUDA_VISIBLE_DEVICES). Workers import with this process's import path (see
-    `controller_import_path`) ahead of any PYTHONPATH they inherit. Each worker's output goes
-    to `worker-<i>-<pid>.log` in `log_dir` (created if missing; None: `$DISTBATCH_LOG_DIR` if
-    set, else a new temporary directory), see `WorkerProcess.log_file`. With `exit_with_parent`
-    a worker exits by itself when this process dies, even by SIGKILL, so no worker is orphaned.
-    If any worker fails to start, all are stopped and `WorkerUnavailableError` raised, quoting
-    the end of the failed worker's log.
+    Worker i runs with `--rank first_rank + i --world-size world_size` (default `count`): its
+    engine's `WorkerContext.rank` and `world_size`; `args` come after, so flags there win. `env`
+    adds variables to every worker, or one mapping per worker (e.g. CUDA_VISIBLE_DEVICES).
+    Workers import with this process's import path (see `controller_import_path`) ahead of any
+    PYTHONPATH they inherit. Each worker's output goes to `worker-<rank>-<pid>.log` in one
+    directory for all of them (`WorkerProcess.logs`, see `WorkerLogs`): `log_dir` if given
+    (never removed), else `$DISTBATCH_LOG_DIR` if set (never removed), else a new temporary
+    directory, removed once every worker stopped cleanly. With `exit_with_parent` a worker
+    exits by itself when this process dies, even by SIGKILL, so no worker is orphaned. If any
+    worker fails to start, all are stopped and `WorkerUnavailableError` raised, quoting the end
+    of the failed worker's log and naming the directory, which is kept.
     """
     if count < 1:
         raise ValueError(f"worker count must be >= 1, got {count}")
+    world_size = count if world_size is None else world_size
+    check_rank(first_rank, world_size, "first_rank")
+    check_rank(first_rank + count - 1, world_size, "the last worker's rank")
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * count
     if len(envs) != count:
         raise ValueError(f"{len(envs)} env mappings for {count} workers")
-    log_dir = log_dir if log_dir is not None else os.environ.get("DISTBATCH_LOG_DIR") or None
-    directory = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="distbatch-workers-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [python, "-m", "rpc_server", "--host", host, "--port", "0", *args]
-    if exit_with_parent:
-        command += ["--exit-with-parent", str(os.getpid())]
+    logs = log_dir if isinstance(log_dir, WorkerLogs) else WorkerLogs.open(log_dir)
+    own = ["--exit-with-parent", str(os.getpid())] if exit_with_parent else []
+    base = [python, "-m", "rpc_server", "--host", host, "--port", "0"]
+    ranks = range(first_rank, first_rank + count)
+    commands = [[*base, "--rank", str(r), "--world-size", str(world_size), *args, *own] for r in ranks]
     import_path = controller_import_path()
     workers: list[WorkerProcess] = []
     try:
-        for index, extra in enumerate(envs):
-            workers.append(_start(command, index, directory, _worker_env(extra, import_path)))
+        for rank, command, extra in zip(ranks, commands, envs):
+            workers.append(_start(command, rank, logs, _worker_env(extra, import_path)))
         deadline = time.monotonic() + startup_timeout
-        for index, worker in enumerate(workers):
+        for rank, command, worker in zip(ranks, commands, workers):
             line = _read_address(worker.process, deadline)
             try:
                 worker.node = validate_node(line)
@@ -250,12 +349,14 @@ def spawn_workers(
                     code: int | None = worker.process.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
                     code = None
+                logs.keep()
                 _stop_all(workers)
-                message = _start_failure(worker, index, line, code, startup_timeout)
+                message = _start_failure(worker, rank, line, code, startup_timeout)
                 raise WorkerUnavailableError(" ".join(command), message) from None
             if worker.process.stdout is not None:
                 worker.process.stdout.close()  # the address is all a worker writes there
     except BaseException:
+        logs.keep()
         _stop_all(workers)  # idempotent: stopping a stopped worker does nothing
         raise
     return workers
@@ -269,9 +370,12 @@ def spawn_worker(
     startup_timeout: float = 60.0,
     exit_with_parent: bool = True,
     python: str = sys.executable,
-    log_dir: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | WorkerLogs | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> WorkerProcess:
-    """Start one worker on a free port and return once it has printed its address."""
+    """Start one worker on a free port and return once it has printed its address (see
+    `spawn_workers`; `rank` and `world_size` are its place in a group started elsewhere)."""
     return spawn_workers(
         1,
         host=host,
@@ -281,4 +385,6 @@ def spawn_worker(
         exit_with_parent=exit_with_parent,
         python=python,
         log_dir=log_dir,
+        first_rank=rank,
+        world_size=world_size,
     )[0]

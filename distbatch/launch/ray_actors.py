@@ -20,8 +20,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from distbatch.errors import WorkerUnavailableError
-from distbatch.launch.flags import UNSET, check_flag_values, parse_flags
-from distbatch.launch.local import spawn_worker
+from distbatch.launch.flags import GROUP_OPTIONS, check_launcher_flags
+from distbatch.launch.local import LOG_DIR_PREFIX, WorkerLogs, spawn_worker
 
 STRATEGIES = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK"}
 DEFAULT_CPUS_PER_WORKER = 0.25  # a worker mostly waits on sockets; keeps 2+ workers on a 2-CPU node
@@ -104,13 +104,22 @@ class _WorkerActor:
 
     The child gets `env` on top of the actor's environment (Ray's `runtime_env` variables,
     CUDA_VISIBLE_DEVICES, ...) and imports with the actor's import path, as local workers do
-    with the controller's. Its output goes to a log file on this node (`log_file()`: in
-    `$DISTBATCH_LOG_DIR` when `env` or the actor's environment sets it, else a temporary
-    directory). It exits with the actor, even when the actor is killed (`--exit-with-parent`).
+    with the controller's. It is rank `rank` of `world_size`. Its output goes to a log file on
+    this node (`log_file()`): in `$DISTBATCH_LOG_DIR` when `env` or the actor's environment sets
+    it, else in the temporary directory's `log_name`, which the group's workers on this node
+    share and which goes once they all stopped cleanly (see `WorkerLogs`). It exits with the
+    actor, even when the actor is killed (`--exit-with-parent`).
     """
 
     def __init__(
-        self, engine: str | None, env: Mapping[str, str], flags: Sequence[str], startup_timeout: float
+        self,
+        engine: str | None,
+        env: Mapping[str, str],
+        flags: Sequence[str],
+        startup_timeout: float,
+        rank: int = 0,
+        world_size: int = 1,
+        log_name: str | None = None,
     ) -> None:
         try:
             self.worker = spawn_worker(
@@ -118,7 +127,9 @@ class _WorkerActor:
                 args=[*flags, *(["--engine", engine] if engine else [])],
                 env=env,
                 startup_timeout=startup_timeout,
-                log_dir=env.get("DISTBATCH_LOG_DIR") or None,
+                log_dir=WorkerLogs.open(env.get("DISTBATCH_LOG_DIR") or None, shared_name=log_name),
+                rank=rank,
+                world_size=world_size,
             )
         except WorkerUnavailableError as exc:
             # Ray pickles a creation error to the driver, and this one's constructor does not
@@ -198,25 +209,23 @@ class RayWorkers:
         self.actors = []
 
 
-PLACEMENT_OPTIONS = ("host", "port", "address_file", "exit_with_parent")  # Ray's to decide
+# The flags Ray placement decides (argparse dest -> why), besides those any group decides.
+PLACEMENT_OPTIONS = dict.fromkeys(
+    ("host", "port", "address_file", "exit_with_parent"),
+    "does not apply to Ray workers: each binds its node's address on a free port",
+)
 
 
 def check_ray_worker_flags(flags: Sequence[str]) -> None:
-    """ValueError for worker flags that are bad, or that Ray placement decides instead."""
-    args = parse_flags(flags, unset=PLACEMENT_OPTIONS)  # argparse's abbreviations included
-    given = [name for name in PLACEMENT_OPTIONS if getattr(args, name) is not UNSET]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise ValueError(
-            f"{flag} does not apply to Ray workers: each binds its node's address on a free port"
-        )
-    check_flag_values(args)
+    """ValueError for worker flags that are bad, or that Ray placement or the group decides instead."""
+    check_launcher_flags(flags, {**PLACEMENT_OPTIONS, **GROUP_OPTIONS})
 
 
 def start_ray_workers(
     n: int,
     engine: str | None = None,
     *,
+    engine_flags: Sequence[str] = (),
     env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
     placement: str = "spread",
     resources: Mapping[str, float] | None = None,
@@ -229,8 +238,9 @@ def start_ray_workers(
 
     Placed by a placement group with `placement`'s strategy, or, with `node_ids` (one Ray
     node ID per worker), pinned to those nodes by hard node affinity. `args` are the store
-    flags of `python -m rpc_server` (`--max-bytes`, `--max-idle-seconds`, ...), checked here.
-    `runtime_env` is Ray's, per actor (env_vars, pip, container, ...).
+    flags of `python -m rpc_server` (`--max-bytes`, `--max-idle-seconds`, ...), checked here;
+    `engine_flags` (`--engine-kwargs JSON`, checked by the caller) go to every worker too. Worker
+    i is rank i of `n`. `runtime_env` is Ray's, per actor (env_vars, pip, container, ...).
     """
     check_ray_worker_flags(args)
     envs = _checked_placement(n, env, placement, node_ids)
@@ -245,9 +255,11 @@ def start_ray_workers(
             _wait_placed(group, n, bundle, placement, startup_timeout)
         options = _actor_options(bundle, runtime_env)
         actor_class = ray.remote(_WorkerActor)
-        for extra, strategy in zip(envs, strategies):
+        log_name = LOG_DIR_PREFIX + secrets.token_hex(6)  # the group's log directory on each node
+        flags = [*args, *engine_flags]
+        for rank, (extra, strategy) in enumerate(zip(envs, strategies)):
             actor = actor_class.options(**options, scheduling_strategy=strategy)
-            actors.append(actor.remote(engine, dict(extra), list(args), startup_timeout))
+            actors.append(actor.remote(engine, dict(extra), flags, startup_timeout, rank, n, log_name))
         workers.nodes = _wait_serving(actors, startup_timeout)
     except BaseException:
         workers.stop(timeout=1.0)

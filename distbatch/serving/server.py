@@ -654,8 +654,9 @@ class HttpServer:
     those are busy and refuse anything else with 503 `busy`, so a busy server never
     looks dead to a liveness probe.
 
-    The app may register `extensions["on_bound"](node)` to learn its address
-    and `extensions["on_close"]()` to release resources at shutdown.
+    The app may register `extensions["on_bound"](node)` to learn its address (what it raises,
+    the constructor raises, with the socket closed) and `extensions["on_close"]()` to release
+    resources at shutdown.
     """
 
     def __init__(
@@ -689,7 +690,11 @@ class HttpServer:
         app.extensions["connections"] = self._server.connection_counts  # see `connection_gauges`
         on_bound = app.extensions.get("on_bound")
         if on_bound is not None:
-            on_bound(self.node)
+            try:
+                on_bound(self.node)
+            except BaseException:
+                self._server.server_close()  # nobody will serve or close it
+                raise
         self._on_close = app.extensions.get("on_close")
         self._thread: threading.Thread | None = None
 

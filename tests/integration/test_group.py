@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from engines_for_tests import ECHO, ENGINES_ENV
+from process_support import children
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, WorkerUnavailableError
 
@@ -119,8 +120,14 @@ def test_local_starts_distinct_workers(group: WorkerGroup, module_client: ShardC
     for process in group.processes:
         assert process.alive() and pid_alive(process.pid)
         assert process.node.startswith("127.0.0.1:")
-    for node in group.nodes:
-        assert module_client.health(node) == {"status": "ok", "node": node, "engine": "EchoEngine"}
+    for rank, node in enumerate(group.nodes):
+        assert module_client.health(node) == {
+            "status": "ok",
+            "node": node,
+            "engine": "EchoEngine",
+            "rank": rank,
+            "world_size": 2,
+        }
     assert [w["pid"] for w in group.call_all("whoami")] == [p.pid for p in group.processes]
     assert repr(group) == f"WorkerGroup({group.nodes})"
 
@@ -253,25 +260,13 @@ def test_exception_inside_with_block_stops_processes() -> None:
 
 
 def test_failed_start_leaves_no_process() -> None:
-    before = set(_children())
-    with pytest.raises(WorkerUnavailableError):
+    before = children(zombies=False)
+    with pytest.raises(WorkerUnavailableError, match="no GPU for this rank"):
+        WorkerGroup.local(2, "engines_for_tests:BrokenEngine", env=ENGINES_ENV)
+    assert wait_gone(sorted(children(zombies=False) - before), 2.0) == []
+    with pytest.raises(ValueError, match="bad worker flag"):  # refused before anything starts
         WorkerGroup.local(2, args=["--port", "not-a-port"])
-    assert wait_gone(sorted(set(_children()) - before), 2.0) == []
-
-
-def _children() -> list[int]:
-    """Pids of this process's live children (from /proc)."""
-    me = os.getpid()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == me and fields[0] not in ("Z", "X"):
-                out.append(int(entry.name))
-    return out
+    assert children(zombies=False) == before
 
 
 CONTROLLER_SLEEPS = """

@@ -13,12 +13,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from process_support import children
 
 from distbatch import WorkerGroup
 from distbatch.calls import encode_call
@@ -97,21 +99,6 @@ def chatty_group(engine_dir: Path, tmp_path: Path) -> Iterator[WorkerGroup]:
     )
     yield group
     group.shutdown()
-
-
-def children() -> set[int]:
-    """Pids of this process's child processes (zombies included: a child not waited for counts)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-            found.add(int(entry))
-    return found
 
 
 def wait_for_text(path: Path, text: str, timeout: float = 10.0) -> str:
@@ -238,6 +225,63 @@ def test_default_log_dir_is_a_fresh_temporary_directory(
     assert log.is_file()
     log.unlink()
     log.parent.rmdir()  # it held nothing else
+
+
+# --------------------------------------------------------------------------- the group's log directory
+
+
+@pytest.fixture
+def temp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No $DISTBATCH_LOG_DIR, and a temporary directory of the test's own, where a group's log
+    directory is made."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.delenv("DISTBATCH_LOG_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def test_a_group_logs_into_one_directory_removed_when_it_stops_cleanly(temp_root: Path) -> None:
+    group = WorkerGroup.local(2, env=NO_TOKEN)
+    (log_dir,) = temp_root.iterdir()  # one directory for the group, not one per worker
+    assert log_dir.name.startswith("distbatch-workers-") and group.log_dir == log_dir
+    pids = [p.pid for p in group.processes]
+    assert sorted(log_dir.iterdir()) == sorted(group.log_files)
+    assert [f.name for f in group.log_files] == [f"worker-{i}-{pid}.log" for i, pid in enumerate(pids)]
+    group.shutdown()
+    assert list(temp_root.iterdir()) == []  # nothing piles up run after run
+
+
+def test_a_failed_start_keeps_the_group_log_directory_and_names_it(temp_root: Path) -> None:
+    with pytest.raises(WorkerUnavailableError) as raised:
+        WorkerGroup.local(2, "engines_for_tests:BrokenEngine", env=NO_TOKEN)
+    (log_dir,) = temp_root.iterdir()
+    message = str(raised.value)
+    assert f"the workers' logs are kept in {log_dir};" in message
+    assert "RuntimeError: rank 0 of 2: no GPU for this rank" in message  # the log's tail
+    logs = sorted(log_dir.glob("worker-*.log"))
+    assert [p.name.split("-")[1] for p in logs] == ["0", "1"]  # every worker's log, not only the failed one
+    assert "no GPU for this rank" in logs[0].read_text()
+
+
+def test_a_worker_that_crashed_keeps_the_logs_and_the_error_names_its_file(temp_root: Path) -> None:
+    group = WorkerGroup.local(2, "engines_for_tests:EchoEngine", env=NO_TOKEN)
+    try:
+        crashed = group.processes[1]
+        crashed.kill()
+        with pytest.raises(WorkerUnavailableError, match="exited with code -9; its log, kept: ") as raised:
+            group.call_all("whoami")
+        assert str(crashed.log_file) in str(raised.value)
+    finally:
+        group.shutdown()
+    assert group.log_dir is not None and sorted(group.log_dir.iterdir()) == sorted(group.log_files)
+
+
+def test_a_given_log_dir_is_never_removed(tmp_path: Path) -> None:
+    mine = tmp_path / "my-logs"
+    with WorkerGroup.local(2, env=NO_TOKEN, log_dir=mine) as group:
+        assert group.log_dir == mine
+    assert sorted(mine.iterdir()) == sorted(group.log_files) and len(group.log_files) == 2
 
 
 def test_distbatch_log_dir_sets_the_default(

@@ -522,7 +522,8 @@ def test_shutdown_answers_waiting_and_new_calls_503(caplog: pytest.LogCaptureFix
     (no 500 with an ERROR traceback); the running call still completes."""
     from rpc_server.app import ServerConfig, create_app
 
-    app = create_app(ServerConfig(engine=ENGINE, token=None))
+    # Served through the test client, never bound: the node is given, so the engine is built at once.
+    app = create_app(ServerConfig(engine=ENGINE, token=None, node="127.0.0.1:9"))
 
     def post(seconds: float, call_id: str | None = None) -> Any:
         headers = {CALL_ID_HEADER: call_id} if call_id else {}

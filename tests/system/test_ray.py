@@ -44,9 +44,12 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
+KWARGS = {"launcher": "ray", "sizes": [1, 2]}
+
+
 @pytest.fixture(scope="module")
 def group() -> Iterator[WorkerGroup]:
-    with WorkerGroup.ray(2, ECHO, env=ENV) as g:
+    with WorkerGroup.ray(2, ECHO, env=ENV, engine_kwargs=KWARGS) as g:
         yield g
 
 
@@ -76,6 +79,19 @@ def test_ray_workers_are_distinct_actors_serving_http(group: WorkerGroup) -> Non
     pids = ray.get([a.pid.remote() for a in ray_workers(group).actors])
     assert [w["pid"] for w in who] == pids
     assert os.getpid() not in pids
+
+
+def test_ray_workers_know_rank_world_size_node_and_kwargs_in_the_constructor(group: WorkerGroup) -> None:
+    assert group.call_all("identity") == [
+        {"node": node, "rank": rank, "world_size": 2, "config": KWARGS}
+        for rank, node in enumerate(group.nodes)
+    ]
+
+
+def test_ray_workers_share_one_log_directory_per_node(group: WorkerGroup) -> None:
+    files = [Path(f) for f in ray.get([a.log_file.remote() for a in ray_workers(group).actors])]
+    assert [f.name.split("-")[1] for f in files] == ["0", "1"]  # named by rank
+    assert files[0].parent == files[1].parent  # one node: one directory for the group
 
 
 def test_call_and_call_all(group: WorkerGroup) -> None:
@@ -154,6 +170,8 @@ def test_runtime_env_reaches_the_engine() -> None:
         (["--max-bytes", "lots"], "'lots' is not a size"),
         (["--max-idle-seconds", "0"], "must be > 0"),
         (["--no-such-flag"], "unknown worker flags"),
+        (["--rank", "1"], "--rank is the group's to set"),
+        (["--engine-kwargs", "{}"], "pass engine_kwargs= to the group"),
     ],
 )
 def test_bad_store_flags_are_refused_before_any_actor_starts(flags: list[str], message: str) -> None:
