@@ -35,10 +35,11 @@ from rpc_server.store.shards import Shards
 from rpc_server.store.stages import StageBook, StagedPart
 from rpc_server.store.sweeper import StageSweeper, sweep_interval
 
-# Put generations start at a random point below this, so a worker restarted at the same address
-# (almost surely) never gives a put the generation an old batch handle names; ten digits at most,
-# since every batch's metadata carries them.
-GENERATION_START_BOUND = 1 << 32
+# Put generations start at a random point in this range, so a worker restarted at the same address
+# (almost surely) never gives a put the generation an old batch handle names. Ten digits, however
+# drawn (every batch's metadata and every gather request carries them, so their width sets bytes
+# on the wire: two runs of one job move the same bytes).
+GENERATION_START = (10**9, 4 * 10**9)
 
 # A same-host fetch looks again this often when the rows it moves into shared memory change meanwhile.
 SHARE_ATTEMPTS = 3
@@ -88,7 +89,8 @@ class ShardStore:
         )
         self._evicted_shards = 0
         self._evicted_bytes = 0
-        self._last_generation = secrets.randbelow(GENERATION_START_BOUND)
+        low, high = GENERATION_START
+        self._last_generation = low + secrets.randbelow(high - low)
 
     def _next_generation(self) -> int:
         """A new put's generation (caller holds the lock)."""
