@@ -88,7 +88,10 @@ class WorkerContext:
     """
 
     store: ShardStore
+    """The worker's own `ShardStore`: what its engine calls' results are stored in."""
     config: Any
+    """The worker's `rpc_server.config.ServerConfig`: the flags it was started with (`engine`,
+    `engine_kwargs`, `rank`, `world_size`, `max_bytes`, ...)."""
 
     @property
     def node(self) -> str:
