@@ -34,7 +34,7 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
             name: {
                 "dtype": c.dtype,
                 "ragged": c.ragged,
-                "rows": [[i, c.node[i], list(c.shape[i])] for i in sorted(c.node)],
+                "rows": [[i, c.node[i], list(c.shape[i]), c.generation.get(i, 0)] for i in sorted(c.node)],
             }
             for name, c in p.columns.items()
         },
@@ -104,11 +104,17 @@ def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
     if not isinstance(ragged, bool):
         raise ValueError(f"field {name!r}: 'ragged' must be true or false")
     column.ragged = ragged
-    for i, n, shape in col["rows"]:
+    for row in col["rows"]:
+        # [index, node, shape] or, since generations are kept, [index, node, shape, generation]
+        if not isinstance(row, list) or len(row) not in (3, 4):
+            raise ValueError(f"field {name!r}: a row must be [index, node, shape(, generation)]")
+        i, n, shape = row[:3]
         if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
             raise ValueError(f"field {name!r} names unknown task index {i} or node {n}")
         column.node[i] = n
         column.shape[i] = tuple(_count(d) for d in shape)
+        if len(row) == 4 and _count(row[3]):
+            column.generation[i] = row[3]
     shapes = set(column.shape.values())
     if dtype is not None and not ragged and shapes:  # a fixed field's shape, for later puts to match
         column.ragged = len(shapes) > 1

@@ -37,6 +37,9 @@ class Column:
     dtype: str | None
     node: dict[int, int] = field(default_factory=dict)
     shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # The generation of the put that stored each task's value (absent: not known), so batches
+    # handed out by `get_meta` refuse values a later put of the same ids replaced.
+    generation: dict[int, int] = field(default_factory=dict)
     ragged: bool = False
     fixed_shape: tuple[int, ...] | None = None
 
@@ -169,6 +172,11 @@ class Partition:
             for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
                 column.node[row] = local_nodes[node]
                 column.shape[row] = shape
+            if fm.generations is not None:
+                column.generation.update(zip(rows, fm.generations.tolist()))
+            else:
+                for row in rows:
+                    column.generation.pop(row, None)
 
     def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
         """Indexes that have every field produced and are not consumed by `task_name`."""
@@ -220,7 +228,9 @@ class Partition:
                 node_list.append(node_map[n])
             shapes = RowShapes.from_list([column.shape[i] for i in indexes])
             node_array = np.asarray(node_list, dtype=NODE_INDEX)
-            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged)
+            known = column.generation
+            gens = np.fromiter((known.get(i, 0) for i in indexes), np.int64, len(indexes)) if known else None
+            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged, gens)
         return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
 
     def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:
@@ -249,6 +259,7 @@ class Partition:
             if i is not None and column is not None and column.node.get(i) == n:
                 del column.node[i]
                 column.shape.pop(i, None)
+                column.generation.pop(i, None)
 
     def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
         for i in indexes:
@@ -268,6 +279,7 @@ class Partition:
             for column in self.columns.values():
                 column.node.pop(i, None)
                 column.shape.pop(i, None)
+                column.generation.pop(i, None)
             for consumed in self.consumed.values():
                 consumed.discard(i)
 

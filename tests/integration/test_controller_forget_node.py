@@ -125,7 +125,7 @@ def test_forget_node_drops_a_dead_workers_tasks_from_every_partition(
     assert task_ids_in(state, "p") == set(layout.on_live) and task_ids_in(state, "q") == set()
     dead_index = state["partitions"]["p"]["nodes"].index(dead.node)
     rows = [row for column in state["partitions"]["p"]["columns"].values() for row in column["rows"]]
-    assert rows and all(n != dead_index for _, n, _ in rows)
+    assert rows and all(n != dead_index for _, n, *_ in rows)
     restored = Controller(client=quick)
     restored.load_checkpoint(path)
     assert restored.state_dict() == state

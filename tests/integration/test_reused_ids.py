@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from distbatch import (
     ClearError,
+    Controller,
     DistributedBatchMemory,
     ShardClient,
     ShardsReplacedError,
@@ -177,3 +179,32 @@ def test_bad_generations_are_a_400_that_changes_nothing(
     assert client.stats(worker.node)["shards"] == 2
     assert torch.equal(stored.to_local()["x"], torch.ones(2, 3))
     stored.clear()
+
+
+def test_batches_the_controller_hands_out_name_their_generations(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """`get_meta` answers carry the generations the puts reported, also after a checkpoint; a
+    task whose field is put again (same worker) is refused through an earlier answer."""
+    node = start_worker().node
+    with ShardClient(timeout=20.0) as client:
+        ids = ["c0", "c1", "c2"]
+        controller = Controller()
+        controller.put("p", batch(ids, 1.0).to_remote(node, client))
+        handed = controller.get_meta("p", "train", ["x"], 3)
+        assert handed.meta.fields["x"].generations is not None
+        assert torch.equal(DBM.from_meta(handed.meta, client).to_local()["x"], torch.ones(3, 3))
+
+        restored = Controller()
+        restored.load_checkpoint(controller.save_checkpoint(tmp_path / "ctl.json"))
+        again = restored.get_meta("p", "critic", ["x"], 3)
+        assert again.meta == handed.meta
+
+        replaced = batch(ids, 2.0).to_remote(node, client)
+        controller.put("p", replaced)
+        controller.reset_consumption("p", "train")
+        fresh = controller.get_meta("p", "train", ["x"], 3)
+        assert torch.equal(DBM.from_meta(fresh.meta, client).to_local()["x"], torch.full((3, 3), 2.0))
+        with pytest.raises(ShardsReplacedError):
+            DBM.from_meta(handed.meta, client).to_local()
+        replaced.clear()
