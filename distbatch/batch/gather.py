@@ -20,9 +20,9 @@ import torch
 
 from distbatch import wire
 from distbatch.batch.columns import Column, pack_rows
-from distbatch.batch.meta import BatchMeta
+from distbatch.batch.meta import BatchMeta, pick
 from distbatch.batch.ragged import RaggedViews
-from distbatch.client.planning import Product
+from distbatch.client.planning import Product, cut_points
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError
 from distbatch.gc_pause import paused_gc
@@ -170,6 +170,26 @@ class FetchPlan:
     names: list[str]
     requests: list[Product]
     placed: list[np.ndarray]
+
+
+def plan_fetch(meta: BatchMeta, names: Sequence[str], client: ShardClient) -> FetchPlan | None:
+    """The requests that gather `names` (per node and field set, cut to the client's bounds)
+    and the batch rows each covers; None when there is nothing to fetch."""
+    if not names:
+        return None
+    requests: list[Product] = []
+    placed: list[np.ndarray] = []  # the batch rows each request covers
+    for node, products in meta.plan(list(names)).items():
+        max_bytes = client.request_bytes_bound(node)
+        for rows, fields in products:
+            per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
+            cuts = cut_points(per_task, max_bytes, client.max_keys_per_request)
+            for a, b in zip(cuts, cuts[1:]):
+                chunk = rows[a:b]
+                gens = meta.fields[fields[0]].generations_at(chunk)
+                requests.append((node, pick(meta.task_ids, chunk), fields, gens))
+                placed.append(chunk)
+    return FetchPlan(meta, list(names), requests, placed)
 
 
 async def fetch(

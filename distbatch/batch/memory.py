@@ -43,12 +43,12 @@ from distbatch.batch.columns import (
     to_column,
     to_device,
 )
-from distbatch.batch.gather import FetchPlan, Gathered, fetch
+from distbatch.batch.gather import Gathered, fetch, plan_fetch
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
 from distbatch.batch.ragged import nested_of_packed
 from distbatch.batch.remote import FieldCache, RemoteColumns
 from distbatch.client.default import default_client
-from distbatch.client.planning import DeleteProduct, Product, cut_points
+from distbatch.client.planning import DeleteProduct
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, ClearError, MetaFormatError, NodeError
@@ -641,30 +641,10 @@ async def _gather(
 ) -> dict[str, Gathered]:
     """Fetch whole fields of `remote` from the workers, nodes concurrently."""
     client = remote.client or default_client()
-    plan = _fetch_plan(remote.meta, names, client)
+    plan = plan_fetch(remote.meta, names, client)
     if plan is None:
         return {}
     return await fetch(twin, client, plan, progress_min_bytes)
-
-
-def _fetch_plan(meta: BatchMeta, names: Sequence[str], client: ShardClient) -> FetchPlan | None:
-    """The requests that gather `names` (per node and field set, cut to the client's bounds)
-    and the batch rows each covers; None when there is nothing to fetch."""
-    if not names:
-        return None
-    requests: list[Product] = []
-    placed: list[np.ndarray] = []  # the batch rows each request covers
-    for node, products in meta.plan(list(names)).items():
-        max_bytes = client.request_bytes_bound(node)
-        for rows, fields in products:
-            per_task = sum(meta.fields[f].row_nbytes()[rows] for f in fields)
-            cuts = cut_points(per_task, max_bytes, client.max_keys_per_request)
-            for a, b in zip(cuts, cuts[1:]):
-                chunk = rows[a:b]
-                gens = meta.fields[fields[0]].generations_at(chunk)
-                requests.append((node, pick(meta.task_ids, chunk), fields, gens))
-                placed.append(chunk)
-    return FetchPlan(meta, list(names), requests, placed)
 
 
 def _cleared(

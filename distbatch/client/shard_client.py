@@ -63,6 +63,7 @@ class ShardClient:
         recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.recv_pool`), so a
             gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
+        same_host: False keeps this client on HTTP even to workers on its host.
 
     Workers on this host are reached through shared memory instead of HTTP when they allow it
     (`distbatch.client.same_host`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.
@@ -82,6 +83,7 @@ class ShardClient:
         backoff: float = 0.05,
         backoff_max: float = 2.0,
         recv_pool_bytes: int | None = None,
+        same_host: bool = True,
     ) -> None:
         if min(max_connections, max_connections_per_node, max_keys_per_request, max_bytes_per_request) < 1:
             raise ValueError("connection and request limits must be >= 1")
@@ -107,9 +109,8 @@ class ShardClient:
         weakref.finalize(self, self._runtimes.close)  # a client dropped unclosed stops its thread
         policy = RequestPolicy(self.token, timeout, connect_timeout, retries, backoff, backoff_max)
         self._transport = HttpTransport(policy, self._runtimes, self._traffic, self._recv_pool.take)
-        self._path = SameHostShardPath(
-            HttpShardPath(self._transport, max_bytes_per_request, max_keys_per_request)
-        )
+        http = HttpShardPath(self._transport, max_bytes_per_request, max_keys_per_request)
+        self._path: HttpShardPath | SameHostShardPath = SameHostShardPath(http) if same_host else http
         self._gather = Gatherer(self._path, max_bytes_per_request, max_keys_per_request)
         self._deletes = Deleter(self._transport, max_keys_per_request)
         self._engine_calls = EngineCalls(self._transport)

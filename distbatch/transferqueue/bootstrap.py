@@ -1,0 +1,70 @@
+"""What `tq.init` runs once, in the process that creates TransferQueue's controller: check
+`backend.Distbatch`, then start distbatch workers (Ray actors, one per node unless told how
+many) or check the given ones, and write their addresses into the config every other process
+receives.
+
+`tq.close()` does not stop a backend from outside TransferQueue, so the workers this process
+started are kept in `STARTED` until `distbatch.transferqueue.close()` (or interpreter exit,
+through the group's finaliser) stops them. That registry is process state because TransferQueue
+keeps its own the same way (a module global per process); it holds nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
+
+from distbatch.launch.group import WorkerGroup
+from distbatch.transferqueue.manager import BACKEND_NAME, plain_config
+from distbatch.transferqueue.options import BackendOptions
+
+
+class StartedWorkers:
+    """The worker groups this process started for TransferQueue, stopped together by `stop_all`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: list[WorkerGroup] = []
+
+    def add(self, group: WorkerGroup) -> None:
+        with self._lock:
+            self._groups.append(group)
+
+    def stop_all(self) -> int:
+        """Stop every group; returns how many workers were stopped."""
+        with self._lock:
+            groups, self._groups = self._groups, []
+        for group in groups:
+            group.shutdown()
+        return sum(len(g.nodes) for g in groups)
+
+
+STARTED = StartedWorkers()
+
+
+@StorageBootstrapProvider.register_provider(BACKEND_NAME)
+def bootstrap(conf: DictConfig) -> dict[str, Any]:
+    """TransferQueue's storage bootstrap for "Distbatch" (see the module's docstring)."""
+    options = BackendOptions.from_config(plain_config(conf.backend.get(BACKEND_NAME)))
+    if options.endpoints:
+        group = WorkerGroup.connect(list(options.endpoints))  # checks that each one answers
+        started = False
+    else:
+        group = _start_workers(options)
+        STARTED.add(group)
+        started = True
+    decided = BackendOptions(**{**options.as_config(), "endpoints": tuple(group.nodes)})
+    conf.backend[BACKEND_NAME] = OmegaConf.create(decided.as_config())
+    return {"endpoints": list(group.nodes), "started": started}
+
+
+def _start_workers(options: BackendOptions) -> WorkerGroup:
+    import ray
+
+    count = options.workers or max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+    args = [] if options.capacity is None else ["--max-bytes", str(options.capacity)]
+    env = None if options.token is None else {"DISTBATCH_TOKEN": options.token}
+    return WorkerGroup.ray(count, args=args, env=env, placement="spread")

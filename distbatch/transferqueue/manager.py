@@ -1,0 +1,206 @@
+"""The storage manager TransferQueue builds in every process that puts or gets: our data path.
+
+A put of a TensorDict is one bundle to this process's home worker (on its host when there is
+one, so the same-host path applies): every field a column, never a request per sample. Where
+each sample's field went (worker, put generation) travels as TransferQueue's per-sample backend
+metadata, which its controller hands back with every *BatchMeta*; a get is then one product
+fetch per worker, straight from the workers that hold the data, and a clear deletes by
+TransferQueue's global indexes on those workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+from transfer_queue.metadata import BatchMeta as TQBatchMeta
+from transfer_queue.metadata import extract_field_schema
+from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
+
+from distbatch import wire
+from distbatch.batch.gather import fetch, plan_fetch
+from distbatch.batch.memory import DistributedBatchMemory
+from distbatch.batch.meta import BatchMeta, FieldMeta
+from distbatch.client.results import DeleteResult
+from distbatch.client.shard_client import ShardClient
+from distbatch.errors import ClearError, NodeError
+from distbatch.transferqueue.layout import columns_of, task_ids, tensordict_of
+from distbatch.transferqueue.options import BackendOptions
+from distbatch.twins import AWAITED
+from distbatch.wire.shapes import RowShapes
+
+BACKEND_NAME = "Distbatch"
+# A gather never shows a progress bar here: TransferQueue's callers are programs, not people.
+NO_PROGRESS_BAR = 1 << 62
+
+
+def local_addresses() -> set[str]:
+    """The addresses this host answers on (loopback and its hostname's), to find a home worker."""
+    names = {"127.0.0.1", "localhost", "::1"}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return names
+
+
+def home_worker(endpoints: Sequence[str], here: set[str], pid: int) -> str:
+    """The worker this process puts to: one on its host (spread over them by process id), else
+    any (by process id), so puts from many processes spread over the workers."""
+    local = [e for e in endpoints if e.rsplit(":", 1)[0].strip("[]") in here]
+    pool = local or list(endpoints)
+    return pool[pid % len(pool)]
+
+
+@StorageManagerFactory.register(BACKEND_NAME)
+class DistbatchStorageManager(StorageManager):
+    """TransferQueue's *StorageManager* over distbatch workers (see the module's docstring)."""
+
+    def __init__(self, controller_info: Any, config: DictConfig, zmq_context: Any = None) -> None:
+        options = BackendOptions.from_config(plain_config(config))
+        if not options.endpoints:
+            raise ValueError(
+                "backend.Distbatch has no endpoints: tq.init starts the workers and writes them there; "
+                "import distbatch.transferqueue before tq.init (it registers the bootstrap)"
+            )
+        super().__init__(controller_info, config, zmq_context)
+        self.options = options
+        self.client = ShardClient(token=options.token, timeout=options.timeout, same_host=options.same_host)
+        self.home = home_worker(options.endpoints, local_addresses(), os.getpid())
+
+    # ------------------------------------------------------------------ put
+
+    async def put_data(
+        self, data: TensorDict, metadata: TQBatchMeta, data_parser: Callable[[Any], Any] | None = None
+    ) -> None:
+        """Store `data` (one row per sample of `metadata`) on the home worker as one bundle, then
+        tell TransferQueue's controller the fields, shapes and where they went."""
+        if data_parser is not None:
+            raise NotImplementedError("backend Distbatch does not take a data_parser")
+        size = len(metadata.global_indexes)
+        if size == 0 or not len(data.keys()):
+            return
+        if data.batch_size[0] != size:
+            raise ValueError(f"{data.batch_size[0]} rows of data for {size} samples")
+        global_indexes = list(metadata.global_indexes)
+        ids = task_ids(global_indexes)
+        batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
+        bundle, _ = batch.export_bundle(self.home)
+        stored = await self.client.aput_bundle(self.home, bundle)
+        moved = _moved_fields(metadata, list(batch.fields), self.home)
+        location = [self.home, stored.generation]
+        where = {gi: dict.fromkeys(batch.fields, location) for gi in global_indexes}
+        partition = metadata.partition_ids[0]
+        await self.notify_data_update(partition, global_indexes, extract_field_schema(data), where)
+        if moved:  # the same fields, put before from another process's home: drop those copies
+            await self.client.adelete_products_each(
+                {node: [(task_ids(gis), fields)] for node, (gis, fields) in moved.items()}
+            )
+
+    # ------------------------------------------------------------------ get
+
+    async def get_data(self, metadata: TQBatchMeta) -> TensorDict:
+        """Every field of `metadata`'s samples, gathered from the workers that hold them (one
+        product per worker and put), in TransferQueue's layout."""
+        names = list(metadata.field_names)
+        size = len(metadata.global_indexes)
+        if size == 0 or not names:
+            return TensorDict({}, batch_size=size)
+        meta = _batch_meta(metadata, names)
+        plan = plan_fetch(meta, names, self.client)
+        assert plan is not None  # names is not empty
+        gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
+        return tensordict_of(gathered, names, size)
+
+    # ------------------------------------------------------------------ clear
+
+    async def clear_data(self, metadata: TQBatchMeta) -> None:
+        """Delete every field of `metadata`'s samples wherever it is (idempotent)."""
+        global_indexes = list(metadata.global_indexes)
+        if not global_indexes:
+            return
+        nodes = sorted(_nodes_holding(metadata) or set(self.options.endpoints))
+        ids = task_ids(global_indexes)
+        results = await asyncio.gather(
+            *(self.client.adelete(node, task_ids=ids) for node in nodes), return_exceptions=True
+        )
+        outcome = dict(zip(nodes, results))
+        failed = {node: r for node, r in outcome.items() if isinstance(r, NodeError)}
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NodeError)]
+        if errors:
+            raise errors[0]
+        if failed:
+            deleted = {node: r.deleted for node, r in outcome.items() if isinstance(r, DeleteResult)}
+            raise ClearError(failed, sum(deleted.values()), {}, deleted_by_node=deleted)
+
+    def close(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+        super().close()
+
+
+def plain_config(config: Any) -> dict[str, Any]:
+    """A config section (a *DictConfig*, a mapping or None) as a plain dict."""
+    if isinstance(config, DictConfig):
+        return dict(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
+    return dict(config or {})
+
+
+def _locations(metadata: TQBatchMeta) -> list[dict[str, Any]]:
+    return list(getattr(metadata, "_custom_backend_meta", None) or [{} for _ in metadata.global_indexes])
+
+
+def _batch_meta(metadata: TQBatchMeta, names: list[str]) -> BatchMeta:
+    """Our metadata for TransferQueue's samples: per field, the worker and put generation each
+    sample's value came from (its backend metadata), and the dtype; shapes are not needed to
+    gather (each answer carries its own), so every sample counts as one element for planning."""
+    locations = _locations(metadata)
+    n = len(locations)
+    nodes: dict[str, int] = {}
+    fields: dict[str, FieldMeta] = {}
+    for name in names:
+        node_index = np.empty(n, dtype=np.int32)
+        generations = np.empty(n, dtype=np.int64)
+        for i, where in enumerate(locations):
+            location = where.get(name)
+            if location is None:
+                raise KeyError(f"sample {metadata.global_indexes[i]} has no Distbatch location for {name!r}")
+            node_index[i] = nodes.setdefault(location[0], len(nodes))
+            generations[i] = location[1]
+        schema = metadata.field_schema.get(name, {})
+        dtype = (
+            None
+            if schema.get("is_non_tensor") or schema.get("dtype") is None
+            else wire.dtype_name(schema["dtype"])
+        )
+        fields[name] = FieldMeta(dtype, node_index, RowShapes.uniform(n, ()), False, generations)
+    return BatchMeta(task_ids(list(metadata.global_indexes)), list(nodes), fields)
+
+
+def _nodes_holding(metadata: TQBatchMeta) -> set[str]:
+    return {location[0] for where in _locations(metadata) for location in where.values() if location}
+
+
+def _moved_fields(
+    metadata: TQBatchMeta, fields: list[str], home: str
+) -> dict[str, tuple[list[int], list[str]]]:
+    """Fields this put replaces that an earlier put left on another worker: per worker, the
+    samples and fields to delete there."""
+    out: dict[str, tuple[list[int], list[str]]] = {}
+    for gi, where in zip(metadata.global_indexes, _locations(metadata)):
+        for name in fields:
+            location = where.get(name)
+            if location and location[0] != home:
+                gis, names = out.setdefault(location[0], ([], []))
+                if not gis or gis[-1] != gi:
+                    gis.append(gi)
+                if name not in names:
+                    names.append(name)
+    return out
