@@ -149,6 +149,13 @@ def bench_peers(
     else:
         log = out_dir / f"transferqueue-{name}.log"
         out["transferqueue"] = transferqueue.run(name, seed, repeats, workers, timeout, log)
+        # The same API with distbatch as TransferQueue's storage backend, over HTTP and same host.
+        for key, same in (("tq_distbatch_http", False), ("tq_distbatch_same_host", True)):
+            bar.set_postfix_str(f"{name} TransferQueue on Distbatch ({key[13:]})")
+            log = out_dir / f"{key}-{name}.log"
+            out[key] = transferqueue.run(
+                name, seed, repeats, workers, timeout, log, backend="Distbatch", same_host=same
+            )
     bar.update()
     return out
 
@@ -225,6 +232,7 @@ def peer_ratios(result: dict[str, Any]) -> dict[str, float]:
         if _ok(theirs):
             out[f"{kind}_put_vs_transferqueue"] = ours["put"]["gbps"] / theirs["put"]["gbps"]
             out[f"{kind}_gather_vs_transferqueue"] = ours["gather_all"]["gbps"] / theirs["get"]["gbps"]
+    out.update(backend_ratios(tq, peers, ragged))
     if "ray_object_store" in result["baselines"]:
         out["ragged_gather_vs_ray"] = (
             ragged["gather_all"]["gbps"] / result["baselines"]["ray_object_store"]["gbps"]
@@ -348,6 +356,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def backend_ratios(tq: dict[str, Any], peers: dict[str, Any], ragged: dict[str, Any]) -> dict[str, float]:
+    """Distbatch as TransferQueue's backend over its SimpleStorage, same API and batch; and its
+    get through TransferQueue over distbatch's own gather (the API's overhead on our path)."""
+    out: dict[str, float] = {}
+    for key in ("tq_distbatch_http", "tq_distbatch_same_host"):
+        ours = peers.get(key, {})
+        for kind in ("ragged", "dense"):
+            if _ok(ours.get(kind)) and _ok(tq.get(kind)):
+                for op in ("put", "get"):
+                    out[f"{kind}_{key}_{op}_vs_simple"] = ours[kind][op]["gbps"] / tq[kind][op]["gbps"]
+    http = peers.get("tq_distbatch_http", {}).get("ragged")
+    if _ok(http):
+        out["ragged_tq_distbatch_get_vs_direct"] = http["get"]["gbps"] / ragged["gather_all"]["gbps"]
+    return out
+
+
+def backend_summary(name: str, r: dict[str, Any]) -> str:
+    """TransferQueue's API on SimpleStorage and on Distbatch, same batches (GB/s, medians)."""
+    peers, q = r["peers"], r["ratios"]
+    lines = [
+        f"TransferQueue backends, {name} (kv_batch_put / kv_batch_get, GB/s; ratio over SimpleStorage):",
+        f"  {'batch':<8} {'SimpleStorage put':>17} {'get':>6}   {'Distbatch HTTP put':>18} {'get':>6}"
+        f" {'ratio':>11}   {'same host put':>13} {'get':>6} {'ratio':>11}",
+    ]
+    nan = float("nan")
+    for kind in ("ragged", "dense"):
+        cells = []
+        for key in ("transferqueue", "tq_distbatch_http", "tq_distbatch_same_host"):
+            stat = peers.get(key, {}).get(kind)
+            cells += [stat["put"]["gbps"], stat["get"]["gbps"]] if _ok(stat) else [nan, nan]
+        http, same = (
+            "{:.1f}x/{:.1f}x".format(
+                q.get(f"{kind}_{key}_put_vs_simple", nan), q.get(f"{kind}_{key}_get_vs_simple", nan)
+            )
+            for key in ("tq_distbatch_http", "tq_distbatch_same_host")
+        )
+        lines.append(
+            f"  {kind:<8} {cells[0]:>17.3f} {cells[1]:>6.3f}   {cells[2]:>18.3f} {cells[3]:>6.3f}"
+            f" {http:>11}   {cells[4]:>13.3f} {cells[5]:>6.3f} {same:>11}"
+        )
+    if "ragged_tq_distbatch_get_vs_direct" in q:
+        lines.append(
+            f"  ragged get through TransferQueue over distbatch's own gather (HTTP): "
+            f"{q['ragged_tq_distbatch_get_vs_direct']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     names = [n for n in args.names if n != SCALING]
@@ -458,6 +514,7 @@ def summary(results: dict[str, Any]) -> str:
     for name, r in results["workloads"].items():
         if r.get("peers"):
             lines.append(peer_summary(name, r))
+            lines.append(backend_summary(name, r))
         if r.get("same_host"):
             lines.append(same_host.table(name, r["same_host"]))
     if SCALING in results:

@@ -1,4 +1,6 @@
-"""TransferQueue's SimpleStorage as a peer baseline: put and get of the same batch, in a child process.
+"""TransferQueue's API with its SimpleStorage (a peer baseline) or with distbatch as its storage
+backend (`Distbatch`, over HTTP or the same-host path): put and get of the same batch, in a
+child process.
 
 `run(...)` (called by `python -m bench`) starts `python -m bench.transferqueue` in its own
 process group, bounded by a timeout, and reads the figures it writes as JSON. The child:
@@ -6,7 +8,9 @@ process group, bounded by a timeout, and reads the figures it writes as JSON. Th
 1. starts a local Ray cluster on loopback (`distbatch.launch.ray_actors.init_local_ray`);
 2. `transfer_queue.init(conf)` with `backend.storage_backend = SimpleStorage` and
    `num_data_storage_units = units`: a `TransferQueueController` actor plus `units`
-   `SimpleStorageUnit` actors, which talk ZMQ to the client living in this process;
+   `SimpleStorageUnit` actors, which talk ZMQ to the client living in this process; or with
+   `Distbatch` and `workers = units`: `units` distbatch workers as Ray actors, which the client
+   in this process puts to (its home worker) and gathers from, over HTTP or shared memory;
 3. per repeat, with fresh keys: `kv_batch_put(keys, partition_id, fields=TensorDict)` (timed),
    `kv_batch_get(keys, partition_id)` (timed), then `kv_clear(keys, partition_id)`;
 4. `transfer_queue.close()` and `ray.shutdown()`, also on SIGTERM.
@@ -60,6 +64,8 @@ def run(
     timeout: float,
     log_path: Path,
     kinds: tuple[str, ...] = KINDS,
+    backend: str = "SimpleStorage",
+    same_host: bool = False,
 ) -> dict[str, Any]:
     """Figures of the child run (see the module doc), or `{"error": ...}` if it failed or timed out."""
     with tempfile.TemporaryDirectory(prefix="bench-tq-") as tmp:
@@ -80,12 +86,20 @@ def run(
             ",".join(kinds),
             "--result",
             str(result_path),
+            "--backend",
+            backend,
+            *(["--same-host"] if same_host else []),
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             # Own session: on a timeout the whole group goes (the child and Ray's helpers it started).
+            env = dict(os.environ)
+            if same_host:
+                env.pop("DISTBATCH_SHM", None)
+            elif backend == "Distbatch":
+                env["DISTBATCH_SHM"] = "0"  # HTTP only, clients and workers alike
             child = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
             try:
                 code = child.wait(timeout=timeout)
@@ -190,6 +204,8 @@ def child_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--units", type=int, default=2, help="SimpleStorage units (Ray actors)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {KINDS}")
     parser.add_argument("--result", type=Path, required=True, help="where to write the figures (JSON)")
+    parser.add_argument("--backend", default="SimpleStorage", choices=["SimpleStorage", "Distbatch"])
+    parser.add_argument("--same-host", action="store_true", help="Distbatch: the same-host path on")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if any(k not in KINDS for k in kinds):
@@ -204,11 +220,17 @@ def child_main(argv: list[str] | None = None) -> None:
     from distbatch.launch.ray_actors import init_local_ray
 
     workload = WORKLOADS[args.workload]
-    out: dict[str, Any] = {"version": tq.__version__, "backend": "SimpleStorage", "units": args.units}
+    out: dict[str, Any] = {"version": tq.__version__, "backend": args.backend, "units": args.units}
     init_local_ray(num_cpus=args.units + 2)  # the controller and each unit ask for 1 CPU
     try:
-        conf = {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {}}}
-        conf["backend"]["SimpleStorage"]["num_data_storage_units"] = args.units
+        if args.backend == "Distbatch":
+            import distbatch.transferqueue  # noqa: F401  (registers the backend)
+
+            options = {"workers": args.units, "same_host": args.same_host}
+            out["same_host"] = args.same_host
+        else:
+            options = {"num_data_storage_units": args.units}
+        conf = {"backend": {"storage_backend": args.backend, args.backend: options}}
         tq.init(OmegaConf.create(conf))
         try:
             for kind in kinds:
@@ -220,7 +242,12 @@ def child_main(argv: list[str] | None = None) -> None:
                     out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
                 del columns
         finally:
-            tq.close()
+            if args.backend == "Distbatch":
+                import distbatch.transferqueue as dtq
+
+                dtq.close()  # tq.close(), and the workers tq.init started
+            else:
+                tq.close()
     finally:
         ray.shutdown()
     args.result.write_text(json.dumps(out))

@@ -43,6 +43,52 @@ def columns_of(data: TensorDict) -> dict[str, Any]:
     return out
 
 
+def field_schema(data: TensorDict) -> dict[str, dict[str, Any]]:
+    """TransferQueue's field schema of a put (`transfer_queue.metadata.extract_field_schema`'s
+    result, equal to it), without splitting a nested tensor into one tensor per sample: its
+    per-sample shapes come from its offsets."""
+    schema: dict[str, dict[str, Any]] = {}
+    size = data.batch_size[0]
+    if size == 0:
+        return schema
+    for key in data.keys():
+        name, value = str(key), data.get(key)
+        if not isinstance(value, torch.Tensor):
+            if len(value) != size:
+                raise ValueError(f"field {name!r} has {len(value)} values for {size} samples")
+            schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+            continue
+        if not value.is_nested:
+            if value.shape[0] != size:
+                raise ValueError(f"field {name!r} has {value.shape[0]} rows for {size} samples")
+            shape = torch.Size([1]) if value.dim() == 1 else value.shape[1:]
+            schema[name] = {"dtype": value.dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
+            continue
+        lengths = _jagged_lengths(value)
+        if len(lengths) != size:
+            raise ValueError(f"field {name!r} has {len(lengths)} samples, the batch {size}")
+        tail = tuple(value.values().shape[1:])
+        shapes = [(length, *tail) for length in lengths]
+        schema[name] = {
+            "dtype": value.dtype,
+            "shape": torch.Size(shapes[0]),
+            "is_nested": True,
+            "is_non_tensor": False,
+            "per_sample_shapes": shapes,
+        }
+    return schema
+
+
+def _jagged_lengths(value: torch.Tensor) -> list[int]:
+    """Each sample's length along the ragged dimension of a jagged nested tensor."""
+    if value.layout != torch.jagged or value._ragged_idx != 1:  # type: ignore[attr-defined]
+        return [int(t.shape[0]) for t in value.unbind()]  # another layout: as TransferQueue does it
+    lengths = value.lengths()  # type: ignore[attr-defined]  # a jagged nested tensor's
+    if lengths is None:
+        lengths = value.offsets().diff()  # type: ignore[attr-defined]
+    return [int(n) for n in lengths.tolist()]
+
+
 def tensordict_of(gathered: Mapping[str, Gathered], names: list[str], size: int) -> TensorDict:
     """Gathered fields in TransferQueue's layout, one entry per name, `size` samples."""
     return TensorDict({name: _packed_like_tq(name, gathered[name]) for name in names}, batch_size=size)

@@ -20,7 +20,6 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 from transfer_queue.metadata import BatchMeta as TQBatchMeta
-from transfer_queue.metadata import extract_field_schema
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
 from distbatch import wire
@@ -30,7 +29,7 @@ from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import ClearError, NodeError
-from distbatch.transferqueue.layout import columns_of, task_ids, tensordict_of
+from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
 from distbatch.transferqueue.options import BackendOptions
 from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
@@ -97,7 +96,7 @@ class DistbatchStorageManager(StorageManager):
         location = [self.home, stored.generation]
         where = {gi: dict.fromkeys(batch.fields, location) for gi in global_indexes}
         partition = metadata.partition_ids[0]
-        await self.notify_data_update(partition, global_indexes, extract_field_schema(data), where)
+        await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
             await self.client.adelete_products_each(
                 {node: [(task_ids(gis), fields)] for node, (gis, fields) in moved.items()}

@@ -96,13 +96,21 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
     assert "same host, tiny" in summary(results)
 
 
-def test_transferqueue_simple_storage_puts_and_gets_the_same_batches(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "same_host"), [("SimpleStorage", False), ("Distbatch", False), ("Distbatch", True)]
+)
+def test_transferqueue_backends_put_and_get_the_same_batches(
+    tmp_path: Path, backend: str, same_host: bool
+) -> None:
     reason = transferqueue.available()
     if reason:
         pytest.skip(reason)
-    result = transferqueue.run("tiny", 0, 1, 2, timeout=240, log_path=tmp_path / "tq.log")
+    result = transferqueue.run(
+        "tiny", 0, 1, 2, timeout=240, log_path=tmp_path / "tq.log", backend=backend, same_host=same_host
+    )
     assert "error" not in result, result
-    assert result["backend"] == "SimpleStorage" and result["units"] == 2
+    assert result["backend"] == backend and result["units"] == 2
+    assert result.get("same_host", False) == same_host
     for kind, columns in (("dense", make_dense_columns), ("ragged", make_columns)):
         figures = result[kind]
         assert "error" not in figures, figures
