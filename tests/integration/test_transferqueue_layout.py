@@ -1,0 +1,58 @@
+"""The TransferQueue backend's conversions, without Ray: the field schema a put announces equals
+TransferQueue's own `extract_field_schema` (computed from offsets instead of one tensor per
+sample), and gathered columns come back in TransferQueue's layout."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if os.environ.get("DISTBATCH_REQUIRE_TQ") == "1":
+    importlib.import_module("transfer_queue")
+else:
+    pytest.importorskip("transfer_queue")
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
+from transfer_queue.metadata import extract_field_schema  # noqa: E402
+
+from distbatch.transferqueue.layout import columns_of, field_schema  # noqa: E402
+
+
+def jagged(*lengths: int, tail: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.nested.nested_tensor(
+        [torch.zeros(n, *tail, dtype=dtype) for n in lengths], layout=torch.jagged
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"ids": jagged(3, 5, 1, dtype=torch.int64)},
+        {"hidden": jagged(2, 4, 7, tail=(3,), dtype=torch.bfloat16)},
+        {"reward": torch.rand(3)},
+        {"mask": torch.ones(3, 4, dtype=torch.bool)},
+        {"image": torch.zeros(3, 2, 2)},
+        {"text": NonTensorStack("a", "b", "c")},
+        {
+            "holes": torch.nested.narrow(
+                torch.arange(12.0).view(3, 4),
+                1,
+                torch.tensor([0, 1, 2]),
+                torch.tensor([2, 1, 2]),
+                layout=torch.jagged,
+            )
+        },
+    ],
+    ids=["ragged", "ragged-2d-bf16", "scalar", "dense-bool", "dense-3d", "strings", "with-holes"],
+)
+def test_the_announced_schema_is_transferqueues(fields: dict) -> None:
+    data = TensorDict(fields, batch_size=[3])
+    assert field_schema(data) == extract_field_schema(data)
+
+
+def test_columns_keep_tensors_and_turn_other_values_into_lists() -> None:
+    data = TensorDict({"ids": jagged(1, 2), "tag": NonTensorStack({"a": 1}, {"b": 2})}, batch_size=[2])
+    columns = columns_of(data)
+    assert columns["ids"].is_nested and columns["tag"] == [{"a": 1}, {"b": 2}]
