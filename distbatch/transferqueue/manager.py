@@ -2,10 +2,14 @@
 
 A put of a TensorDict is one bundle to this process's home worker (on its host when there is
 one, so the same-host path applies): every field a column, never a request per sample. Where
-each sample's field went (worker, put generation) travels as TransferQueue's per-sample backend
-metadata, which its controller hands back with every *BatchMeta*; a get is then one product
-fetch per worker, straight from the workers that hold the data, and a clear deletes by
-TransferQueue's global indexes on those workers.
+each sample's field went travels as TransferQueue's per-sample backend metadata, which its
+controller hands back with every *BatchMeta*: the worker's slot, its place in
+`backend.Distbatch.endpoints` (so a checkpoint restored onto new workers, at new addresses,
+still finds its data); a get is then one product fetch per worker, straight from the workers
+that hold the data, and a clear deletes by TransferQueue's global indexes on those workers.
+
+Put generations are not used here: TransferQueue's controller decides which global index holds
+which sample, and reuses an index only after clearing it, as it does with its own storage.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,7 @@ from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import ClearError, NodeError
+from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
 from distbatch.transferqueue.options import BackendOptions
 from distbatch.twins import AWAITED
@@ -72,6 +78,7 @@ class DistbatchStorageManager(StorageManager):
         self.options = options
         self.client = ShardClient(token=options.token, timeout=options.timeout, same_host=options.same_host)
         self.home = home_worker(options.endpoints, local_addresses(), os.getpid())
+        self.slot = options.endpoints.index(self.home)
 
     # ------------------------------------------------------------------ put
 
@@ -91,10 +98,9 @@ class DistbatchStorageManager(StorageManager):
         ids = task_ids(global_indexes)
         batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
         bundle, _ = batch.export_bundle(self.home)
-        stored = await self.client.aput_bundle(self.home, bundle)
-        moved = _moved_fields(metadata, list(batch.fields), self.home)
-        location = [self.home, stored.generation]
-        where = {gi: dict.fromkeys(batch.fields, location) for gi in global_indexes}
+        await self.client.aput_bundle(self.home, bundle)
+        moved = _moved_fields(metadata, list(batch.fields), self.slot, self.options.endpoints)
+        where = {gi: dict.fromkeys(batch.fields, self.slot) for gi in global_indexes}
         partition = metadata.partition_ids[0]
         await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
@@ -111,7 +117,7 @@ class DistbatchStorageManager(StorageManager):
         size = len(metadata.global_indexes)
         if size == 0 or not names:
             return TensorDict({}, batch_size=size)
-        meta = _batch_meta(metadata, names)
+        meta = _batch_meta(metadata, names, self.options.endpoints)
         plan = plan_fetch(meta, names, self.client)
         assert plan is not None  # names is not empty
         gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
@@ -124,7 +130,7 @@ class DistbatchStorageManager(StorageManager):
         global_indexes = list(metadata.global_indexes)
         if not global_indexes:
             return
-        nodes = sorted(_nodes_holding(metadata) or set(self.options.endpoints))
+        nodes = sorted(_nodes_holding(metadata, self.options.endpoints) or set(self.options.endpoints))
         ids = task_ids(global_indexes)
         results = await asyncio.gather(
             *(self.client.adelete(node, task_ids=ids) for node in nodes), return_exceptions=True
@@ -137,6 +143,18 @@ class DistbatchStorageManager(StorageManager):
         if failed:
             deleted = {node: r.deleted for node, r in outcome.items() if isinstance(r, DeleteResult)}
             raise ClearError(failed, sum(deleted.values()), {}, deleted_by_node=deleted)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """`tq.save_checkpoint`: every sample the workers hold, written under `checkpoint_dir`."""
+        directory = Path(checkpoint_dir) / CHECKPOINT_DIR
+        await asyncio.to_thread(save_shards, self.client, self.options.endpoints, directory)
+
+    async def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """`tq.load_checkpoint`: the saved samples back on the workers in their slots."""
+        directory = Path(checkpoint_dir) / CHECKPOINT_DIR
+        await asyncio.to_thread(load_shards, self.client, self.options.endpoints, directory)
 
     def close(self) -> None:
         client = getattr(self, "client", None)
@@ -156,48 +174,45 @@ def _locations(metadata: TQBatchMeta) -> list[dict[str, Any]]:
     return list(getattr(metadata, "_custom_backend_meta", None) or [{} for _ in metadata.global_indexes])
 
 
-def _batch_meta(metadata: TQBatchMeta, names: list[str]) -> BatchMeta:
-    """Our metadata for TransferQueue's samples: per field, the worker and put generation each
-    sample's value came from (its backend metadata), and the dtype; shapes are not needed to
-    gather (each answer carries its own), so every sample counts as one element for planning."""
+def _batch_meta(metadata: TQBatchMeta, names: list[str], endpoints: Sequence[str]) -> BatchMeta:
+    """Our metadata for TransferQueue's samples: per field, the worker each sample's value is on
+    (its backend metadata: a slot in `endpoints`) and the dtype; shapes are not needed to gather
+    (each answer carries its own), so every sample counts as one element for planning."""
     locations = _locations(metadata)
     n = len(locations)
-    nodes: dict[str, int] = {}
     fields: dict[str, FieldMeta] = {}
     for name in names:
-        node_index = np.empty(n, dtype=np.int32)
-        generations = np.empty(n, dtype=np.int64)
-        for i, where in enumerate(locations):
-            location = where.get(name)
-            if location is None:
-                raise KeyError(f"sample {metadata.global_indexes[i]} has no Distbatch location for {name!r}")
-            node_index[i] = nodes.setdefault(location[0], len(nodes))
-            generations[i] = location[1]
+        slots = np.fromiter((where.get(name, -1) for where in locations), dtype=np.int64, count=n)
+        if (slots < 0).any():
+            gi = metadata.global_indexes[int(np.flatnonzero(slots < 0)[0])]
+            raise KeyError(f"sample {gi} has no Distbatch location for field {name!r}")
+        node_index = (slots % len(endpoints)).astype(np.int32)
         schema = metadata.field_schema.get(name, {})
         dtype = (
             None
             if schema.get("is_non_tensor") or schema.get("dtype") is None
             else wire.dtype_name(schema["dtype"])
         )
-        fields[name] = FieldMeta(dtype, node_index, RowShapes.uniform(n, ()), False, generations)
-    return BatchMeta(task_ids(list(metadata.global_indexes)), list(nodes), fields)
+        fields[name] = FieldMeta(dtype, node_index, RowShapes.uniform(n, ()), False)
+    return BatchMeta(task_ids(list(metadata.global_indexes)), list(endpoints), fields)
 
 
-def _nodes_holding(metadata: TQBatchMeta) -> set[str]:
-    return {location[0] for where in _locations(metadata) for location in where.values() if location}
+def _nodes_holding(metadata: TQBatchMeta, endpoints: Sequence[str]) -> set[str]:
+    slots = {slot for where in _locations(metadata) for slot in where.values() if isinstance(slot, int)}
+    return {endpoints[slot % len(endpoints)] for slot in slots}
 
 
 def _moved_fields(
-    metadata: TQBatchMeta, fields: list[str], home: str
+    metadata: TQBatchMeta, fields: list[str], home: int, endpoints: Sequence[str]
 ) -> dict[str, tuple[list[int], list[str]]]:
     """Fields this put replaces that an earlier put left on another worker: per worker, the
     samples and fields to delete there."""
     out: dict[str, tuple[list[int], list[str]]] = {}
     for gi, where in zip(metadata.global_indexes, _locations(metadata)):
         for name in fields:
-            location = where.get(name)
-            if location and location[0] != home:
-                gis, names = out.setdefault(location[0], ([], []))
+            slot = where.get(name)
+            if isinstance(slot, int) and slot % len(endpoints) != home:
+                gis, names = out.setdefault(endpoints[slot % len(endpoints)], ([], []))
                 if not gis or gis[-1] != gi:
                     gis.append(gi)
                 if name not in names:

@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,6 +202,43 @@ def test_the_comparison_can_fail(runs: dict[str, list[tuple[str, Any]]]) -> None
     dense = torch.nested.nested_tensor([torch.ones(2), torch.ones(2)], layout=torch.jagged)
     assert not same(dense, torch.ones(2, 2))
     assert not same(got.get("logprobs"), got.get("logprobs").to(torch.float32))
+
+
+def checkpoint_program(backend: str, directory: Path) -> list[tuple[str, Any]]:
+    """Save a checkpoint, restart (a new `tq.init`: new workers at new addresses for Distbatch),
+    load it: the keys, tags and data are back."""
+    keys = [f"c{i}" for i in range(5)]
+    tq.init(config(backend))
+    try:
+        tq.kv_batch_put(
+            keys=keys, partition_id="ckpt", fields=rollout(5, 7), tags=[{"i": i} for i in range(5)]
+        )
+        advantage = TensorDict({"advantage": torch.arange(3.0)}, batch_size=[3])
+        tq.kv_batch_put(keys=keys[:3], partition_id="ckpt", fields=advantage)
+        before = tq.kv_batch_get(keys=keys, partition_id="ckpt")
+        tq.save_checkpoint(directory)
+    finally:
+        dtq.close()
+    tq.init(config(backend))
+    try:
+        tq.load_checkpoint(directory)
+        after = tq.kv_batch_get(keys=keys, partition_id="ckpt")
+        extra = tq.kv_batch_get(keys=keys[:3], partition_id="ckpt", select_fields=["advantage"])
+        listed = tq.kv_list(partition_id="ckpt")
+        tq.kv_clear(keys=keys, partition_id="ckpt")
+    finally:
+        dtq.close()
+    assert same(before, after), backend
+    return [("restored", after), ("restored later field", extra), ("restored list", listed)]
+
+
+def test_checkpoints_round_trip_as_with_simple_storage(tmp_path: Path) -> None:
+    answers = {backend: checkpoint_program(backend, tmp_path / backend) for backend in BACKENDS}
+    differ = [
+        label for (label, a), (_, b) in zip(answers["SimpleStorage"], answers["Distbatch"]) if not same(a, b)
+    ]
+    assert not differ, f"Distbatch answered differently from SimpleStorage at: {differ}"
+    assert (tmp_path / "Distbatch" / "distbatch" / "index.json").exists()
 
 
 # --------------------------------------------------------------------------- Distbatch only
