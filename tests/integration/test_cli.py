@@ -267,6 +267,24 @@ def test_worker_runs_the_worker_server() -> None:
             process.stdout.close()
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--port", "99999"], "argument --port: '99999' is not a port: use 0 to 65535"),  # was :34463
+        (["--port", "-1"], "argument --port: '-1' is not a port: use 0 to 65535"),  # was OverflowError
+        (["--max", "1G"], "unrecognized arguments: --max 1G"),  # was "ambiguous option"
+        (["--max-byte", "1G"], "unrecognized arguments: --max-byte 1G"),  # was taken for --max-bytes
+    ],
+)
+def test_the_worker_refuses_a_bad_port_or_an_abbreviated_flag_before_listening(
+    flags: list[str], said: str
+) -> None:
+    for command in (["-m", "rpc_server"], ["-m", "distbatch.cli", "worker"]):
+        done = subprocess.run([sys.executable, *command, *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", done  # no address: it never listened
+        assert said in done.stderr and "Traceback" not in done.stderr
+
+
 def test_the_package_installs_the_distbatch_command() -> None:
     import shutil
     from pathlib import Path
