@@ -476,8 +476,9 @@ class DistributedBatchMemory:
         `length_field` when it names a per-task integer (a 0-d tensor per task, or JSON ints,
         e.g. a `seqlen` field); else the first dimension of `length_field` or of the default
         field (see `lengths`), read from metadata, so a REMOTE batch is balanced without
-        fetching a byte. Balancing a fixed-shape (padded) field by its width would only
-        balance task counts: that warns, naming what to pass instead.
+        fetching a byte. Balancing by a default field that is fixed-shape (padded: every task
+        has its width) or one scalar per task (no length at all) would only balance task
+        counts: that warns, saying which and what to pass instead.
 
         Chunks hold equal task counts when the group count is divisible by `n` (else counts
         differ by one group); tasks keep their relative order inside a chunk.
@@ -506,12 +507,21 @@ class DistributedBatchMemory:
             return np.asarray(self.lengths(length_field), dtype=np.int64)
         name = self._default_length_field()
         task_lengths = np.asarray(self.lengths(name), dtype=np.int64)
-        if len(self) > 1 and not self.schema_meta().fields[name].ragged:
+        fm = self.schema_meta().fields[name]
+        if len(self) > 1 and not fm.ragged:
+            if fm.shapes.shape == ():  # one scalar per task: no sequence at all, padded or not
+                why = (
+                    f"no field gives a task's length (the default, {name!r}, holds one scalar per "
+                    "task), so chunks balance task counts only: use chunk(n) for that, or pass lengths="
+                )
+            else:
+                why = (
+                    f"field {name!r} is fixed-shape (padded), so every task has length "
+                    f"{int(task_lengths[0])} and chunks balance task counts only; pass lengths="
+                )
             warnings.warn(
-                f"chunk_balanced: field {name!r} is fixed-shape (padded), so every task has length "
-                f"{int(task_lengths[0])} and chunks balance task counts only; pass lengths= (e.g. "
-                "batch['attention_mask'].sum(-1)) or length_field= naming a ragged field or a "
-                "per-task length field",
+                f"chunk_balanced: {why} (e.g. batch['attention_mask'].sum(-1)) or length_field= "
+                "naming a ragged field or a per-task length field",
                 stacklevel=3,
             )
         return task_lengths
