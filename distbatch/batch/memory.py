@@ -358,10 +358,12 @@ class DistributedBatchMemory:
         `nt[i]` is task i's value, ragged along dim 1, trailing dims kept, dtype kept.
 
         Built from `packed(field)` without copying its values (`nt.values()` is the packed
-        tensor, `nt.offsets()` the `cu_seqlens` as int64), so it costs what `packed` costs:
-        nothing for a field given as a nested tensor or gathered from one node, one `cat` for
-        other ragged lists. A REMOTE batch gathers the field (once, then cached), as `packed`
-        does. A fixed-shape field gives tasks of one length; an EMPTY batch a nested tensor of
+        tensor, `nt.offsets()` the `cu_seqlens` as int64), so it costs what `packed` costs and
+        shares what it shares: nothing is copied for a field given as a nested or stacked tensor
+        or gathered from one node; one `cat`, into a new tensor on every call, joins a field
+        gathered as a buffer per node (several nodes, each holding a run of the tasks) or given
+        as a list of separate tensors. A REMOTE batch gathers the field (once, then cached), as
+        `packed` does. A fixed-shape field gives tasks of one length; an EMPTY batch a nested tensor of
         zero tasks. `device=` moves values and offsets with one copy each.
 
         Raises `ValueError` for a JSON field, for a field of one scalar per task (`batch[field]`
