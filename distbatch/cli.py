@@ -6,13 +6,15 @@
     distbatch clear HOST:PORT (--tasks ID [ID ...] | --all --yes)      delete tasks
     distbatch worker [worker flags]                            the same as `python -m rpc_server`
 
-The token comes from `DISTBATCH_TOKEN`, as for every client. Exit status: 0, or 1 when a worker
-could not be reached or refused (its row says why), or 2 for a bad command line.
+The token comes from `DISTBATCH_TOKEN`, as for every client; `--timeout S` (seconds per worker,
+default 10) goes before or after the sub-command. Exit status: 0, or 1 when a worker could not
+be reached or refused (its row says why), or 2 for a bad command line.
 
 `status` takes workers and served controllers (`serve_controller`) alike: a worker is a row of
 the worker table; a controller (an address that has no worker stats but answers the controller's
 summary) gets its own table, a row per partition: tasks, tasks with every field, what each
-consumer (task name) consumed, the `get_meta` calls waiting in it, and its fields.
+consumer (task name) consumed, the `get_meta` calls waiting in it, and its fields. Tables come
+in the order the addresses were given (the worker table where the first worker was).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import AuthError, DistBatchError, ProtocolError, RequestError, WorkerUnavailableError
+from distbatch.errors import (
+    AuthError,
+    DistBatchError,
+    NodeError,
+    ProtocolError,
+    RequestError,
+    WorkerUnavailableError,
+)
 from distbatch.ids import validate_node
 from distbatch.launch.flags import PROG_ENV
 from distbatch.protocol import MAX_LIST_LIMIT
@@ -33,6 +42,7 @@ from distbatch.protocol import MAX_LIST_LIMIT
 __all__ = ["main"]
 
 PAGE = 1000
+DEFAULT_TIMEOUT = 10.0
 
 
 def _bytes(value: Any) -> str:
@@ -75,7 +85,10 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _failure(exc: DistBatchError) -> tuple[str, str]:
-    """What the status table says of a worker that could not be asked: a short label, and why."""
+    """What the status table says of a worker that could not be asked: a short label, and why
+    (one line, without the address the row already names)."""
+    if isinstance(exc, WorkerUnavailableError) and exc.reason:
+        return "unreachable", exc.reason  # "connection refused", "timed out", ...
     if isinstance(exc, WorkerUnavailableError):
         label = "unreachable"
     elif isinstance(exc, AuthError):
@@ -84,7 +97,8 @@ def _failure(exc: DistBatchError) -> tuple[str, str]:
         label = "not a worker"  # it answered, but not as a worker does (e.g. a 404)
     else:
         label = "failed"
-    return label, " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the body held
+    said = exc.detail if isinstance(exc, NodeError) else str(exc)
+    return label, " ".join(f"{type(exc).__name__}: {said}".split())  # one line, whatever the body held
 
 
 def _ask(client: ShardClient, node: str) -> dict[str, Any]:
@@ -105,7 +119,8 @@ def _ask(client: ShardClient, node: str) -> dict[str, Any]:
 
 
 def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
-    """One row per worker, one table per controller; 1 if any address could not be asked."""
+    """One row per worker, one table per controller, in the order the addresses were given (the
+    worker table where the first worker was); 1 if any address could not be asked."""
     results: dict[str, dict[str, Any]] = {}
     failed = False
     for node in nodes:
@@ -118,10 +133,13 @@ def status(client: ShardClient, nodes: Sequence[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(results, indent=1))
         return int(failed)
-    controllers = {node: r for node, r in results.items() if r.get("role") == "controller"}
-    workers = {node: r for node, r in results.items() if node not in controllers}
-    sections = [_worker_table(workers)] if workers else []
-    sections += [_controller_table(node, summary) for node, summary in controllers.items()]
+    workers = {node: r for node, r in results.items() if r.get("role") != "controller"}
+    sections = []
+    for node, result in results.items():
+        if result.get("role") == "controller":
+            sections.append(_controller_table(node, result))
+        elif node == next(iter(workers)):
+            sections.append(_worker_table(workers))
     print("\n\n".join(sections))
     return int(failed)
 
@@ -165,7 +183,7 @@ def _worker_table(results: dict[str, dict[str, Any]]) -> str:
     rows = []
     for node, r in results.items():
         if "error" in r:
-            rows.append([node, f"{r['state']}:", r["error"]])
+            rows.append([node, f"{r['state']}: {r['error']}"])  # its last cell runs on, never cut
             continue
         rows.append(
             [
@@ -248,11 +266,23 @@ def _node_after_tasks(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("clear --tasks needs at least one task id")
 
 
+def _timeout_flag(parser: argparse.ArgumentParser, default: object = DEFAULT_TIMEOUT) -> None:
+    """`--timeout S`, before the sub-command or after it (a sub-command's own wins; given
+    nowhere, the main parser's default stands: the sub-command's leaves it alone)."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=default,
+        metavar="S",
+        help=f"seconds per worker (default: {DEFAULT_TIMEOUT:g})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distbatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per worker (default: 10)")
+    _timeout_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser(
         "status",
@@ -260,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("nodes", nargs="+", type=_node, metavar="HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _timeout_flag(p, argparse.SUPPRESS)
     p = commands.add_parser("ls", help="the task ids a worker holds and their fields, in id order")
+    _timeout_flag(p, argparse.SUPPRESS)
     p.add_argument("node", type=_node, metavar="HOST:PORT")
     p.add_argument("--after", help="start after this task id (the last one of the previous page)")
     p.add_argument("--limit", type=int, default=PAGE, help=f"tasks per page (default: {PAGE})")
@@ -272,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--tasks", nargs="+", metavar="ID", help="these tasks (every field of each)")
     which.add_argument("--all", action="store_true", help="every task the worker holds (needs --yes)")
     p.add_argument("--yes", action="store_true", help="confirm --all")
+    _timeout_flag(p, argparse.SUPPRESS)
     commands.add_parser(
         "worker", help="run a worker (python -m rpc_server; its flags follow)", add_help=False
     )

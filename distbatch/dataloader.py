@@ -115,7 +115,7 @@ FETCH_BACKOFF_MAX = 2.0
 _LOCAL_CONTROLLER_IN_WORKERS = (
     "a local Controller cannot serve DataLoader worker processes: each worker would get its own copy, "
     "so consumption it records and tasks put later are seen by nobody else. Serve it "
-    "(distbatch.controller.server.serve_controller) and pass RemoteController(server.address), "
+    "(distbatch.serve_controller) and pass distbatch.RemoteController(server.address), "
     "or use num_workers=0"
 )
 

@@ -57,7 +57,10 @@ class ShardNotFoundError(NodeError, KeyError):
 
 
 class WorkerUnavailableError(NodeError, ConnectionError):
-    """The node could not be reached or did not answer in time."""
+    """The node could not be reached or did not answer in time. `reason`, where the client knows
+    it, says why in a few words ("connection refused", "timed out", ...); None otherwise."""
+
+    reason: str | None = None
 
 
 class CallTimeoutError(NodeError, TimeoutError):

@@ -1,6 +1,8 @@
 """Store a realistic RL batch on two local workers, gather it back, and show what moved.
 
-Run with `scripts/demo` (or `python examples/gather_demo.py --tasks 512`).
+Run it from the repository root with a Python that has distbatch (the venv `scripts/demo`
+made): `.venv/bin/python examples/gather_demo.py` (1,024 tasks; `--tasks 512` for fewer, `--help`
+for the rest). It starts its own two workers and stops them.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ chunks straight from the rollout workers. Each step ends with `clear()`.
 
     python examples/grpo_pipeline.py --compare      # distributed, then centralised
     python examples/grpo_pipeline.py --centralised  # the design we replace
-    python examples/grpo_pipeline.py --launcher ray # workers as Ray actors (pip install distbatch[ray])
+    python examples/grpo_pipeline.py --launcher ray # workers as Ray actors (pip install -e ".[ray]")
     python examples/grpo_pipeline.py --launcher ray --ray-address auto  # ... on your running cluster
+
+`python` is one that has distbatch: the venv `scripts/demo` made, `.venv/bin/python` (or
+`source .venv/bin/activate` first).
 
 `--centralised` runs the same job the old way: the controller pulls every
 batch and pushes the chunks to the train workers itself.
@@ -18,6 +21,7 @@ batch and pushes the chunks to the train workers itself.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -292,12 +296,19 @@ def what_it_shows(reports: list[PipelineReport]) -> list[str]:
             "  (in, then out); distributed takes that link off the data path.",
         ]
     lines += [
-        "Try next:",
-        "  python examples/streaming_pipeline.py       # consumers stream batches as producers put them",
-        "  python examples/grpo_pipeline.py --launcher ray  # the same workers as Ray actors",
-        "  distbatch status HOST:PORT                   # what a running worker holds",
+        "Try next, with the venv scripts/demo made (or `source .venv/bin/activate`, then drop .venv/bin/):",
+        "  .venv/bin/python examples/streaming_pipeline.py  # consumers stream batches as producers put them",
+        '  .venv/bin/pip install -e ".[ray]"                # Ray (scripts/demo installs no Ray), then',
+        "  .venv/bin/python examples/grpo_pipeline.py --launcher ray  # the same workers as Ray actors",
+        "  .venv/bin/distbatch status HOST:PORT             # what a running worker holds",
     ]
     return lines
+
+
+RAY_MISSING = (
+    "grpo_pipeline.py: --launcher ray needs Ray, which this Python does not have:"
+    ' pip install -e ".[ray]" (.venv/bin/pip in the venv scripts/demo made)'
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -329,6 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        print(RAY_MISSING, file=sys.stderr)  # one line, not an import traceback
+        return 2
     reports = []
     if not args.centralised:
         reports.append(run_pipeline(args, centralised=False))

@@ -358,10 +358,12 @@ class DistributedBatchMemory:
         `nt[i]` is task i's value, ragged along dim 1, trailing dims kept, dtype kept.
 
         Built from `packed(field)` without copying its values (`nt.values()` is the packed
-        tensor, `nt.offsets()` the `cu_seqlens` as int64), so it costs what `packed` costs:
-        nothing for a field given as a nested tensor or gathered from one node, one `cat` for
-        other ragged lists. A REMOTE batch gathers the field (once, then cached), as `packed`
-        does. A fixed-shape field gives tasks of one length; an EMPTY batch a nested tensor of
+        tensor, `nt.offsets()` the `cu_seqlens` as int64), so it costs what `packed` costs and
+        shares what it shares: nothing is copied for a field given as a nested or stacked tensor
+        or gathered from one node; one `cat`, into a new tensor on every call, joins a field
+        gathered as a buffer per node (several nodes, each holding a run of the tasks) or given
+        as a list of separate tensors. A REMOTE batch gathers the field (once, then cached), as
+        `packed` does. A fixed-shape field gives tasks of one length; an EMPTY batch a nested tensor of
         zero tasks. `device=` moves values and offsets with one copy each.
 
         Raises `ValueError` for a JSON field, for a field of one scalar per task (`batch[field]`
@@ -476,8 +478,9 @@ class DistributedBatchMemory:
         `length_field` when it names a per-task integer (a 0-d tensor per task, or JSON ints,
         e.g. a `seqlen` field); else the first dimension of `length_field` or of the default
         field (see `lengths`), read from metadata, so a REMOTE batch is balanced without
-        fetching a byte. Balancing a fixed-shape (padded) field by its width would only
-        balance task counts: that warns, naming what to pass instead.
+        fetching a byte. Balancing by a default field that is fixed-shape (padded: every task
+        has its width) or one scalar per task (no length at all) would only balance task
+        counts: that warns, saying which and what to pass instead.
 
         Chunks hold equal task counts when the group count is divisible by `n` (else counts
         differ by one group); tasks keep their relative order inside a chunk.
@@ -506,12 +509,21 @@ class DistributedBatchMemory:
             return np.asarray(self.lengths(length_field), dtype=np.int64)
         name = self._default_length_field()
         task_lengths = np.asarray(self.lengths(name), dtype=np.int64)
-        if len(self) > 1 and not self.schema_meta().fields[name].ragged:
+        fm = self.schema_meta().fields[name]
+        if len(self) > 1 and not fm.ragged:
+            if fm.shapes.shape == ():  # one scalar per task: no sequence at all, padded or not
+                why = (
+                    f"no field gives a task's length (the default, {name!r}, holds one scalar per "
+                    "task), so chunks balance task counts only: use chunk(n) for that, or pass lengths="
+                )
+            else:
+                why = (
+                    f"field {name!r} is fixed-shape (padded), so every task has length "
+                    f"{int(task_lengths[0])} and chunks balance task counts only; pass lengths="
+                )
             warnings.warn(
-                f"chunk_balanced: field {name!r} is fixed-shape (padded), so every task has length "
-                f"{int(task_lengths[0])} and chunks balance task counts only; pass lengths= (e.g. "
-                "batch['attention_mask'].sum(-1)) or length_field= naming a ragged field or a "
-                "per-task length field",
+                f"chunk_balanced: {why} (e.g. batch['attention_mask'].sum(-1)) or length_field= "
+                "naming a ragged field or a per-task length field",
                 stacklevel=3,
             )
         return task_lengths

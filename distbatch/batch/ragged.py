@@ -114,4 +114,38 @@ def nested_of_packed(
     if device is not None:
         values = values.to(device)
     offsets = cu_seqlens.to(device=values.device, dtype=torch.int64)  # beside the values (a GPU column)
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=shortest, max_seqlen=longest)
+    return jagged_nested(values, offsets, min_seqlen=shortest, max_seqlen=longest)
+
+
+def jagged_nested(
+    values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int | None = None, max_seqlen: int | None = None
+) -> torch.Tensor:
+    """`torch.nested.nested_tensor_from_jagged(values, offsets, ...)`: a jagged nested tensor
+    viewing `values` (ragged along dim 1), task i from `offsets[i]` to `offsets[i + 1]`.
+
+    Where torch's public function would log "is_fx_tracing will return true for both
+    fx.symbolic_trace and torch.export ..." (torch 2.13 does, once per process, from the fx
+    check it makes first: a note to callers of `is_fx_tracing`, which we are not), the view is
+    built with the function the public one calls after that check, so the note is neither
+    printed nor used up for code that does call `is_fx_tracing`. Under fx symbolic tracing,
+    and in torch versions without the note, the public function is called.
+    """
+    view = _quiet_jagged_view()
+    if view is None:
+        return torch.nested.nested_tensor_from_jagged(
+            values, offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen
+        )
+    return view(values, offsets, None, ragged_idx=1, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+
+
+def _quiet_jagged_view() -> Any:
+    """torch's `nested_view_from_values_offsets_lengths`, where the public constructor would log
+    the fx note and no fx symbolic trace is running; else None (use the public one)."""
+    try:
+        from torch.fx import _symbolic_trace as fx_trace
+        from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+    except ImportError:
+        return None
+    if not hasattr(fx_trace, "is_fx_tracing_warning") or getattr(fx_trace, "_is_fx_tracing_flag", True):
+        return None
+    return nested_view_from_values_offsets_lengths

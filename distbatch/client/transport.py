@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,21 @@ _UNANSWERED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, Timeou
 """What a request that got no answer raises (connection refused or lost, a timeout)."""
 
 Body = bytes | list[wire.Buffer] | None
+
+
+def unanswered_reason(exc: BaseException) -> str:
+    """Why a request got no answer, in a few words: "connection refused", "timed out", "no route
+    to host", "name or service not known" (DNS); else the exception's type and message, on one line."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        exc = exc.os_error
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno > 0:
+        return os.strerror(exc.errno).lower()  # asyncio's own message names the address, not the errno
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()  # a resolver error (negative errno)
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,7 @@ class HttpTransport:
             except _UNANSWERED as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
+                error.reason = unanswered_reason(exc)
                 if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
                     raise error from None  # it may have run: only a refused connection is retried
             await retries.pause_or_raise(error)

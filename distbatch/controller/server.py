@@ -307,7 +307,10 @@ class ControllerServer:
 def serve_controller(
     controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
 ) -> ControllerServer:
-    """Serve `controller` over HTTP (loopback by default); `.address` is its `host:port`."""
+    """Serve `controller` over HTTP (loopback by default); `.address` is its `host:port`.
+
+    `port` is 0 (a free one, the default) to 65535; anything else is a `ValueError` naming it.
+    """
     return ControllerServer(controller, host, port, token=token)
 
 

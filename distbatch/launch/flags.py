@@ -8,13 +8,14 @@ imports `rpc_server`. Pure argparse: no server, store or engine is imported here
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
@@ -29,6 +30,7 @@ __all__ = [
     "GROUP_OPTIONS",
     "MAX_ENGINE_KWARGS_BYTES",
     "UNSET",
+    "LOCAL_GROUP_OPTIONS",
     "build_parser",
     "check_engine_kwargs",
     "check_flag_values",
@@ -36,6 +38,7 @@ __all__ = [
     "check_rank",
     "engine_kwargs_json",
     "parse_flags",
+    "port_number",
 ]
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30
@@ -76,13 +79,37 @@ def human_size(value: int) -> str:
     return str(value)
 
 
+def port_number(text: str) -> int:
+    """`--port`: 0 (any free port) to 65535 (argparse type)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: use 0 to 65535 (0 picks a free one)")
+    return port
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """A parser whose every usage error is a `ValueError`: no usage printed, no exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"bad worker flag: {message}")
+
+
 def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
-    """The worker's command line, for `python -m rpc_server` and for launchers that check flags."""
-    parser = argparse.ArgumentParser(
+    """The worker's command line, for `python -m rpc_server` and for launchers that check flags.
+
+    Flags are spelled out in full (`allow_abbrev=False`): `--max 1G` is no flag rather than a
+    guess among the `--max-*` ones, and `--max-byte` is not taken for `--max-bytes`. Without
+    `exit_on_error`, a usage error is a `ValueError` instead of a message and an exit.
+    """
+    parser = (argparse.ArgumentParser if exit_on_error else _RefusingParser)(
         prog=os.environ.get(PROG_ENV) or "python -m rpc_server",
         description=DESCRIPTION,
         epilog=EPILOG,
         exit_on_error=exit_on_error,
+        allow_abbrev=False,
     )
     # In this order: it is the order `--help` lists them in.
     _add_address_flags(parser)
@@ -97,7 +124,9 @@ def _add_address_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="bind address; 0.0.0.0 for every interface (default: %(default)s)"
     )
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=port_number, default=0, help="0 to 65535; 0 picks a free port (default: %(default)s)"
+    )
 
 
 def _add_bound_flags(parser: argparse.ArgumentParser) -> None:
@@ -364,6 +393,14 @@ GROUP_OPTIONS = {
     "accept_engine": "is for workers a controller connects to: a group names its engine itself",
 }
 
+# What `WorkerGroup.local` decides besides (argparse dest -> why), also refused in `args=`.
+LOCAL_GROUP_OPTIONS = {
+    "port": "is the group's to choose: each worker listens on a free port (port 0), and group.nodes"
+    " lists them (distbatch.launch.spawn_worker(args=['--port', N]) starts one worker on a port of yours)",
+    "address_file": "would be written by every worker of the group: group.nodes lists their addresses",
+    "exit_with_parent": "is the group's to set: its workers exit when this process does",
+}
+
 
 UNSET = object()  # the default `parse_flags` gives the options a caller asks about
 
@@ -372,7 +409,7 @@ def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.
     """Parse worker flags; ValueError, never an exit, on bad or unknown ones.
 
     Options named in `unset` (argparse dests, e.g. "host") default to `UNSET`, so a caller can
-    tell whether they were given at all, abbreviated or not.
+    tell whether they were given at all. An unknown flag (an abbreviated one too) is named.
     """
     parser = build_parser(exit_on_error=False)
     parser.set_defaults(**dict.fromkeys(unset, UNSET))
@@ -381,15 +418,31 @@ def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.
     except argparse.ArgumentError as exc:
         raise ValueError(f"bad worker flag: {exc}") from None
     if unknown:
-        raise ValueError(f"unknown worker flags: {unknown}")
+        raise ValueError(_unknown_flags(parser, unknown))
     return args
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """What is wrong with arguments no worker flag took: the first unknown flag, and the flags
+    it may have meant (flags are not abbreviated)."""
+    given = [text for text in unknown if text.startswith("-")]
+    if not given:
+        return f"unexpected worker arguments {list(unknown)}: each value follows its --flag"
+    name = given[0].split("=", 1)[0]
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]  # noqa: SLF001
+    close = [flag for flag in known if flag.startswith(name)]
+    close = close or difflib.get_close_matches(name, known, n=3, cutoff=0.8)
+    if not close:
+        return f"unknown worker flag {name!r}"
+    meant = close[0] if len(close) == 1 else f"one of {', '.join(close)}"
+    return f"unknown worker flag {name!r}: did you mean {meant}? (flags are not abbreviated)"
 
 
 def check_launcher_flags(flags: Sequence[str], decided: Mapping[str, str]) -> argparse.Namespace:
     """Parse and check worker flags a launcher was given; ValueError for bad ones, or for one the
     launcher sets itself (`decided`: argparse dest -> the rest of the message, e.g. "rank" ->
     "is the group's to set: ...")."""
-    args = parse_flags(flags, unset=decided)  # argparse's abbreviations included
+    args = parse_flags(flags, unset=decided)
     for name, why in decided.items():
         if getattr(args, name) is not UNSET:
             raise ValueError(f"--{name.replace('_', '-')} {why}")

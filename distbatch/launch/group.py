@@ -21,6 +21,7 @@ from distbatch.errors import CallTimeoutError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import (
     GROUP_OPTIONS,
+    LOCAL_GROUP_OPTIONS,
     check_engine_kwargs,
     check_launcher_flags,
     engine_kwargs_json,
@@ -103,14 +104,16 @@ class WorkerGroup:
         Worker i's engine is built as `Factory(**engine_kwargs, context=...)` (`context` if the
         factory takes it: a `WorkerContext` whose `rank` is i and `world_size` n). `engine_kwargs`
         must be JSON (checked before anything starts: `TypeError` / `ValueError` naming the key).
-        `args` are other worker flags (`--max-bytes`, ...), also checked first. Workers import
-        with this process's import path; whatever they print or log goes to `group.log_files`,
-        all in `group.log_dir`: `log_dir` if given, else `$DISTBATCH_LOG_DIR`, else a new
-        temporary directory, removed when the group stops cleanly and kept (and named in the
-        error) when a worker failed; see `spawn_workers`.
+        `args` are other worker flags (`--max-bytes`, ...), also checked first; those the group
+        sets itself are refused (`ValueError`): `--rank`, `--world-size`, `--engine-kwargs`, and
+        `--port`, `--address-file`, `--exit-with-parent` (each worker listens on a free port).
+        Workers import with this process's import path; whatever they print or log goes to
+        `group.log_files`, all in `group.log_dir`: `log_dir` if given, else `$DISTBATCH_LOG_DIR`,
+        else a new temporary directory, removed when the group stops cleanly and kept (and named
+        in the error) when a worker failed; see `spawn_workers`.
         """
         engine_flags = _engine_kwargs_flags(engine, engine_kwargs)
-        check_launcher_flags(args, GROUP_OPTIONS)
+        check_launcher_flags(args, {**LOCAL_GROUP_OPTIONS, **GROUP_OPTIONS})
         extra = [*args, *(["--engine", engine] if engine else []), *engine_flags]
         processes = spawn_workers(n, args=extra, env=env, startup_timeout=startup_timeout, log_dir=log_dir)
         group = cls(

@@ -294,6 +294,17 @@ def _start_failure(
     return f"worker {rank} {status}{kept}; {where}" + (f" ends with:\n{tail}" if tail else " is empty")
 
 
+def _given_port(args: Sequence[str]) -> str | None:
+    """The value of the last `--port` in worker flags `args` (the one argparse keeps), if any."""
+    port = None
+    for flag, value in zip(args, [*args[1:], None]):
+        if flag == "--port" and value is not None:
+            port = value
+        elif flag.startswith("--port="):
+            port = flag.partition("=")[2]
+    return port
+
+
 def spawn_workers(
     count: int,
     *,
@@ -310,7 +321,8 @@ def spawn_workers(
     """Start `count` workers on free ports (in parallel); return once all printed their address.
 
     Worker i runs with `--rank first_rank + i --world-size world_size` (default `count`): its
-    engine's `WorkerContext.rank` and `world_size`; `args` come after, so flags there win. `env`
+    engine's `WorkerContext.rank` and `world_size`; `args` come after, so flags there win (a
+    `--port` other than 0 only for one worker: `ValueError` for more). `env`
     adds variables to every worker, or one mapping per worker (e.g. CUDA_VISIBLE_DEVICES).
     Workers import with this process's import path (see `controller_import_path`) ahead of any
     PYTHONPATH they inherit. Each worker's output goes to `worker-<rank>-<pid>.log` in one
@@ -326,6 +338,11 @@ def spawn_workers(
     world_size = count if world_size is None else world_size
     check_rank(first_rank, world_size, "first_rank")
     check_rank(first_rank + count - 1, world_size, "the last worker's rank")
+    port = _given_port(args)
+    if count > 1 and port not in (None, "0"):
+        raise ValueError(
+            f"{count} workers cannot all listen on port {port}: leave --port out, and each picks a free one"
+        )
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * count
     if len(envs) != count:
         raise ValueError(f"{len(envs)} env mappings for {count} workers")

@@ -50,6 +50,14 @@ def format_node(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def check_port(port: object) -> int:
+    """`port` if a server can listen on it: an int from 0 (any free port) to 65535, else
+    `ValueError` naming it (the socket layer would take 70000 as 4464, modulo 65536)."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port {port!r} is not a port to listen on: use 0 to 65535 (0 picks a free one)")
+    return port
+
+
 def advertised_host(bind_host: str) -> str:
     """The host peers should dial: the bind host, or this machine's address for a wildcard."""
     if bind_host not in WILDCARD_HOSTS:
@@ -644,7 +652,8 @@ def connection_gauges(app: Flask) -> Values:
 
 
 class HttpServer:
-    """A threaded WSGI server around a Flask app, bound at construction (port 0 allowed).
+    """A threaded WSGI server around a Flask app, bound at construction on `port` (0 to 65535, 0
+    for a free one; anything else is a `ValueError`).
 
     At most `max_threads` connections are served at once (more wait to be accepted);
     one that moves no byte for `read_timeout` seconds within a request is closed, and
@@ -671,6 +680,7 @@ class HttpServer:
         reserve_requests: Collection[tuple[str, str]] = HEALTH_REQUESTS,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ) -> None:
+        check_port(port)
         if not max_threads >= 1 or not read_timeout > 0 or reserve_threads < 0 or not idle_timeout > 0:
             raise ValueError(
                 "max_threads must be >= 1, read_timeout and idle_timeout > 0, reserve_threads >= 0"

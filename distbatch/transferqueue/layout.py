@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from distbatch.batch.gather import Gathered
+from distbatch.batch.ragged import jagged_nested
 from distbatch.errors import WireFormatError
 
 # Task ids of the samples TransferQueue stores with us: its global index, which is unique
@@ -104,7 +105,7 @@ def _packed_like_tq(name: str, gathered: Gathered) -> Any:
         values, offsets = gathered.packed(name)
     except ValueError:  # samples differing in rank or trailing dims: TransferQueue's own fallbacks
         return _tq_pack(list(gathered.column()))
-    return torch.nested.nested_tensor_from_jagged(values, offsets.to(torch.int64))
+    return jagged_nested(values, offsets.to(torch.int64))
 
 
 def _tq_pack(values: list[Any]) -> Any:

@@ -82,6 +82,22 @@ def test_a_padded_field_warns_and_says_what_to_pass(batch: DBM) -> None:
         batch.chunk_balanced(2, length_field="input_ids")
 
 
+def test_a_batch_of_per_task_scalars_warns_that_it_has_no_length_not_that_it_is_padded(
+    convert: Callable[..., Any],
+) -> None:
+    """A scalar field is not padded: the warning says no field gives a length, and what to use."""
+    batch = convert(DBM.from_dict({"x": torch.rand(8), "uid": [f"u{i}" for i in range(8)]}))
+    with pytest.warns(UserWarning) as caught:
+        chunks = batch.chunk_balanced(2)
+    message = str(caught[0].message)
+    assert message.startswith(
+        "chunk_balanced: no field gives a task's length (the default, 'x', holds one scalar per task), "
+        "so chunks balance task counts only: use chunk(n) for that, or pass lengths="
+    )
+    assert "padded" not in message and "length_field=" in message
+    assert [len(c) for c in chunks] == [4, 4]
+
+
 def test_the_default_prefers_a_ragged_field() -> None:
     b = DBM.from_dict(
         {"reward": torch.ones(4), "tokens": [torch.zeros(n) for n in (9, 1, 1, 9)]}, task_ids=list("abcd")

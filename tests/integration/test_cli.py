@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -85,15 +86,40 @@ def test_status_keeps_every_column_of_a_live_worker_after_a_failed_one(
     assert code == 1
     header, *rows = out.splitlines()
     assert header.split() == [*"worker shards tasks live held capacity shared uptime engine".split()]
-    said = [" ".join(row.split()) for row in rows]  # the label sits in the shards column, then why
-    assert said[0].startswith(f"{dead} unreachable: WorkerUnavailableError")
-    assert said[1].startswith(f"{secured.node} refused: AuthError")
-    assert said[2].startswith(f"{not_a_worker} not a worker: RequestError") and "404" in said[2]
+    said = [row.split(None, 1) for row in rows]  # the address, then what the row says
+    # One short reason, single-spaced: no aiohttp internals ("ClientConnectorError ... ssl:default").
+    assert said[0] == [dead, "unreachable: connection refused"]
+    assert said[1][0] == secured.node and said[1][1].startswith("refused: AuthError: ")
+    assert said[2][0] == not_a_worker and said[2][1].startswith("not a worker: RequestError: HTTP 404")
+    assert all(node not in rest for node, rest in said[:3])  # the address once per row
     cells = re.split(r"\s{2,}", rows[3])  # columns are two spaces apart at least
     assert cells[:3] == [filled.node, "38", "25"] and len(cells) == 9 and cells[-1] == "-"  # all nine
     code, out, _ = run(capsys, "--timeout", "2", "status", dead, filled.node, "--json")
     table = json.loads(out)
-    assert table[dead]["state"] == "unreachable" and table[filled.node]["tasks"] == 25
+    assert table[dead] == {"state": "unreachable", "error": "connection refused"}
+    assert table[filled.node]["tasks"] == 25
+
+
+def test_timeout_goes_before_or_after_the_sub_command(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float] = []
+    real = ShardClient.__init__
+
+    def client(self: ShardClient, *args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["timeout"])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardClient, "__init__", client)
+    assert run(capsys, "status", filled.node, "--timeout", "1")[0] == 0  # was "unrecognized arguments"
+    assert run(capsys, "--timeout", "2", "status", filled.node)[0] == 0
+    assert run(capsys, "ls", filled.node, "--timeout", "3", "--limit", "1")[0] == 0
+    assert run(capsys, "--timeout", "4", "clear", filled.node, "--tasks", "nope", "--timeout", "5")[0] == 0
+    assert run(capsys, "status", filled.node)[0] == 0
+    assert seen == [1.0, 2.0, 3.0, 5.0, 10.0]  # after the sub-command wins; 10 s when given nowhere
+    with pytest.raises(SystemExit) as shown:
+        main(["status", "--help"])
+    assert shown.value.code == 0 and "--timeout S" in capsys.readouterr().out
 
 
 def test_status_of_a_controller_shows_its_partitions_next_to_workers(
@@ -147,6 +173,10 @@ def test_status_of_a_controller_shows_its_partitions_next_to_workers(
         put("step-1", ids[2:], y=torch.ones(2, 1))
         put("step-2", ["c9"], x=torch.zeros(1, 2))
         assert [len(w.result(timeout=30)) for w in waiting] == [4, 1]
+    code, out, _ = run(capsys, "status", server.address, filled.node)  # the order given is kept
+    controller_block, workers_block = out.split("\n\n")
+    assert controller_block.startswith(f"controller {server.address}:")
+    assert workers_block.splitlines()[1].startswith(filled.node)
     code, out, _ = run(capsys, "status", server.address)  # a controller alone: its table only
     assert code == 0 and out.startswith(f"controller {server.address}: 2 partition(s), 0 get_meta")
     cells = re.split(r"\s{2,}", out.splitlines()[2])
@@ -265,6 +295,24 @@ def test_worker_runs_the_worker_server() -> None:
         process.wait(10)
         if process.stdout is not None:
             process.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--port", "99999"], "argument --port: '99999' is not a port: use 0 to 65535"),  # was :34463
+        (["--port", "-1"], "argument --port: '-1' is not a port: use 0 to 65535"),  # was OverflowError
+        (["--max", "1G"], "unrecognized arguments: --max 1G"),  # was "ambiguous option"
+        (["--max-byte", "1G"], "unrecognized arguments: --max-byte 1G"),  # was taken for --max-bytes
+    ],
+)
+def test_the_worker_refuses_a_bad_port_or_an_abbreviated_flag_before_listening(
+    flags: list[str], said: str
+) -> None:
+    for command in (["-m", "rpc_server"], ["-m", "distbatch.cli", "worker"]):
+        done = subprocess.run([sys.executable, *command, *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", done  # no address: it never listened
+        assert said in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_package_installs_the_distbatch_command() -> None:

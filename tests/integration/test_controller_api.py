@@ -67,8 +67,11 @@ def test_the_loader_takes_either_and_refuses_a_local_one_in_worker_processes(
     for controller in (local, remote):
         dataset = StreamingDataset(controller, "p", "train", ["x"], batch_size=1)
         assert isinstance(next(iter([dataset])).controller, ControllerAPI)
-    with pytest.raises(ValueError, match="cannot serve DataLoader worker processes"):
+    with pytest.raises(ValueError, match="cannot serve DataLoader worker processes") as refused:
         StreamingDataLoader(StreamingDataset(local, "p", "train", ["x"], batch_size=1), num_workers=1)
+    # It names what a user imports (the public name), not the module it lives in.
+    assert "(distbatch.serve_controller)" in str(refused.value)
+    assert "distbatch.controller.server" not in str(refused.value)
     loader = StreamingDataLoader(StreamingDataset(remote, "p", "train", ["x"], batch_size=1), num_workers=1)
     assert loader.num_workers == 1
     assert DistributedBatchMemory().status.name == "EMPTY"

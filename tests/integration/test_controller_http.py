@@ -655,6 +655,16 @@ def test_server_repr_and_idempotent_shutdown(serve: Callable[..., ControllerServ
         HTTP.get(f"http://{server.address}/health", timeout=5)
 
 
+@pytest.mark.parametrize("port", [70000, 65536, -1])
+def test_serving_on_a_port_out_of_range_is_a_value_error_naming_it(port: int) -> None:
+    """70000 used to serve on :4464 (the socket layer takes a port modulo 65536); -1 was an
+    OverflowError from the socket layer."""
+    with pytest.raises(ValueError, match=f"port {port} is not a port to listen on: use 0 to 65535"):
+        serve_controller(Controller(), port=port)
+    with serve_controller(Controller(), port=0) as server:  # 0: a free port
+        assert 1 <= int(server.address.rsplit(":", 1)[1]) <= 65535
+
+
 def test_serving_on_a_taken_port_raises_an_os_error_naming_it() -> None:
     """Not werkzeug's SystemExit, which `except Exception` cannot catch and which ends the trainer."""
     with serve_controller(Controller()) as first:

@@ -152,9 +152,13 @@ def test_engine_kwargs_without_an_engine_are_refused(nothing_may_start: Path) ->
     ("args", "message"),
     [
         (["--rank", "1"], "--rank is the group's to set"),
-        (["--world-si", "4"], "--world-size is the group's to set"),  # argparse takes abbreviations
+        (["--world-size", "4"], "--world-size is the group's to set"),
+        (["--world-si", "4"], "unknown worker flag '--world-si': did you mean --world-size"),  # in full
+        (["--max", "1G"], "unknown worker flag '--max': did you mean one of --max-bytes"),  # was an exit
         (["--engine-kwargs", "{}"], "--engine-kwargs is the group's to set: pass engine_kwargs="),
         (["--port", "not-a-port"], "bad worker flag"),
+        (["--port", "40123"], r"--port is the group's to choose: each worker listens on a free port"),
+        (["--address-file", "addr"], "--address-file would be written by every worker"),
     ],
 )
 def test_local_refuses_flags_the_group_sets_or_that_are_bad(

@@ -39,3 +39,33 @@ def test_code_blocks_say_whether_they_run(page: Path) -> None:
     fences = re.findall(r"^```(\S*)$", page.read_text(), re.M)
     openings = fences[::2]
     assert set(openings) <= {"python", "bash", "text", ""}, f"{page.name}: {sorted(set(openings))}"
+
+
+def test_the_operating_session_prints_what_its_comments_say(capsys: pytest.CaptureFixture[str]) -> None:
+    """`distbatch ls` lists a task's fields in name order: `t0 hidden,uid` (the comment said uid,hidden)."""
+    page = GUIDE / "operating.md"
+    first = python_blocks(page)[0]
+    assert "# t0 hidden,uid / t1 hidden,uid," in first
+    namespace = run_blocks(page, [first])
+    try:
+        out = capsys.readouterr().out
+        assert "t0\thidden,uid\nt1\thidden,uid\n" in out
+        assert "deleted 4 shard(s)" in out
+    finally:
+        namespace["workers"].shutdown()
+
+
+def test_the_batches_session_prints_what_its_nested_comments_say(capsys: pytest.CaptureFixture[str]) -> None:
+    """`nested()` shares its values where one node holds the field, and is a new join where two
+    do (the page used to print `True 8 True` for its two-node batch, which printed `... False`)."""
+    page = GUIDE / "batches.md"
+    blocks = python_blocks(page)
+    index = next(i for i, block in enumerate(blocks) if ".nested(" in block)
+    assert "# True 4 True: " in blocks[index] and "# 8 False: " in blocks[index]
+    namespace = run_blocks(page, blocks[: index + 1])
+    try:
+        out = capsys.readouterr().out.splitlines()
+        assert "True 4 True" in out and "8 False" in out
+        assert out[-1] == "True"  # a batch made from a nested tensor shares its values
+    finally:
+        namespace["workers"].shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from batch_support import place
@@ -271,6 +272,34 @@ def test_nested_of_a_field_one_node_holds_shares_the_gathered_buffer(
     assert batch.packed("x")[0].data_ptr() == packed.data_ptr()
     local = batch.to_local()
     assert local.nested("x").values().data_ptr() == packed.data_ptr()
+
+
+@pytest.mark.parametrize("how", ["two_nodes", "interleaved"])
+def test_nested_of_a_field_two_nodes_hold_shares_only_what_arrived_as_one_tensor(
+    how: str, group: WorkerGroup, module_client: ShardClient, pushed: list[DBM]
+) -> None:
+    """What the guide says of sharing. Each node holding a run of the tasks (as `concat` of
+    per-node batches makes it): a buffer per node arrives, used as it is, so `packed` (and
+    `nested`, which copies nothing of its own) joins them into a new tensor on every call.
+    Tasks interleaved across nodes are put in order once, when gathered, into one tensor, then
+    shared. A batch over one node's tasks of the same shards shares that node's buffer."""
+    values = rows(torch.float32, (2,))
+    batch = place(DBM.from_dict({"x": jagged(values)}), how, group.nodes, module_client, pushed)
+    nt = batch.nested("x")
+    assert_nested(nt, values)
+    packed, _ = batch.packed("x")
+    assert torch.equal(packed, nt.values())
+    shared = how == "interleaved"
+    assert (packed.data_ptr() == nt.values().data_ptr()) is shared
+    assert (batch.nested("x").values().data_ptr() == nt.values().data_ptr()) is shared
+    meta = batch.meta
+    assert meta is not None
+    first = meta.nodes.index(group.nodes[0])
+    on_first = [int(i) for i in np.flatnonzero(meta.fields["x"].nodes == first)]
+    one = DBM.from_meta(batch[on_first].meta)  # nothing gathered yet: one response from one node
+    own = one.nested("x")
+    assert_nested(own, [values[i] for i in on_first])
+    assert one.packed("x")[0].data_ptr() == own.values().data_ptr()
 
 
 def test_engine_returns_nested_columns(

@@ -109,9 +109,55 @@ def test_the_comparison_says_what_one_host_can_and_cannot_show(reports: tuple, g
     assert f"({ratio:,.0f}x more):\n  distributed, it handles metadata only" in text
     assert "On one host both modes share the same\n  cores and the same loopback" in text
     assert "nothing to win\n  here" in text
-    assert "Try next:" in text and "examples/streaming_pipeline.py" in text
+    assert "Try next" in text and "examples/streaming_pipeline.py" in text
     alone = "\n".join(grpo.what_it_shows([distributed]))
-    assert "Try next:" in alone and "x more" not in alone
+    assert "Try next" in alone and "x more" not in alone
+
+
+def test_try_next_names_the_venv_and_what_ray_needs(reports: tuple, grpo: ModuleType) -> None:
+    """After scripts/demo, plain `python` has no distbatch and the venv has no Ray: the lines say
+    .venv/bin/... (or activate it), and to install Ray before --launcher ray."""
+    text = "\n".join(grpo.what_it_shows(list(reports)))
+    tried = text.split("Try next", 1)[1].splitlines()
+    assert "source .venv/bin/activate" in tried[0]
+    commands = [line.split("#", 1)[0].strip() for line in tried[1:]]
+    assert commands == [
+        ".venv/bin/python examples/streaming_pipeline.py",
+        '.venv/bin/pip install -e ".[ray]"',
+        ".venv/bin/python examples/grpo_pipeline.py --launcher ray",
+        ".venv/bin/distbatch status HOST:PORT",
+    ]
+
+
+def test_launcher_ray_without_ray_says_what_to_install_in_one_line(
+    grpo: ModuleType, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed (scripts/demo installs no Ray)
+    assert grpo.main(["--launcher", "ray", "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing started
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("grpo_pipeline.py: --launcher ray needs Ray") and 'pip install -e ".[ray]"' in err
+
+
+def test_the_docs_show_what_the_demo_prints_now(grpo: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README.md and the engines guide paste the demo's output (scripts/demo: --compare, default
+    sizes). Its byte counts are deterministic, so step 0's line of each mode must be what a run
+    prints today (they went stale once: 56.8 kB, 0.88%, after the controller's traffic grew).
+    As the demo runs: same-host gathers over shared memory (the suite turns them off)."""
+    monkeypatch.delenv("DISTBATCH_SHM")
+    args = grpo.parse_args(["--steps", "1"])
+    for centralised in (False, True):
+        report = grpo.run_pipeline(args, centralised=centralised, quiet=True)
+        step = report.steps[0]
+        share = step.controller_bytes / (step.worker_bytes + step.controller_bytes)
+        line = (
+            f"[{report.mode}] step 0: {step.tasks} tasks, {step.tokens:,} tokens | "
+            f"worker->worker {grpo._mb(step.worker_bytes)} | "
+            f"through controller {grpo._mb(step.controller_bytes)} ({share:.2%}) |"
+        )
+        for page in (ROOT / "README.md", ROOT / "docs" / "guide" / "engines.md"):
+            assert line in page.read_text(), f"{page.name} does not show the demo's {line!r}"
 
 
 def test_script_runs_and_prints_the_summary() -> None:
@@ -141,7 +187,7 @@ def test_script_runs_and_prints_the_summary() -> None:
     assert "worker->worker" in header and "through controller" in header and "stores empty" in header
     summary = [line for line in out.splitlines() if line.startswith("distributed ")]
     assert len(summary) == 1 and summary[0].rstrip().endswith("yes"), out
-    assert "Try next:" in out
+    assert "Try next" in out
 
 
 def test_the_main_job_over_shared_memory_gives_the_same_steps(

@@ -24,6 +24,13 @@ def test_readme_starts_its_set_up_with_the_two_scripts() -> None:
     assert [c for c in commands if c] == ["scripts/demo", "scripts/test"]
 
 
+def test_readme_says_which_python_has_distbatch() -> None:
+    """scripts/demo installs into .venv: a plain `python` there has no distbatch."""
+    text = README.read_text()
+    assert "Paste it into `.venv/bin/python`" in text and "source .venv/bin/activate" in text
+    assert "Paste it into `python`" not in text
+
+
 def test_readme_has_one_python_session() -> None:
     assert len(python_blocks(README)) == 1
 

@@ -166,10 +166,10 @@ def test_runtime_env_reaches_the_engine() -> None:
     [
         (["--host", "0.0.0.0"], "does not apply to Ray workers"),
         (["--port=0"], "does not apply to Ray workers"),
-        (["--hos", "0.0.0.0"], "--host does not apply to Ray workers"),  # argparse takes abbreviations
+        (["--hos", "0.0.0.0"], "unknown worker flag '--hos': did you mean --host"),  # no abbreviations
         (["--max-bytes", "lots"], "'lots' is not a size"),
         (["--max-idle-seconds", "0"], "must be > 0"),
-        (["--no-such-flag"], "unknown worker flags"),
+        (["--no-such-flag"], "unknown worker flag '--no-such-flag'"),
         (["--rank", "1"], "--rank is the group's to set"),
         (["--engine-kwargs", "{}"], "pass engine_kwargs= to the group"),
     ],
