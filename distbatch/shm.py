@@ -49,6 +49,7 @@ __all__ = [
 
 ENV_SWITCH = "DISTBATCH_SHM"
 ENV_HOST_ID = "DISTBATCH_HOST_ID"
+NET_NAMESPACE_PATH = "/proc/self/ns/net"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # Seals a region must carry before anyone maps it: its bytes and its size are final.
 REQUIRED_SEALS = (
@@ -78,16 +79,24 @@ def disabled_reason() -> str | None:
 
 
 def host_id() -> str:
-    """What names this machine for the same-host test: the kernel's boot id (every process of
-    one boot shares it, containers included), or `DISTBATCH_HOST_ID` where set."""
+    """What decides "same host" for the shared-memory path: the kernel's boot id (every process of
+    one boot shares it, containers included) and this process's network namespace, since the
+    worker's socket is an abstract Unix socket, which only its own network namespace can reach
+    (pods on one Kubernetes node share the boot id, not the namespace); or `DISTBATCH_HOST_ID`
+    where set."""
     override = os.environ.get(ENV_HOST_ID, "").strip()
     if override:
         return override
     try:
         with open(BOOT_ID_PATH, encoding="ascii") as handle:
-            return handle.read().strip()
+            boot = handle.read().strip()
     except OSError:
         return ""
+    try:
+        namespace = os.readlink(NET_NAMESPACE_PATH)  # "net:[4026531833]"
+    except OSError:
+        return boot
+    return f"{boot}/{namespace}"
 
 
 def raise_open_file_limit() -> int:

@@ -11,8 +11,12 @@ import logging
 import mmap
 import os
 import resource
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +32,7 @@ from distbatch.shm import (
     SharedRegion,
     abstract_address,
     close_all,
+    host_id,
     json_payload,
     recv_message,
     send_message,
@@ -549,3 +554,26 @@ def test_a_region_the_kernel_refuses_means_http_for_that_gather(
     assert tokenless_client.stats(worker.node)["shared_regions"] == 0
     lines = [r.getMessage() for r in caplog.records if "refused a shared region" in r.getMessage()]
     assert len(lines) == 1 and "this request used HTTP" in lines[0]
+
+
+def test_same_host_means_same_boot_and_same_network_namespace(no_shm_override: None) -> None:
+    """Processes of one boot in different network namespaces (pods on one node, the simulated
+    hosts of bench/cluster) cannot reach each other's abstract socket: their host ids differ, so
+    a client never tries the path there (and logs no failed handshake); a process in our own
+    namespace shares ours."""
+    code = "from distbatch.shm import host_id; print(host_id())"
+    ours = host_id()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert ours.startswith(boot + "/net:[")
+    sibling = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert sibling.stdout.strip() == ours
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare command to make a network namespace")
+    other = subprocess.run(
+        [unshare, "--net", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    if other.returncode != 0:
+        pytest.skip(f"this machine does not allow a new network namespace: {other.stderr.strip()[-200:]}")
+    theirs = other.stdout.strip()
+    assert theirs.startswith(boot + "/net:[") and theirs != ours
