@@ -19,6 +19,17 @@ from typing import Any
 from distbatch.errors import ResponseError
 
 MAX_HEAD_BYTES = 64 << 10
+# A stalled transfer is noticed within this share of the stall timeout past it.
+STALL_CHECKS_PER_TIMEOUT = 4
+
+
+class StalledTransfer(TimeoutError):
+    """No byte of the response arrived for the stall timeout: the worker stopped or its link is
+    down (no reset ever arrives then), while a slow transfer that still moves is never cut."""
+
+    def __init__(self, seconds: float, received: int) -> None:
+        super().__init__(f"no data for {seconds:g} s after {received} bytes (stalled)")
+        self.seconds, self.received = seconds, received
 
 
 class _BodyProtocol(asyncio.BufferedProtocol):
@@ -36,6 +47,7 @@ class _BodyProtocol(asyncio.BufferedProtocol):
         self.received = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
+        self.last_progress = asyncio.get_running_loop().time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -46,6 +58,7 @@ class _BodyProtocol(asyncio.BufferedProtocol):
         return memoryview(self.head)[self.head_len :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_progress = asyncio.get_running_loop().time()
         if self.done.done():
             return
         if self.view is not None:
@@ -124,6 +137,7 @@ async def request_into_buffer(
     max_body: int,
     connect_timeout: asyncio.Timeout | None = None,
     allocate: Callable[[int], Any] = bytearray,
+    stall_timeout: float | None = None,
 ) -> tuple[int, dict[str, str], Any]:
     """Send one request and read its response: (status, lower-case headers, body).
 
@@ -131,7 +145,9 @@ async def request_into_buffer(
 
     Connection errors surface as `OSError` / `ConnectionError` (`ResponseError` for a
     broken or unexpected response); the caller bounds the whole with `asyncio.timeout`,
-    and `connect_timeout` (an unentered `asyncio.timeout`) bounds the connect alone.
+    and `connect_timeout` (an unentered `asyncio.timeout`) bounds the connect alone. With
+    `stall_timeout`, `StalledTransfer` when no byte arrives for that long (judging progress, not
+    the total time: a slow link that keeps moving is never cut).
     """
     for name, value in headers.items():
         if any(c in f"{name}{value}" for c in "\r\n"):
@@ -147,7 +163,29 @@ async def request_into_buffer(
         lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        await protocol.done
+        protocol.last_progress = loop.time()  # the clock starts once the request is sent
+        await _done_or_stalled(protocol, stall_timeout)
         return protocol.status, protocol.headers, protocol.body
     finally:
         transport.close()
+
+
+async def _done_or_stalled(protocol: _BodyProtocol, stall_timeout: float | None) -> None:
+    """Wait for the response; `StalledTransfer` once nothing arrived for `stall_timeout`."""
+    if stall_timeout is None:
+        await protocol.done
+        return
+    loop = asyncio.get_running_loop()
+    check = stall_timeout / STALL_CHECKS_PER_TIMEOUT
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(protocol.done), check)
+            return
+        except TimeoutError:
+            if protocol.done.done():  # finished as the wait timed out
+                protocol.done.result()
+                return
+            if loop.time() - protocol.last_progress >= stall_timeout:
+                received = protocol.received + protocol.head_len
+                protocol._fail(StalledTransfer(stall_timeout, received))
+                protocol.done.result()  # raises it

@@ -33,6 +33,9 @@ from distbatch.ids import ShardRef, validate_id, validate_key, validate_node
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
 from distbatch.twins import awaiting, blocking, done, first_result
 
+# A gather with no byte arriving for this long has stalled (the liveness timeout's default).
+DEFAULT_STALL_TIMEOUT = 30.0
+
 T = TypeVar("T")
 
 Progress = Callable[[int], None]
@@ -64,6 +67,10 @@ class ShardClient:
             gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
         same_host: False keeps this client on HTTP even to workers on its host.
+        stall_timeout: a gather that receives no byte for this many seconds fails at once with
+            `WorkerUnavailableError` saying it stalled (a worker stopped, or a link that went
+            down without a reset), not retried; progress resets it, so a slow transfer is judged
+            by whether it moves. None: only `timeout` bounds it.
 
     Workers on this host are reached through shared memory instead of HTTP when they allow it
     (`distbatch.client.same_host`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.
@@ -84,6 +91,7 @@ class ShardClient:
         backoff_max: float = 2.0,
         recv_pool_bytes: int | None = None,
         same_host: bool = True,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         if min(max_connections, max_connections_per_node, max_keys_per_request, max_bytes_per_request) < 1:
             raise ValueError("connection and request limits must be >= 1")
@@ -107,7 +115,12 @@ class ShardClient:
             )
         )
         weakref.finalize(self, self._runtimes.close)  # a client dropped unclosed stops its thread
-        policy = RequestPolicy(self.token, timeout, connect_timeout, retries, backoff, backoff_max)
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError("stall_timeout must be > 0 or None")
+        self.stall_timeout = stall_timeout
+        policy = RequestPolicy(
+            self.token, timeout, connect_timeout, retries, backoff, backoff_max, stall_timeout
+        )
         self._transport = HttpTransport(policy, self._runtimes, self._traffic, self._recv_pool.take)
         http = HttpShardPath(self._transport, max_bytes_per_request, max_keys_per_request)
         self._path: HttpShardPath | SameHostShardPath = SameHostShardPath(http) if same_host else http

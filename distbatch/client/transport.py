@@ -22,6 +22,7 @@ import aiohttp
 
 from distbatch import wire
 from distbatch.client import http_recv
+from distbatch.client.http_recv import StalledTransfer
 from distbatch.client.loop import ProcessRuntime, Runtime
 from distbatch.client.responses import error_from_response, json_reply, read_into_bytearray
 from distbatch.client.results import Traffic
@@ -40,6 +41,8 @@ Body = bytes | list[wire.Buffer] | None
 def unanswered_reason(exc: BaseException) -> str:
     """Why a request got no answer, in a few words: "connection refused", "timed out", "no route
     to host", "name or service not known" (DNS); else the exception's type and message, on one line."""
+    if isinstance(exc, StalledTransfer):
+        return f"stalled: no data for {exc.seconds:g} s"
     if isinstance(exc, TimeoutError):
         return "timed out"
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -63,6 +66,7 @@ class RequestPolicy:
     retries: int
     backoff: float
     backoff_max: float
+    stall_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -198,8 +202,15 @@ class HttpTransport:
                 error = answered.error
             except _UNANSWERED as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, StalledTransfer):
+                    reason = (
+                        f"{exc} (the worker stopped, or its link is down; a slow transfer that "
+                        "keeps moving is never cut: stall_timeout)"
+                    )
                 error = WorkerUnavailableError(node, f"{method} {path} failed: {reason}")
                 error.reason = unanswered_reason(exc)
+                if isinstance(exc, StalledTransfer):
+                    raise error from None  # a retry would wait on the same silent link
                 if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
                     raise error from None  # it may have run: only a refused connection is retried
             await retries.pause_or_raise(error)
@@ -251,6 +262,7 @@ class HttpTransport:
             MAX_RESPONSE_BYTES,
             connect,
             self.allocate,
+            self.policy.stall_timeout,
         )
         self.traffic.bytes_received += len(payload)
         if status < 400:

@@ -404,6 +404,29 @@ def test_stalled_worker_times_out_then_recovers_intact(spawn) -> None:
         _assert_same(_fetch_bundle(client, a.node, bundles[a.node]), list(bundles[a.node].values()))
 
 
+def test_a_stalled_gather_fails_by_its_stall_timeout_not_the_total_deadline(spawn) -> None:
+    """A worker that stops sending (SIGSTOP: its socket stays open, no reset ever comes, as when
+    a host's link goes down) fails a gather once no byte arrived for `stall_timeout`, with an
+    error that says it stalled, long before the client's total `timeout`; not retried. Resumed,
+    the same gather succeeds with the data intact."""
+    (a,) = spawn(1)
+    stall = 1.0
+    with ShardClient(timeout=30.0, stall_timeout=stall) as client:
+        bundle = _small_bundle("stalled-gather")
+        client.put(a.node, bundle)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(WorkerUnavailableError, match=r"stalled.*link is down") as caught:
+                _fetch_bundle(client, a.node, bundle)
+            elapsed = time.monotonic() - started
+            assert caught.value.node == a.node and caught.value.reason.startswith("stalled")
+            assert stall <= elapsed <= stall * 1.25 + SLACK, elapsed
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        _assert_same(_fetch_bundle(client, a.node, bundle), list(bundle.values()))
+
+
 def test_spawned_worker_is_usable_at_once_after_a_kill(start_worker) -> None:
     """Killing a worker frees nothing another needs: a new one (new port) serves on its first request."""
     first = start_worker()
