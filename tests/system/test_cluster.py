@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,8 +76,17 @@ def _prefix(tag: str) -> str:
     return f"dt{tag}{os.getpid()}"
 
 
+def _remove_stale() -> None:
+    """Take down what earlier runs of this file left when killed mid-test (their pid is gone)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for tag, pid in set(re.findall(r"^dt([cd])(\d+)h\d+", listing, re.MULTILINE)):
+        if not Path(f"/proc/{pid}").exists():
+            down(f"dt{tag}{pid}")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
+    _remove_stale()
     prefix = _prefix("c")
     with Cluster.up(2, rate=RATE, prefix=prefix) as made:
         yield made
