@@ -1,0 +1,187 @@
+"""Across simulated hosts (bench/cluster.py): network namespaces on a bridge, each NIC shaped to
+200 Mbit/s by tbf. A worker runs in one host, a client in another; the batch crosses the bridge
+at the link's rate. Skipped where this machine cannot create namespaces or tbf qdiscs (not root,
+no iproute2, a container without CAP_NET_ADMIN). Traffic stays between the namespaces' addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import Cluster, check, down, leftovers
+from distbatch.launch.local import log_tail, read_first_line
+from distbatch.shm import ENV_SWITCH
+
+REPO = Path(__file__).resolve().parents[2]
+RATE = "200mbit"
+RATE_BITS = 200e6
+BATCH_SHAPE = (1024, 2048)  # float32: 8 MiB, 64 Mibit (67.1 Mbit)
+BATCH_BITS = BATCH_SHAPE[0] * BATCH_SHAPE[1] * 4 * 8
+STEP_TIMEOUT = 120.0  # seconds for any one subprocess
+
+_REASON = check()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated cluster here: {_REASON}")
+
+CLIENT = textwrap.dedent(
+    """
+    import json, logging, sys, time
+    import torch
+    logging.basicConfig(level=logging.INFO, format="client log: %(name)s %(levelname)s %(message)s")
+    from distbatch import DistributedBatchMemory
+
+    node, rows, cols = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    data = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7))
+    local = DistributedBatchMemory.from_dict({"x": data, "row": list(range(rows))})
+    start = time.perf_counter()
+    remote = local.to_remote(node)
+    put_s = time.perf_counter() - start
+    start = time.perf_counter()
+    back = remote.to_local()
+    get_s = time.perf_counter() - start
+    result = {
+        "status": str(remote.status),
+        "equal": bool(torch.equal(back["x"], data)) and back["row"] == list(range(rows)),
+        "bytes": data.numel() * data.element_size(),
+        "put_s": put_s,
+        "get_s": get_s,
+    }
+    remote.clear()
+    print(json.dumps(result))
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    # The root conftest turns the same-host path off; across hosts it is on, as in production,
+    # and must decide by itself that a worker in another host is not on this one.
+    env.pop(ENV_SWITCH, None)
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        env.pop(name, None)
+    return env
+
+
+def _prefix(tag: str) -> str:
+    """Unique per run: the test process's pid, within the prefix limit ("dt" + tag + pid)."""
+    return f"dt{tag}{os.getpid()}"
+
+
+def _remove_stale() -> None:
+    """Take down what earlier runs of this file left when killed mid-test (their pid is gone)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for tag, pid in set(re.findall(r"^dt([cd])(\d+)h\d+", listing, re.MULTILINE)):
+        if not Path(f"/proc/{pid}").exists():
+            down(f"dt{tag}{pid}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    _remove_stale()
+    prefix = _prefix("c")
+    with Cluster.up(2, rate=RATE, prefix=prefix) as made:
+        yield made
+    assert leftovers(prefix) == []
+
+
+@pytest.fixture(scope="module")
+def worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A distbatch worker (a store) in host 1, bound to its cluster address; yields its node."""
+    log = tmp_path_factory.mktemp("cluster") / "worker.log"
+    with log.open("wb") as log_file:
+        process = cluster.popen(
+            1,
+            [sys.executable, "-m", "rpc_server", "--host", cluster.address(1), "--port", "0",
+             "--exit-with-parent", str(os.getpid()), "--log-level", "INFO"],
+            stdout=subprocess.PIPE, stderr=log_file, env=_env(), cwd=REPO,
+        )  # fmt: skip
+    try:
+        node = read_first_line(process, timeout=60.0)
+        assert node is not None, f"the worker did not start: {log_tail(log)}"
+        assert node.startswith(cluster.address(1) + ":"), node
+        yield node
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+        print(f"worker log tail:\n{log_tail(log)}")
+
+
+def test_hosts_are_separate_namespaces(cluster: Cluster) -> None:
+    """Each host has its own address, DISTBATCH_HOST_ID and a tbf qdisc on its NIC."""
+    for host in range(2):
+        shown = cluster.run(
+            host, [sys.executable, "-c", "import os; print(os.environ['DISTBATCH_HOST_ID'])"],
+            capture_output=True, text=True, timeout=STEP_TIMEOUT, check=True,
+        )  # fmt: skip
+        assert shown.stdout.strip() == cluster.host_id(host)
+        addresses = cluster.run(
+            host, ["ip", "-o", "-4", "addr", "show", "dev", "eth0"],
+            capture_output=True, text=True, timeout=STEP_TIMEOUT, check=True,
+        )  # fmt: skip
+        assert f"{cluster.address(host)}/24" in addresses.stdout
+        qdisc = cluster.run(
+            host, ["tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True, text=True, timeout=STEP_TIMEOUT, check=True,
+        )  # fmt: skip
+        assert "tbf" in qdisc.stdout and "200Mbit" in qdisc.stdout, qdisc.stdout
+
+
+def test_put_and_gather_across_hosts(cluster: Cluster, worker: str, tmp_path: Path) -> None:
+    """A client in host 0 puts an 8 MiB batch on the worker in host 1 and gathers it back, equal;
+    the put crosses a 200 Mbit/s link, so it cannot take less than the link allows."""
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    done = cluster.run(
+        0, [sys.executable, str(script), worker, str(BATCH_SHAPE[0]), str(BATCH_SHAPE[1])],
+        capture_output=True, text=True, timeout=STEP_TIMEOUT, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    print(f"client stderr:\n{done.stderr}")
+    print(f"client stdout:\n{done.stdout}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["equal"] is True
+    assert "is on this host" not in done.stderr  # hosts differ: no shared memory across them
+    assert result["bytes"] * 8 == BATCH_BITS
+    # 64 Mibit over 200 Mbit/s is 0.34 s at best; a generous lower bound, never an upper one.
+    floor = 0.6 * BATCH_BITS / RATE_BITS
+    assert result["put_s"] >= floor, f"put of {BATCH_BITS / 1e6:.1f} Mbit took {result['put_s']:.3f} s"
+    assert result["get_s"] >= floor, f"gather of {BATCH_BITS / 1e6:.1f} Mbit took {result['get_s']:.3f} s"
+    print(
+        f"8 MiB across hosts at {RATE}: put {result['put_s']:.3f} s "
+        f"({BATCH_BITS / result['put_s'] / 1e6:.0f} Mbit/s), gather {result['get_s']:.3f} s "
+        f"({BATCH_BITS / result['get_s'] / 1e6:.0f} Mbit/s)"
+    )
+
+
+def test_down_leaves_nothing() -> None:
+    """A cluster of its own, downed twice: no namespace or link with its prefix remains."""
+    prefix = _prefix("d")
+    made = Cluster.up(1, rate=RATE, prefix=prefix)
+    try:
+        assert leftovers(prefix), "up made nothing"
+    finally:
+        made.down()
+    assert down(prefix) == []  # the second time: nothing left to remove
+    namespaces = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=True
+    )
+    links = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert prefix not in namespaces.stdout
+    assert prefix not in links.stdout
