@@ -95,14 +95,18 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A distbatch worker (a store) in host 1, bound to its cluster address; yields its node."""
+    """A distbatch worker (a store) in host 1, bound to its cluster address; yields its node.
+    It runs without DISTBATCH_HOST_ID, as a worker in a pod would: its host id is the kernel's
+    (boot id and network namespace)."""
     log = tmp_path_factory.mktemp("cluster") / "worker.log"
+    env = _env()
+    env.pop("DISTBATCH_HOST_ID", None)
     with log.open("wb") as log_file:
-        process = cluster.popen(
-            1,
-            [sys.executable, "-m", "rpc_server", "--host", cluster.address(1), "--port", "0",
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", cluster.namespace(1),
+             sys.executable, "-m", "rpc_server", "--host", cluster.address(1), "--port", "0",
              "--exit-with-parent", str(os.getpid()), "--log-level", "INFO"],
-            stdout=subprocess.PIPE, stderr=log_file, env=_env(), cwd=REPO,
+            stdout=subprocess.PIPE, stderr=log_file, env=env, cwd=REPO,
         )  # fmt: skip
     try:
         node = read_first_line(process, timeout=60.0)
@@ -185,3 +189,24 @@ def test_down_leaves_nothing() -> None:
     )
     assert prefix not in namespaces.stdout
     assert prefix not in links.stdout
+
+
+def test_without_a_host_id_hosts_tell_each_other_apart_by_namespace(
+    cluster: Cluster, worker: str, tmp_path: Path
+) -> None:
+    """With no DISTBATCH_HOST_ID, a client in another network namespace of the same boot knows
+    the worker is not on its host (boot id and namespace differ), so it never tries the
+    same-host socket it could not reach: no failed handshake, no warning, HTTP at once."""
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    env = _env()
+    env.pop("DISTBATCH_HOST_ID", None)
+    argv = [sys.executable, str(script), worker, "64", "64"]
+    done = subprocess.run(
+        ["ip", "netns", "exec", cluster.namespace(0), *argv],
+        capture_output=True, text=True, timeout=STEP_TIMEOUT, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["equal"] is True
+    assert "handshake failed" not in done.stderr and "WARNING" not in done.stderr, done.stderr
+    assert "runs on another host" in done.stderr  # said once, at INFO
