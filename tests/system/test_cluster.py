@@ -94,7 +94,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster_worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A distbatch worker (a store) in host 1, bound to its cluster address; yields its node.
     It runs without DISTBATCH_HOST_ID, as a worker in a pod would: its host id is the kernel's
     (boot id and network namespace)."""
@@ -145,13 +145,13 @@ def test_hosts_are_separate_namespaces(cluster: Cluster) -> None:
         assert "tbf" in qdisc.stdout and "200Mbit" in qdisc.stdout, qdisc.stdout
 
 
-def test_put_and_gather_across_hosts(cluster: Cluster, worker: str, tmp_path: Path) -> None:
+def test_put_and_gather_across_hosts(cluster: Cluster, cluster_worker: str, tmp_path: Path) -> None:
     """A client in host 0 puts an 8 MiB batch on the worker in host 1 and gathers it back, equal;
     the put crosses a 200 Mbit/s link, so it cannot take less than the link allows."""
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     done = cluster.run(
-        0, [sys.executable, str(script), worker, str(BATCH_SHAPE[0]), str(BATCH_SHAPE[1])],
+        0, [sys.executable, str(script), cluster_worker, str(BATCH_SHAPE[0]), str(BATCH_SHAPE[1])],
         capture_output=True, text=True, timeout=STEP_TIMEOUT, env=_env(), cwd=REPO,
     )  # fmt: skip
     print(f"client stderr:\n{done.stderr}")
@@ -192,7 +192,7 @@ def test_down_leaves_nothing() -> None:
 
 
 def test_without_a_host_id_hosts_tell_each_other_apart_by_namespace(
-    cluster: Cluster, worker: str, tmp_path: Path
+    cluster: Cluster, cluster_worker: str, tmp_path: Path
 ) -> None:
     """With no DISTBATCH_HOST_ID, a client in another network namespace of the same boot knows
     the worker is not on its host (boot id and namespace differ), so it never tries the
@@ -201,7 +201,7 @@ def test_without_a_host_id_hosts_tell_each_other_apart_by_namespace(
     script.write_text(CLIENT)
     env = _env()
     env.pop("DISTBATCH_HOST_ID", None)
-    argv = [sys.executable, str(script), worker, "64", "64"]
+    argv = [sys.executable, str(script), cluster_worker, "64", "64"]
     done = subprocess.run(
         ["ip", "netns", "exec", cluster.namespace(0), *argv],
         capture_output=True, text=True, timeout=STEP_TIMEOUT, env=env, cwd=REPO,
