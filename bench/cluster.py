@@ -222,6 +222,15 @@ class Cluster:
     def host_id(self, host: int) -> str:
         return self.namespace(host)
 
+    def set_link(self, host: int, up: bool) -> None:
+        """Take host `host`'s link down (its cable pulled: no reset reaches anyone) or back up."""
+        subprocess.run(
+            ["ip", "link", "set", "dev", self._veth(host), "up" if up else "down"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+
     def _veth(self, host: int) -> str:  # the bridge end, in the root namespace
         return f"{self.prefix}v{host}"
 

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,3 +211,70 @@ def test_without_a_host_id_hosts_tell_each_other_apart_by_namespace(
     assert json.loads(done.stdout.strip().splitlines()[-1])["equal"] is True
     assert "handshake failed" not in done.stderr and "WARNING" not in done.stderr, done.stderr
     assert "runs on another host" in done.stderr  # said once, at INFO
+
+
+STALL_CLIENT = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from distbatch import DistributedBatchMemory, ShardClient, WorkerUnavailableError
+
+    node, stall = sys.argv[1], float(sys.argv[2])
+    data = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(3))  # 32 MiB
+    client = ShardClient(timeout=120.0, stall_timeout=stall)
+    remote = DistributedBatchMemory.from_dict({"x": data}).to_remote(node, client)
+    print("put", flush=True)
+    for step in sys.stdin:
+        fresh = DistributedBatchMemory.from_meta(remote.meta, client)
+        start = time.perf_counter()
+        try:
+            ok = bool(torch.equal(fresh.to_local()["x"], data))
+            print(json.dumps({"ok": ok, "s": time.perf_counter() - start}), flush=True)
+        except WorkerUnavailableError as exc:
+            print(json.dumps({"error": str(exc), "s": time.perf_counter() - start}), flush=True)
+    remote.clear()
+    """
+)
+
+
+def test_a_link_down_mid_gather_fails_by_the_stall_timeout_and_a_retry_succeeds(
+    cluster: Cluster, cluster_worker: str, tmp_path: Path
+) -> None:
+    """The worker's host drops off the network in the middle of a 32 MiB gather (no reset ever
+    arrives): the gather fails once no byte came for the stall timeout, saying it stalled, not
+    after the client's 120 s total; the link comes back, and the same gather succeeds with the
+    data intact (nothing lost on the worker)."""
+    script = tmp_path / "stall_client.py"
+    script.write_text(STALL_CLIENT)
+    stall = 2.0
+    argv = [sys.executable, str(script), cluster_worker, str(stall)]
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.namespace(0), *argv],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(), cwd=REPO,
+    )  # fmt: skip
+    assert client.stdin is not None and client.stdout is not None
+    try:
+        assert client.stdout.readline().strip() == "put"
+        client.stdin.write("gather\n")
+        client.stdin.flush()
+        time.sleep(0.4)  # 32 MiB take ~1.3 s over 200 Mbit/s: cut it in the middle
+        cluster.set_link(1, up=False)
+        try:
+            failed = json.loads(client.stdout.readline())
+        finally:
+            cluster.set_link(1, up=True)
+        assert "stalled" in failed.get("error", ""), failed
+        assert failed["s"] <= 0.4 + stall * 1.25 + 2.0, failed  # the stall timeout, not 120 s
+        client.stdin.write("retry\n")
+        client.stdin.flush()
+        again = json.loads(client.stdout.readline())
+        assert again == {"ok": True, "s": again["s"]}, again
+    finally:
+        if client.stdin is not None:
+            client.stdin.close()
+        try:
+            client.wait(STEP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            client.wait(10)
