@@ -87,7 +87,7 @@ def _jagged_lengths(value: torch.Tensor) -> list[int]:
     lengths = value.lengths()  # type: ignore[attr-defined]  # a jagged nested tensor's
     if lengths is None:
         lengths = value.offsets().diff()  # type: ignore[attr-defined]
-    return [int(n) for n in lengths.tolist()]
+    return lengths.tolist()  # integer offsets: plain ints
 
 
 def tensordict_of(gathered: Mapping[str, Gathered], names: list[str], size: int) -> TensorDict:

@@ -119,7 +119,8 @@ class DistbatchStorageManager(StorageManager):
             return TensorDict({}, batch_size=size)
         meta = _batch_meta(metadata, names, self.options.endpoints)
         plan = plan_fetch(meta, names, self.client)
-        assert plan is not None  # names is not empty
+        if plan is None:  # nothing to gather (plan_fetch says so only for no names)
+            return TensorDict({}, batch_size=size)
         gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
         return tensordict_of(gathered, names, size)
 

@@ -19,6 +19,7 @@ from distbatch.wire.container import parts_size
 from distbatch.wire.shapes import RowShapes, unique_ints
 from rpc_server.errors import MissingShardsError
 from rpc_server.store.index import ShardIndex
+from rpc_server.store.records import ReplacedValues
 from rpc_server.store.regions import RegionSlots, run_table
 from rpc_server.store.segments import Buffer, Segment, SegmentTable, byte_runs, gather_bytes
 
@@ -48,18 +49,23 @@ def pick(
     fields: Sequence[str],
     share_from: int | None = None,
     pending: dict[int, Buffer] | None = None,
+    generations: np.ndarray | None = None,
 ) -> list[Picked]:
     """Per field: the segment and position of each task's value (at `rows`; store lock held).
 
-    `MissingShardsError` lists every absent key. With `share_from`, the tensor fields of that
-    many bytes or more are marked shared; buffers holding their bytes outside a shared region go
-    into `pending`.
+    `MissingShardsError` lists every absent key; with `generations` (per task, the put its
+    values came from; 0: any), `ReplacedShardsError` lists values a later put replaced. With
+    `share_from`, the tensor fields of that many bytes or more are marked shared; buffers
+    holding their bytes outside a shared region go into `pending`.
     """
     picked: list[Picked] = []
     missing: list[ShardKey] = []
     missing_count = 0
+    replaced = ReplacedValues()
     for name in fields:
         segs = index.locate(name, rows)
+        if generations is not None:
+            replaced.add(task_ids, name, *index.replaced(name, rows, segs, generations), generations)
         absent = np.flatnonzero(segs < 0)
         if len(absent):
             missing_count += len(absent)
@@ -70,6 +76,7 @@ def pick(
         used = {s: segments.segments[s] for s in unique_ints(segs).tolist()}
         shared = share_from is not None and _shares(segs, positions, used, share_from, pending)
         picked.append(Picked(name, segs, positions, used, shared))
+    replaced.raise_if_any("read")
     if missing:
         raise MissingShardsError(missing, missing_count)
     return picked

@@ -207,6 +207,18 @@ class ShardIndex:
         index = self.fields.get(name)
         return index.gen[rows] if index is not None else np.zeros(len(rows), dtype=np.int64)
 
+    def replaced(
+        self, name: str, rows: np.ndarray, segs: np.ndarray, generations: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Of the values of field `name` at `rows` (held where `segs` >= 0), those a put other
+        than `generations` names stored (0: any): (their positions in `rows`, their generations)."""
+        at = np.flatnonzero((segs >= 0) & (generations != 0))
+        if not len(at):
+            return at, at
+        stored = self.generations(name, rows[at])
+        stale = stored != generations[at]
+        return at[stale], stored[stale]
+
     def positions(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Where field `name` of the tasks at `rows` sits in its segment (rows that `locate` found)."""
         index = self.fields.get(name)

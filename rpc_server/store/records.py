@@ -6,7 +6,7 @@ these plain values without reaching into segments or indexes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -15,6 +15,7 @@ import numpy as np
 from distbatch.wire.bundle import Bundle, RawColumn
 from distbatch.wire.container import RawTensor, parts_size
 from distbatch.wire.shapes import RowShapes
+from rpc_server.errors import ReplacedShardsError
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,31 @@ class StoreStats:
             "capacity": self.capacity,
             "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
         }
+
+
+# A 409 for replaced shards lists at most this many (and says how many there are).
+MAX_REPLACED_LISTED = 100
+
+
+class ReplacedValues:
+    """Values a later put replaced, gathered field by field, for one `ReplacedShardsError`."""
+
+    def __init__(self) -> None:
+        self.listed: list[tuple[str, str, int, int]] = []
+        self.count = 0
+
+    def add(
+        self, task_ids: Sequence[str], name: str, at: np.ndarray, stored: np.ndarray, asked: np.ndarray
+    ) -> None:
+        """Field `name` of the tasks at positions `at` holds `stored`, not the `asked` generation."""
+        self.count += len(at)
+        room = max(MAX_REPLACED_LISTED - len(self.listed), 0)
+        for i, held in zip(at[:room].tolist(), stored[:room].tolist()):
+            self.listed.append((task_ids[i], name, held, int(asked[i])))
+
+    def raise_if_any(self, what: str) -> None:
+        if self.count:
+            raise ReplacedShardsError(self.listed, self.count, what)
 
 
 class PutReceipt(NamedTuple):

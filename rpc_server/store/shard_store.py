@@ -285,8 +285,9 @@ class ShardStore:
         with self._lock:
             shards = self._shards
             rows = shards.index.rows.lookup(task_ids)
-            shards.check_generations(task_ids, rows, fields, generations, "read")
-            picked = pick(shards.index, shards.segments, task_ids, rows, fields, share_from, pending)
+            picked = pick(
+                shards.index, shards.segments, task_ids, rows, fields, share_from, pending, generations
+            )
             shards.touch(rows)
         return picked
 

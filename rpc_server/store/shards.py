@@ -15,13 +15,9 @@ import numpy as np
 from distbatch.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, column_field
 from distbatch.wire.shapes import unique_ints
-from rpc_server.errors import ReplacedShardsError
 from rpc_server.store.index import ShardIndex
-from rpc_server.store.records import PutReceipt
+from rpc_server.store.records import PutReceipt, ReplacedValues
 from rpc_server.store.segments import Buffer, SegmentTable
-
-# A 409 for replaced shards lists at most this many (and says how many there are).
-MAX_REPLACED_LISTED = 100
 
 
 class Shards:
@@ -58,25 +54,14 @@ class Shards:
     ) -> None:
         """`ReplacedShardsError` if a value held at `rows` was stored by another put than the
         one `generations` names per task (0: not known, not checked); absent values pass (a
-        fetch reports them missing, a delete skips them)."""
+        delete skips them)."""
         if generations is None:
             return
-        listed: list[tuple[str, str, int, int]] = []
-        count = 0
+        found = ReplacedValues()
         for name in fields:
-            held = self.index.locate(name, rows) >= 0
-            held &= generations != 0
-            if not held.any():
-                continue
-            at = np.flatnonzero(held)
-            stored = self.index.generations(name, rows[at])
-            stale = np.flatnonzero(stored != generations[at])
-            count += len(stale)
-            for j in stale[: max(MAX_REPLACED_LISTED - len(listed), 0)].tolist():
-                i = int(at[j])
-                listed.append((task_ids[i], name, int(stored[j]), int(generations[i])))
-        if count:
-            raise ReplacedShardsError(listed, count, what)
+            at, stored = self.index.replaced(name, rows, self.index.locate(name, rows), generations)
+            found.add(task_ids, name, at, stored, generations)
+        found.raise_if_any(what)
 
     def apply(
         self,

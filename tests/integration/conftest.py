@@ -6,7 +6,10 @@ conftest, which the system tier shares; here are the batches built on them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,6 +19,19 @@ from distbatch import BatchStatus, DistributedBatchMemory, ShardClient, WorkerGr
 from distbatch.launch import WorkerProcess, spawn_workers
 
 DBM = DistributedBatchMemory
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def grpo() -> Iterator[ModuleType]:
+    """The main job's module, examples/grpo_pipeline.py (imported from examples/ for a module)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import grpo_pipeline
+
+        yield grpo_pipeline
+    finally:
+        sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -31,17 +30,6 @@ DBM = DistributedBatchMemory
 
 def number(text: str) -> int:
     return int(text.replace(",", ""))
-
-
-@pytest.fixture(scope="module")
-def grpo() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import grpo_pipeline
-
-        yield grpo_pipeline
-    finally:
-        sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,17 +30,6 @@ TINY = [
     "--train-workers",
     "2",
 ]
-
-
-@pytest.fixture(scope="module")
-def grpo() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import grpo_pipeline
-
-        yield grpo_pipeline
-    finally:
-        sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")

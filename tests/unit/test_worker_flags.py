@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -158,7 +159,20 @@ def test_a_local_group_refuses_the_flags_it_sets_itself(args: list[str], message
     assert check_launcher_flags(["--host", "0.0.0.0"], decided).host == "0.0.0.0"  # a bind address: fine
 
 
-@pytest.mark.parametrize("args", [["--port", "40123"], ["--port=40123"], ["--port", "0", "--port", "9"]])
-def test_several_workers_cannot_share_one_port(args: list[str]) -> None:
+def _a_port() -> int:
+    """A port number the kernel picks (port 0), released at once: nothing listens on it here."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("form", ["separate", "joined", "repeated"])
+def test_several_workers_cannot_share_one_port(form: str) -> None:
+    port = str(_a_port())
+    args = {
+        "separate": ["--port", port],
+        "joined": [f"--port={port}"],
+        "repeated": ["--port", "0", "--port", port],  # the last one counts
+    }[form]
     with pytest.raises(ValueError, match="2 workers cannot all listen on port"):
         spawn_workers(2, args=args)
