@@ -32,6 +32,7 @@ def _check_version() -> None:
 
 _check_version()
 
+from distbatch.transferqueue import fast_schema  # noqa: E402
 from distbatch.transferqueue.bootstrap import STARTED, bootstrap  # noqa: E402  (after the check)
 from distbatch.transferqueue.manager import BACKEND_NAME, DistbatchStorageManager  # noqa: E402
 from distbatch.transferqueue.options import BackendOptions  # noqa: E402
@@ -49,6 +50,7 @@ def close() -> int:
     try:
         tq.close()
     finally:
+        fast_schema.uninstall()
         stopped = STARTED.stop_all()
     return stopped
 

@@ -34,6 +34,7 @@ from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import ClearError, NodeError
+from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
 from distbatch.transferqueue.options import BackendOptions
@@ -79,6 +80,8 @@ class DistbatchStorageManager(StorageManager):
         self.client = ShardClient(token=options.token, timeout=options.timeout, same_host=options.same_host)
         self.home = home_worker(options.endpoints, local_addresses(), os.getpid())
         self.slot = options.endpoints.index(self.home)
+        if options.fast_schema:
+            fast_schema.install()
 
     # ------------------------------------------------------------------ put
 
@@ -100,7 +103,8 @@ class DistbatchStorageManager(StorageManager):
         bundle, _ = batch.export_bundle(self.home)
         await self.client.aput_bundle(self.home, bundle)
         moved = _moved_fields(metadata, list(batch.fields), self.slot, self.options.endpoints)
-        where = {gi: dict.fromkeys(batch.fields, self.slot) for gi in global_indexes}
+        # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
+        where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, self.slot))
         partition = metadata.partition_ids[0]
         await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
@@ -209,7 +213,10 @@ def _moved_fields(
     """Fields this put replaces that an earlier put left on another worker: per worker, the
     samples and fields to delete there."""
     out: dict[str, tuple[list[int], list[str]]] = {}
-    for gi, where in zip(metadata.global_indexes, _locations(metadata)):
+    locations = _locations(metadata)
+    if not any(locations):  # new samples (the usual put): nothing stored anywhere yet
+        return out
+    for gi, where in zip(metadata.global_indexes, locations):
         for name in fields:
             slot = where.get(name)
             if isinstance(slot, int) and slot % len(endpoints) != home:

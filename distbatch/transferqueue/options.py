@@ -28,6 +28,8 @@ class BackendOptions:
             no bound).
         same_host: reach workers on this host through shared memory (False: HTTP only).
         timeout: seconds one request to a worker may take, retries included.
+        fast_schema: compute the field schema TransferQueue's client records after every put
+            from offsets instead of one tensor per sample (equal result; see `fast_schema`).
     """
 
     endpoints: tuple[str, ...] = ()
@@ -36,6 +38,7 @@ class BackendOptions:
     capacity: int | None = None
     same_host: bool = True
     timeout: float = 60.0
+    fast_schema: bool = True
 
     @staticmethod
     def from_config(section: Mapping[str, Any] | None) -> BackendOptions:
@@ -58,6 +61,7 @@ class BackendOptions:
             "capacity": self.capacity,
             "same_host": self.same_host,
             "timeout": self.timeout,
+            "fast_schema": self.fast_schema,
         }
 
 
@@ -105,4 +109,5 @@ _CHECKS: dict[str, Any] = {
     "capacity": _capacity,
     "same_host": lambda v: _plain(v, bool, "same_host"),
     "timeout": _timeout,
+    "fast_schema": lambda v: _plain(v, bool, "fast_schema"),
 }

@@ -52,6 +52,30 @@ def test_the_announced_schema_is_transferqueues(fields: dict) -> None:
     assert field_schema(data) == extract_field_schema(data)
 
 
+def test_add_fields_records_the_same_schema_with_ours_installed() -> None:
+    import transfer_queue.metadata as tq_metadata
+    from transfer_queue.metadata import BatchMeta as TQBatchMeta
+
+    from distbatch.transferqueue import fast_schema
+
+    data = TensorDict(
+        {"ids": jagged(3, 5, 1), "reward": torch.rand(3), "text": NonTensorStack("a", "b", "c")}, [3]
+    )
+
+    def recorded() -> dict:
+        meta = TQBatchMeta(global_indexes=[0, 1, 2], partition_ids=["p"] * 3)
+        return meta.add_fields(data).field_schema
+
+    theirs = recorded()
+    try:
+        assert fast_schema.install() and not fast_schema.install()
+        assert tq_metadata.extract_field_schema is fast_schema.extract_field_schema
+        assert recorded() == theirs
+    finally:
+        assert fast_schema.uninstall() and not fast_schema.uninstall()
+    assert tq_metadata.extract_field_schema is fast_schema.TQ_EXTRACT_FIELD_SCHEMA
+
+
 def test_columns_keep_tensors_and_turn_other_values_into_lists() -> None:
     data = TensorDict({"ids": jagged(1, 2), "tag": NonTensorStack({"a": 1}, {"b": 2})}, batch_size=[2])
     columns = columns_of(data)

@@ -255,6 +255,7 @@ def test_checkpoints_round_trip_as_with_simple_storage(tmp_path: Path) -> None:
         ({"endpoints": "127.0.0.1:1"}, "must be a list"),
         ({"endpoints": ["not an address"]}, "node"),
         ({"timeout": 0}, "seconds > 0"),
+        ({"fast_schema": 1}, "must be bool"),
     ],
 )
 def test_bad_options_fail_tq_init_before_any_worker_starts(options: dict[str, Any], message: str) -> None:
@@ -289,6 +290,25 @@ def distbatch_backend() -> Iterator[Callable[..., Any]]:
         yield init
     finally:
         dtq.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_fast_schema_is_in_place_while_the_backend_is(
+    fast: bool, distbatch_backend: Callable[..., Any]
+) -> None:
+    import transfer_queue.metadata as tq_metadata
+
+    from distbatch.transferqueue import fast_schema
+
+    distbatch_backend(workers=1, fast_schema=fast)
+    ragged = torch.nested.nested_tensor([torch.arange(3), torch.arange(2)], layout=torch.jagged)
+    tq.kv_batch_put(keys=["x", "y"], partition_id="p", fields=TensorDict({"v": ragged}, batch_size=2))
+    in_use = tq_metadata.extract_field_schema
+    assert (in_use is fast_schema.extract_field_schema) is fast
+    got = tq.kv_batch_get(keys=["x", "y"], partition_id="p")["v"]
+    assert [t.tolist() for t in got.unbind()] == [[0, 1, 2], [0, 1]]
+    dtq.close()
+    assert tq_metadata.extract_field_schema is fast_schema.TQ_EXTRACT_FIELD_SCHEMA
 
 
 def test_close_stops_the_workers_tq_init_started(distbatch_backend: Callable[..., Any]) -> None:
