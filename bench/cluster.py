@@ -27,12 +27,14 @@ crash, twice in a row, or with nothing up.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 DEFAULT_PREFIX = "dbc"
@@ -231,6 +233,19 @@ class Cluster:
             timeout=30,
         )
 
+    def link_stats(self, host: int) -> dict[str, int]:
+        """Host `host`'s NIC so far: bytes it received and sent, and packets its two `tbf`
+        queues dropped (read at the bridge end and, for its sending queue, in its namespace)."""
+        veth = self._veth(host)
+        counters = Path("/sys/class/net", veth, "statistics")
+        received = int((counters / "tx_bytes").read_text())  # what the bridge end sent to the host
+        sent = int((counters / "rx_bytes").read_text())
+        inbound = _tbf_drops(["tc", "-s", "-j", "qdisc", "show", "dev", veth])
+        outbound = _tbf_drops(
+            ["ip", "netns", "exec", self.namespace(host), "tc", "-s", "-j", "qdisc", "show", "dev", NS_IFNAME]
+        )
+        return {"received": received, "sent": sent, "dropped_in": inbound, "dropped_out": outbound}
+
     def _veth(self, host: int) -> str:  # the bridge end, in the root namespace
         return f"{self.prefix}v{host}"
 
@@ -328,6 +343,12 @@ class Cluster:
 
     def __repr__(self) -> str:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, prefix={self.prefix!r})"
+
+
+def _tbf_drops(argv: list[str]) -> int:
+    """Packets the tbf qdiscs `argv` lists (tc -s -j) have dropped."""
+    shown = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=COMMAND_TIMEOUT).stdout
+    return sum(int(q.get("drops", 0)) for q in json.loads(shown or "[]") if q.get("kind") == "tbf")
 
 
 def _host_index(prefix: str, host: str) -> int:

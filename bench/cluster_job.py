@@ -1,0 +1,461 @@
+"""The main job across simulated hosts: distributed (peer to peer) vs centralised (through the
+controller's host), against what the links allow.
+
+Host 0 runs the controller; hosts 1..N each run a rollout worker and a train worker (two
+distbatch workers started inside the host's namespace, joined with `WorkerGroup.connect`). Every
+host's NIC is a `tbf` of rate R each way (bench/cluster.py), R low enough that the links, not
+this machine's cores, bound a step; the CPU use of each phase is reported to show which did.
+
+Two measures per N, medians over `--repeats`:
+- **data step**: the rollout batch is on the rollout workers; each train worker gathers its
+  balanced chunk. Distributed: straight from the rollout workers. Centralised: the controller
+  pulls each chunk and pushes it to its train worker, every chunk at once (its link's two
+  directions overlapped: its best case), then the train workers read it.
+- **main job step**: examples/grpo_pipeline.py's step (rollout, advantages, balance, train).
+
+Next to each data step, the link lower bound: the bytes the busiest link must carry (from the
+batch's metadata: a chunk's bytes from another host cross the sender's and the receiver's NIC;
+centralised, every byte crosses the controller's NIC in and out) over R.
+
+    python -m bench.cluster_job --hosts 1,2,4,8 --rate 100mbit --out /tmp/cluster-bench
+
+needs root, `ip` and `tc` (`python -m bench.cluster check` says whether this machine can).
+Results go to `<out>/cluster.json` and, with matplotlib, `<out>/cluster.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TRAIN_ENGINE = "bench.cluster_job:ClusterTrainEngine"
+ROLLOUT_ENGINE = "grpo_pipeline:RolloutEngine"
+WORKER_START_TIMEOUT = 120.0
+CONTROLLER_TIMEOUT = 1800.0
+
+
+# ----------------------------------------------------------------------------- the train engine
+
+
+def _train_engine_base() -> type:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from grpo_pipeline import TrainEngine
+
+    return TrainEngine
+
+
+class ClusterTrainEngine(_train_engine_base()):  # type: ignore[misc]
+    """The main job's train engine, plus `receive`: gather a chunk (every field at once), no
+    compute, so a data step times the data alone."""
+
+    def receive(self, batch: Any) -> dict[str, int]:
+        local = batch.to_local()  # every field in one gather: one product per holding worker
+        return {"tasks": len(local)}
+
+
+# ----------------------------------------------------------------------------- link bounds
+
+
+def host_of(node: str) -> str:
+    """The address part of "host:port"."""
+    return node.rsplit(":", 1)[0].strip("[]")
+
+
+def bytes_by_host(chunk: Any) -> dict[str, int]:
+    """Bytes of a REMOTE chunk's tensor fields, by the host holding them."""
+    meta = chunk.meta
+    if meta is None:
+        return {}
+    out: dict[str, int] = {}
+    for fm in meta.fields.values():
+        if fm.dtype is None:
+            continue
+        per_node = np.bincount(fm.nodes, weights=fm.row_nbytes(), minlength=len(meta.nodes))
+        for node, nbytes in zip(meta.nodes, per_node.tolist()):
+            out[host_of(node)] = out.get(host_of(node), 0) + int(nbytes)
+    return out
+
+
+def busiest_link_bytes(chunks: Sequence[Any], receivers: Sequence[str]) -> dict[str, int]:
+    """Bytes each host's NIC must carry each way when receiver i gathers chunk i peer to peer:
+    {"in": busiest ingress, "out": busiest egress, "total": all bytes, "local": bytes that
+    stay on their host}."""
+    ingress: dict[str, int] = {}
+    egress: dict[str, int] = {}
+    total = local = 0
+    for chunk, receiver in zip(chunks, receivers):
+        to = host_of(receiver)
+        for source, nbytes in bytes_by_host(chunk).items():
+            total += nbytes
+            if source == to:
+                local += nbytes
+                continue
+            ingress[to] = ingress.get(to, 0) + nbytes
+            egress[source] = egress.get(source, 0) + nbytes
+    return {
+        "in": max(ingress.values(), default=0),
+        "out": max(egress.values(), default=0),
+        "total": total,
+        "local": local,
+    }
+
+
+# ----------------------------------------------------------------------------- CPU use
+
+
+def cpu_busy_seconds() -> float:
+    """Seconds of CPU this machine spent busy (all cores, all namespaces): /proc/stat."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(v) for v in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def timed_with_cpu(out: dict[str, list[float]], name: str) -> Iterator[None]:
+    """Append the block's wall seconds to out[name] and its CPU use (busy cores / all cores)
+    to out[name + "_cpu"]."""
+    cpu0, t0 = cpu_busy_seconds(), time.perf_counter()
+    yield
+    wall = time.perf_counter() - t0
+    out.setdefault(name, []).append(wall)
+    out.setdefault(name + "_cpu", []).append(
+        (cpu_busy_seconds() - cpu0) / max(wall, 1e-9) / (os.cpu_count() or 1)
+    )
+
+
+# ----------------------------------------------------------------------------- controller (host 0)
+
+
+def pipeline_args(args: argparse.Namespace) -> argparse.Namespace:
+    """examples/grpo_pipeline.py's arguments for this run's batch."""
+    import grpo_pipeline
+
+    return grpo_pipeline.parse_args(
+        [
+            f"--prompts={args.prompts}",
+            f"--n={args.n}",
+            f"--mean-len={args.mean_len}",
+            f"--max-len={args.max_len}",
+            f"--seed={args.seed}",
+        ]
+    )
+
+
+def rollout_batch(rollout: Any, job: argparse.Namespace, step: int) -> Any:
+    """A step's rollout batch (REMOTE, on the rollout workers) with its advantages."""
+    from distbatch import DistributedBatchMemory
+
+    prompts = list(range(job.prompts))
+    per_worker = [prompts[i :: len(rollout)] for i in range(len(rollout))]
+    produced = rollout.call(
+        "generate", per_worker, n=job.n, mean_len=job.mean_len, max_len=job.max_len, step=step, seed=job.seed
+    )
+    batch = DistributedBatchMemory.concat(produced)
+    batch.union_(rollout.call_on(0, "compute_advantages", batch.select_fields(["rewards", "uid"])))
+    return batch
+
+
+RELAY_PIECES = 64  # pieces a centralised step moves, all chunks together
+RELAY_THREADS = 8  # pieces in flight: some being pulled while others are pushed
+
+
+def centralised_data_step(chunks: Sequence[Any], train: Any) -> list[Any]:
+    """The controller relays every chunk to its train worker, in pieces pulled and pushed by
+    a pool of threads, so pulls of some pieces overlap pushes of others (both directions of the
+    controller's link busy: the centralised design at its best); then the train workers read
+    what was pushed to them."""
+    from distbatch import DistributedBatchMemory
+
+    per_chunk = max(1, -(-RELAY_PIECES // max(len(chunks), 1)))
+    pieces = [(piece, node) for chunk, node in zip(chunks, train.nodes) for piece in chunk.chunk(per_chunk)]
+
+    def relay(pair: tuple[Any, str]) -> tuple[str, Any]:
+        piece, node = pair
+        return node, piece.to_local().to_remote(node)
+
+    with ThreadPoolExecutor(max_workers=RELAY_THREADS) as pool:
+        relayed = list(pool.map(relay, pieces))
+    pushed = [DistributedBatchMemory.concat([p for n, p in relayed if n == node]) for node in train.nodes]
+    train.call("receive", pushed)
+    return pushed
+
+
+def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, Any]:
+    """Distributed and centralised data steps, `args.repeats` each, on fresh rollout batches."""
+    import grpo_pipeline
+
+    job = pipeline_args(args)
+    times: dict[str, list[float]] = {}
+    links: list[dict[str, int]] = []
+    for step in range(args.repeats):
+        batch = rollout_batch(rollout, job, step)
+        chunks = batch.select_fields(grpo_pipeline.TRAIN_FIELDS).chunk_balanced(
+            len(train), group_size=job.n, length_field="input_ids"
+        )
+        links.append(busiest_link_bytes(chunks, train.nodes))
+        with timed_with_cpu(times, "distributed"):
+            train.call("receive", chunks)
+        with timed_with_cpu(times, "centralised"):
+            pushed = centralised_data_step(chunks, train)
+        for done in pushed:
+            done.clear()
+        batch.clear()
+    return {"times": times, "links": links}
+
+
+def main_job_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, list[float]]:
+    """examples/grpo_pipeline.py's whole step, distributed and centralised, `args.steps` each."""
+    import grpo_pipeline
+
+    job = pipeline_args(args)
+    times: dict[str, list[float]] = {}
+    for step in range(args.steps):
+        for mode, centralised in (("distributed", False), ("centralised", True)):
+            with timed_with_cpu(times, mode):
+                grpo_pipeline.run_step(step, job, rollout, train, centralised)
+    return times
+
+
+def controller_main(args: argparse.Namespace) -> int:
+    """Run on host 0: join the workers, time the steps, print one JSON line."""
+    sys.path.insert(0, str(EXAMPLES))
+    from distbatch import WorkerGroup
+
+    rollout = WorkerGroup.connect(args.rollout.split(","), engine=ROLLOUT_ENGINE)
+    train = WorkerGroup.connect(args.train.split(","), engine=TRAIN_ENGINE)
+    result = {
+        "data": data_steps(args, rollout, train),
+        "main_job": main_job_steps(args, rollout, train) if args.steps else {},
+        "shards_left": sum(s["shards"] for g in (rollout, train) for s in g.stats()),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------- driver (root)
+
+
+def worker_env() -> dict[str, str]:
+    """The workers' and controller's environment: the repo and examples/ importable, no proxy,
+    the same-host path left to decide by itself (each host is its own)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(EXAMPLES), env.get("PYTHONPATH", "")) if p)
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        env.pop(name, None)
+    env.pop("DISTBATCH_SAME_HOST", None)
+    return env
+
+
+def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path) -> str:
+    """A worker that accepts an engine, in `host`, on its address; its node once it listens."""
+    from distbatch.launch.local import log_tail, read_first_line
+
+    log = log_dir / f"h{host}-{len(list(log_dir.iterdir()))}.log"
+    argv = [sys.executable, "-m", "rpc_server", "--host", cluster.address(host), "--port", "0",
+            "--accept-engine", "--exit-with-parent", str(os.getpid())]  # fmt: skip
+    with log.open("wb") as log_file:
+        process = cluster.popen(
+            host, argv, stdout=subprocess.PIPE, stderr=log_file, env=worker_env(), cwd=ROOT
+        )
+    stack.callback(_stop, process)
+    node = read_first_line(process, timeout=WORKER_START_TIMEOUT)
+    if node is None:
+        raise RuntimeError(f"worker on host {host} did not start: {log_tail(log)}")
+    return node
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """One cluster of `hosts` worker hosts (+ the controller's), its measures."""
+    from bench.cluster import Cluster, rate_bits
+
+    with Cluster.up(hosts + 1, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
+        rollout = [start_worker(cluster, h, stack, log_dir) for h in range(1, hosts + 1)]
+        train = [start_worker(cluster, h, stack, log_dir) for h in range(1, hosts + 1)]
+        argv = [sys.executable, "-m", "bench.cluster_job", "controller", "--rollout", ",".join(rollout),
+                "--train", ",".join(train), *job_flags(args)]  # fmt: skip
+        before = [cluster.link_stats(h) for h in range(hosts + 1)]
+        done = cluster.run(
+            0, argv, capture_output=True, text=True, env=worker_env(), cwd=ROOT, timeout=CONTROLLER_TIMEOUT
+        )
+        after = [cluster.link_stats(h) for h in range(hosts + 1)]
+    if done.returncode != 0:
+        raise RuntimeError(f"the controller failed on {hosts} hosts: {done.stderr[-4000:]}")
+    raw = json.loads(done.stdout.strip().splitlines()[-1])
+    result = summarise(hosts, raw, rate_bits(args.rate))
+    result["links"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]  # host 0: the controller's
+    return result
+
+
+def job_flags(args: argparse.Namespace) -> list[str]:
+    return [f"--prompts={args.prompts}", f"--n={args.n}", f"--mean-len={args.mean_len}",
+            f"--max-len={args.max_len}", f"--seed={args.seed}", f"--repeats={args.repeats}",
+            f"--steps={args.steps}"]  # fmt: skip
+
+
+def summarise(hosts: int, raw: dict[str, Any], rate: int) -> dict[str, Any]:
+    """Medians, link bounds and ratios of one cluster's raw measures."""
+    data = raw["data"]
+    links = data["links"]
+    busiest = statistics.median(max(link["in"], link["out"]) for link in links)
+    total = statistics.median(link["total"] for link in links)
+    out: dict[str, Any] = {
+        "hosts": hosts,
+        "rate_bits": rate,
+        "batch_bytes": total,
+        "shards_left": raw["shards_left"],
+    }
+    bounds = {"distributed": busiest * 8 / rate, "centralised": total * 8 / rate}
+    for mode in ("distributed", "centralised"):
+        seconds = data["times"][mode]
+        out[f"data_{mode}_s"] = statistics.median(seconds)
+        out[f"data_{mode}_seconds"] = seconds
+        out[f"data_{mode}_cpu"] = statistics.median(data["times"][mode + "_cpu"])
+        out[f"data_{mode}_bound_s"] = bounds[mode]
+    out["data_centralised_over_distributed"] = out["data_centralised_s"] / out["data_distributed_s"]
+    if bounds["distributed"] > 0:
+        out["data_distributed_over_bound"] = out["data_distributed_s"] / bounds["distributed"]
+    out["data_centralised_over_bound"] = out["data_centralised_s"] / bounds["centralised"]
+    if raw["main_job"]:
+        for mode in ("distributed", "centralised"):
+            out[f"main_job_{mode}_s"] = statistics.median(raw["main_job"][mode])
+            out[f"main_job_{mode}_cpu"] = statistics.median(raw["main_job"][mode + "_cpu"])
+        out["main_job_centralised_over_distributed"] = (
+            out["main_job_centralised_s"] / out["main_job_distributed_s"]
+        )
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
+    """Data-step time against hosts, both modes and their link bounds (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    hosts = [r["hosts"] for r in results]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for mode, color in (("distributed", "tab:blue"), ("centralised", "tab:red")):
+        ax.plot(hosts, [r[f"data_{mode}_s"] for r in results], "o-", color=color, label=mode)
+        ax.plot(
+            hosts, [r[f"data_{mode}_bound_s"] for r in results], ":", color=color, label=f"{mode}: link bound"
+        )
+    ax.set_xlabel("hosts (one rollout and one train worker each)")
+    ax.set_ylabel("data step (s)")
+    ax.set_xticks(hosts)
+    rate = results[0]["rate_bits"] / 1e6
+    ax.set_title(
+        f"Each host gathers its balanced chunk; {rate:g} Mbit/s links, "
+        f"{results[0]['batch_bytes'] / 1e6:.0f} MB"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(results: list[dict[str, Any]]) -> list[str]:
+    """The table a person reads."""
+    lines = [
+        f"{'hosts':>5} {'distributed':>12} {'bound':>7} {'x bound':>8} {'centralised':>12} {'bound':>7} "
+        f"{'speed-up':>9} {'cpu d/c':>9} {'job d':>7} {'job c':>7} {'job x':>6}"
+    ]
+    nan = float("nan")
+    for r in results:
+        over = r.get("data_distributed_over_bound")
+        lines.append(
+            f"{r['hosts']:>5} {r['data_distributed_s']:>11.2f}s {r['data_distributed_bound_s']:>6.2f}s "
+            f"{(f'{over:.2f}x' if over else '-'):>8} {r['data_centralised_s']:>11.2f}s "
+            f"{r['data_centralised_bound_s']:>6.2f}s {r['data_centralised_over_distributed']:>8.1f}x "
+            f"{r['data_distributed_cpu']:>4.0%}/{r['data_centralised_cpu']:<4.0%}"
+            f"{r.get('main_job_distributed_s', nan):>7.2f}s {r.get('main_job_centralised_s', nan):>6.2f}s "
+            f"{r.get('main_job_centralised_over_distributed', nan):>5.1f}x"
+        )
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "role", nargs="?", choices=["driver", "controller"], default="driver", help=argparse.SUPPRESS
+    )
+    parser.add_argument("--hosts", default="1,2,4,8", help="comma list of worker-host counts")
+    parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
+    parser.add_argument("--prompts", type=int, default=640, help="prompts per step (x n tasks)")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--mean-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="data steps per mode")
+    parser.add_argument("--steps", type=int, default=2, help="main job steps per mode (0: none)")
+    parser.add_argument("--prefix", default="dbj", help="names of the cluster's namespaces and links")
+    parser.add_argument("--out", default="bench-cluster", help="results directory")
+    parser.add_argument("--rollout", help=argparse.SUPPRESS)
+    parser.add_argument("--train", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def driver_main(args: argparse.Namespace, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every host count in turn (one cluster each, torn down after), then the table and plot."""
+    from bench.cluster import check
+
+    problem = check()
+    if problem is not None:
+        raise SystemExit(f"bench.cluster_job: {problem}")
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    results = []
+    for hosts in [int(h) for h in args.hosts.split(",")]:
+        progress(f"{hosts} host(s) at {args.rate} ...")
+        results.append(run_hosts(hosts, args, out / "logs"))
+        progress(report(results)[-1])
+    (out / "cluster.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    png = plot(results, out / "cluster.png")
+    for line in report(results):
+        print(line)
+    print(f"results: {out / 'cluster.json'}" + (f", plot: {png}" if png else ""))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "controller":
+        return controller_main(args)
+    driver_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
