@@ -10,6 +10,13 @@ that hold the data, and a clear deletes by TransferQueue's global indexes on tho
 
 Put generations are not used here: TransferQueue's controller decides which global index holds
 which sample, and reuses an index only after clearing it, as it does with its own storage.
+
+A worker that dies (or cannot be reached) mid-put or mid-get fails the call with a
+`WorkerUnavailableError` naming it and saying what that means for the call (the client's own
+error is its `__cause__`). A put is one bundle to one worker, committed there at once, and
+TransferQueue's controller hears of its fields only after that: a put whose worker dies leaves
+no field of it anywhere, and the samples read as before it (keys TransferQueue registered for
+the put stay listed, with none of its fields, as with its own storage).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from distbatch.batch.memory import DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import ClearError, NodeError
+from distbatch.errors import ClearError, NodeError, WorkerUnavailableError
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
@@ -101,11 +108,15 @@ class DistbatchStorageManager(StorageManager):
         ids = task_ids(global_indexes)
         batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
         bundle, _ = batch.export_bundle(self.home)
-        await self.client.aput_bundle(self.home, bundle)
+        partition = metadata.partition_ids[0]
+        try:
+            await self.client.aput_bundle(self.home, bundle)
+        except WorkerUnavailableError as exc:
+            what = f"put of {size} sample(s) to partition {partition!r}"
+            raise _unreachable(exc, f"{what} failed; none of its fields was recorded") from exc
         moved = _moved_fields(metadata, list(batch.fields), self.slot, self.options.endpoints)
         # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
         where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, self.slot))
-        partition = metadata.partition_ids[0]
         await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
             await self.client.adelete_products_each(
@@ -125,7 +136,13 @@ class DistbatchStorageManager(StorageManager):
         plan = plan_fetch(meta, names, self.client)
         if plan is None:  # nothing to gather (plan_fetch says so only for no names)
             return TensorDict({}, batch_size=size)
-        gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
+        try:
+            gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
+        except WorkerUnavailableError as exc:
+            partitions = sorted(set(metadata.partition_ids))
+            label = "partition" if len(partitions) == 1 else "partitions"
+            what = f"get of {size} sample(s) from {label} {', '.join(map(repr, partitions))}"
+            raise _unreachable(exc, f"{what} failed: the data that worker holds cannot be read") from exc
         return tensordict_of(gathered, names, size)
 
     # ------------------------------------------------------------------ clear
@@ -166,6 +183,20 @@ class DistbatchStorageManager(StorageManager):
         if client is not None:
             client.close()
         super().close()
+
+
+def _unreachable(error: WorkerUnavailableError, outcome: str) -> WorkerUnavailableError:
+    """`error` said for a TransferQueue user: the worker (`error.node`), that it is unreachable and
+    why, and `outcome`, what that did to their call (raise it `from error`, which keeps the detail)."""
+    why = error.reason or error.detail
+    out = WorkerUnavailableError(
+        error.node,
+        f"distbatch worker unreachable ({why}): it died, was stopped, or the network to it is down; "
+        f"TransferQueue's {outcome}",
+    )
+    out.reason = error.reason
+    out.partial_results = error.partial_results
+    return out
 
 
 def plain_config(config: Any) -> dict[str, Any]:
