@@ -80,7 +80,7 @@ def _prefix(tag: str) -> str:
 def _remove_stale() -> None:
     """Take down what earlier runs of this file left when killed mid-test (their pid is gone)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    for tag, pid in set(re.findall(r"^dt([cd])(\d+)h\d+", listing, re.MULTILINE)):
+    for tag, pid in set(re.findall(r"^dt([cdj])(\d+)h\d+", listing, re.MULTILINE)):
         if not Path(f"/proc/{pid}").exists():
             down(f"dt{tag}{pid}")
 
@@ -278,3 +278,35 @@ def test_a_link_down_mid_gather_fails_by_the_stall_timeout_and_a_retry_succeeds(
         except subprocess.TimeoutExpired:
             client.kill()
             client.wait(10)
+
+
+def test_the_cluster_job_bench_runs_both_modes_and_leaves_nothing(tmp_path: Path) -> None:
+    """bench/cluster_job on 2 worker hosts, a tiny batch: both modes time a data step and a main
+    job step, the link bound comes from the batch, bytes crossed the hosts' NICs, every store is
+    empty after, the table and plot are written and no namespace is left."""
+    from bench.cluster_job import driver_main, parse_args
+
+    _remove_stale()
+    prefix = _prefix("j")
+    args = parse_args(
+        ["--hosts", "2", "--rate", RATE, "--prompts", "16", "--n", "4", "--mean-len", "256",
+         "--repeats", "1", "--steps", "1", "--prefix", prefix, "--out", str(tmp_path)]
+    )  # fmt: skip
+    try:
+        (result,) = driver_main(args, progress=lambda line: None)
+    finally:
+        down(prefix)
+    assert leftovers(prefix) == []
+    assert result["hosts"] == 2 and result["shards_left"] == 0
+    assert result["batch_bytes"] > 0
+    for mode in ("distributed", "centralised"):
+        assert result[f"data_{mode}_s"] > 0 and result[f"main_job_{mode}_s"] > 0
+        assert 0 <= result[f"data_{mode}_cpu"] <= 1.5
+    # Centralised, every byte crosses the controller's NIC; distributed, at most a share of it
+    # crosses any one worker's.
+    assert result["data_centralised_bound_s"] > result["data_distributed_bound_s"] > 0
+    controller, *workers = result["links"]
+    assert controller["received"] >= result["batch_bytes"] and controller["sent"] >= result["batch_bytes"]
+    assert all(w["received"] > 0 and w["sent"] > 0 for w in workers)
+    saved = json.loads((tmp_path / "cluster.json").read_text())
+    assert saved["results"][0]["hosts"] == 2
