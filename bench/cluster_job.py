@@ -63,9 +63,10 @@ class ClusterTrainEngine(_train_engine_base()):  # type: ignore[misc]
     """The main job's train engine, plus `receive`: gather a chunk (every field at once), no
     compute, so a data step times the data alone."""
 
-    def receive(self, batch: Any) -> dict[str, int]:
+    def receive(self, batch: Any) -> dict[str, float]:
+        started = time.perf_counter()
         local = batch.to_local()  # every field in one gather: one product per holding worker
-        return {"tasks": len(local)}
+        return {"tasks": len(local), "seconds": time.perf_counter() - started}
 
 
 # ----------------------------------------------------------------------------- link bounds
@@ -203,6 +204,7 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
     job = pipeline_args(args)
     times: dict[str, list[float]] = {}
     links: list[dict[str, int]] = []
+    gathers: list[list[float]] = []  # each train worker's gather, seconds, per repeat
     for step in range(args.repeats):
         batch = rollout_batch(rollout, job, step)
         chunks = batch.select_fields(grpo_pipeline.TRAIN_FIELDS).chunk_balanced(
@@ -210,13 +212,14 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
         )
         links.append(busiest_link_bytes(chunks, train.nodes))
         with timed_with_cpu(times, "distributed"):
-            train.call("receive", chunks)
+            received = train.call("receive", chunks)
+        gathers.append(sorted(round(float(r["seconds"]), 3) for r in received))
         with timed_with_cpu(times, "centralised"):
             pushed = centralised_data_step(chunks, train)
         for done in pushed:
             done.clear()
         batch.clear()
-    return {"times": times, "links": links}
+    return {"times": times, "links": links, "gathers": gathers}
 
 
 def main_job_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, list[float]]:
@@ -330,6 +333,7 @@ def summarise(hosts: int, raw: dict[str, Any], rate: int) -> dict[str, Any]:
         "rate_bits": rate,
         "batch_bytes": total,
         "shards_left": raw["shards_left"],
+        "data_distributed_gathers": data["gathers"],
     }
     bounds = {"distributed": busiest * 8 / rate, "centralised": total * 8 / rate}
     for mode in ("distributed", "centralised"):
