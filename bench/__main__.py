@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -85,10 +86,14 @@ def bench_distbatch(
         field_bytes = column_bytes(columns["input_ids"])
         one = [timed(lambda: fresh()["input_ids"])[0] for _ in range(repeats)]
         out["gather_one_field"] = stats(one, field_bytes)
-        chunk = fresh().chunk_balanced(4, group_size=WORKLOADS[name].group, length_field="input_ids")[0]
-        chunk_bytes = chunk.meta.total_bytes() if chunk.meta is not None else 0
+        chunk_meta = (
+            fresh().chunk_balanced(4, group_size=WORKLOADS[name].group, length_field="input_ids")[0].meta
+        )
+        if chunk_meta is None:
+            raise RuntimeError("a dp chunk of the REMOTE batch has no metadata")
+        chunk_bytes = chunk_meta.total_bytes()
         dp = [
-            timed(lambda: DistributedBatchMemory.from_meta(chunk.meta, client).to_local())[0]
+            timed(lambda: DistributedBatchMemory.from_meta(chunk_meta, client).to_local())[0]
             for _ in range(repeats)
         ]
         out["gather_dp_chunk"] = stats(dp, chunk_bytes)
@@ -170,7 +175,7 @@ def bench_pipeline(name: str, steps: int) -> dict[str, Any] | None:
     if not example.exists():
         return None
     sys.path.insert(0, str(example.parent))
-    import grpo_pipeline
+    grpo_pipeline = importlib.import_module("grpo_pipeline")  # examples/ is not a package
 
     workload = WORKLOADS[name]
     argv = [
