@@ -6,7 +6,10 @@ machine. For the `--peers` workloads (grpo by default) the peers also move a den
 variant of the batch ([tasks, width] tensors, e.g. 5,120 x 1,536): Ray's object store
 (its best case) and TransferQueue's SimpleStorage, next to distbatch on the same batch.
 The `scaling` workload times put, one-field gather, clear, chunk_balanced(8) and a pickle
-round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it).
+round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it). The
+`control_plane` workload has 256 consumers in 4 groups poll `get_meta` on one served
+controller while a producer streams tasks: calls/s, tasks/s, p50/p99, every task exactly once
+per group (`bench.control_plane`; `--control-plane-*` size it).
 
 Results go to `<out>/results.json` and, with matplotlib, `<out>/bench.png` and
 `<out>/scaling.png`; TransferQueue's child process logs to `<out>/transferqueue-<workload>.log`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import baselines, same_host, scaling, transferqueue
+from bench import baselines, control_plane, same_host, scaling, transferqueue
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
@@ -38,6 +42,7 @@ from distbatch.shm import ENV_SWITCH
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING = "scaling"
+CONTROL_PLANE = "control_plane"
 
 
 @contextlib.contextmanager
@@ -81,10 +86,14 @@ def bench_distbatch(
         field_bytes = column_bytes(columns["input_ids"])
         one = [timed(lambda: fresh()["input_ids"])[0] for _ in range(repeats)]
         out["gather_one_field"] = stats(one, field_bytes)
-        chunk = fresh().chunk_balanced(4, group_size=WORKLOADS[name].group, length_field="input_ids")[0]
-        chunk_bytes = chunk.meta.total_bytes() if chunk.meta is not None else 0
+        chunk_meta = (
+            fresh().chunk_balanced(4, group_size=WORKLOADS[name].group, length_field="input_ids")[0].meta
+        )
+        if chunk_meta is None:
+            raise RuntimeError("a dp chunk of the REMOTE batch has no metadata")
+        chunk_bytes = chunk_meta.total_bytes()
         dp = [
-            timed(lambda: DistributedBatchMemory.from_meta(chunk.meta, client).to_local())[0]
+            timed(lambda: DistributedBatchMemory.from_meta(chunk_meta, client).to_local())[0]
             for _ in range(repeats)
         ]
         out["gather_dp_chunk"] = stats(dp, chunk_bytes)
@@ -166,7 +175,7 @@ def bench_pipeline(name: str, steps: int) -> dict[str, Any] | None:
     if not example.exists():
         return None
     sys.path.insert(0, str(example.parent))
-    import grpo_pipeline
+    grpo_pipeline = importlib.import_module("grpo_pipeline")  # examples/ is not a package
 
     workload = WORKLOADS[name]
     argv = [
@@ -306,10 +315,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    choices = [*sorted(WORKLOADS), SCALING]
+    choices = [*sorted(WORKLOADS), SCALING, CONTROL_PLANE]
     parser.add_argument(
         "--workloads",
-        default="small,grpo,long,scaling",
+        default="small,grpo,long,scaling,control_plane",
         help=f"comma list of {choices} (default: %(default)s)",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (and TransferQueue units)")
@@ -338,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-tasks", type=int, default=None, help="largest scaling size to run (smoke checks)"
     )
+    _control_plane_args(parser)
     args = parser.parse_args(argv)
     args.names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     for n in args.names:
@@ -353,7 +363,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--max-tasks {args.max_tasks} is below every scaling size")
     if args.workers < 1 or args.repeats < 1:
         parser.error("--workers and --repeats must be >= 1")
+    try:
+        control_plane.scenario_of(args, "control_plane_")
+    except ValueError as exc:
+        parser.error(f"--control-plane-*: {exc}")
     return args
+
+
+def _control_plane_args(parser: argparse.ArgumentParser) -> None:
+    d = control_plane.Scenario()
+    for name, default, what in (
+        ("consumers", d.consumers, "consumer threads"),
+        ("groups", d.groups, "consumer groups they split into"),
+        ("tasks", d.tasks, "tasks the producer announces per run"),
+        ("batch-size", d.batch_size, "tasks per get_meta"),
+    ):
+        parser.add_argument(
+            f"--control-plane-{name}", type=int, default=default, help=f"{what} (%(default)s)"
+        )
+    parser.add_argument(
+        "--control-plane-steps",
+        type=control_plane.steps_list,
+        default=list(control_plane.DEFAULT_STEPS),
+        help="comma list of a consumer's seconds of work per batch, one run each (0: flat out; "
+        "default: 0.5,0)",
+    )
 
 
 def backend_ratios(tq: dict[str, Any], peers: dict[str, Any], ragged: dict[str, Any]) -> dict[str, float]:
@@ -406,7 +440,7 @@ def backend_summary(name: str, r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    names = [n for n in args.names if n != SCALING]
+    names = [n for n in args.names if n not in (SCALING, CONTROL_PLANE)]
     settings = {k: v for k, v in vars(args).items() if k not in ("names", "peer_names")}
     results: dict[str, Any] = {
         "machine": {
@@ -468,6 +502,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if SCALING in args.names:
         with http_only():
             results[SCALING] = scaling.run_scaling(args.scaling_sizes, args.workers, args.repeats, args.seed)
+    if CONTROL_PLANE in args.names:
+        scenario = control_plane.scenario_of(args, "control_plane_")
+        results[CONTROL_PLANE] = control_plane.run_steps(scenario, args.control_plane_steps)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     pngs = [plot(results, args.out / "bench.png")]
     if SCALING in results:
@@ -519,6 +556,8 @@ def summary(results: dict[str, Any]) -> str:
             lines.append(same_host.table(name, r["same_host"]))
     if SCALING in results:
         lines.append(scaling.table(results[SCALING]))
+    if CONTROL_PLANE in results:
+        lines.append(control_plane.table(results[CONTROL_PLANE]))
     return "\n".join(lines)
 
 

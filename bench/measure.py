@@ -27,6 +27,24 @@ def stats(seconds: list[float], nbytes: int) -> dict[str, Any]:
     }
 
 
+def percentiles(seconds: list[float]) -> dict[str, Any]:
+    """Count, p50, p99, mean and max of `seconds`, in milliseconds (None for no sample)."""
+    if not seconds:
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None, "max_ms": None}
+    ordered = sorted(seconds)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))] * 1e3
+
+    return {
+        "count": len(ordered),
+        "p50_ms": rank(0.50),
+        "p99_ms": rank(0.99),
+        "mean_ms": sum(ordered) / len(ordered) * 1e3,
+        "max_ms": ordered[-1] * 1e3,
+    }
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """(seconds, result) of one call."""
     started = time.perf_counter()

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench.measure import percentiles
 from distbatch.client import ShardClient
 from distbatch.launch import WorkerProcess, spawn_workers
 
@@ -289,23 +290,6 @@ def _delete(rng: random.Random, client: ShardClient, bundle: Bundle, log: _Threa
     return elapsed
 
 
-def _percentiles(seconds: list[float]) -> dict[str, Any]:
-    if not seconds:
-        return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None, "max_ms": None}
-    ordered = sorted(seconds)
-
-    def rank(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))] * 1e3
-
-    return {
-        "count": len(ordered),
-        "p50_ms": rank(0.50),
-        "p99_ms": rank(0.99),
-        "mean_ms": sum(ordered) / len(ordered) * 1e3,
-        "max_ms": ordered[-1] * 1e3,
-    }
-
-
 def _totals(client: ShardClient, nodes: list[str]) -> dict[str, int]:
     stats = [client.stats(node) for node in nodes]
     return {key: sum(int(s[key]) for s in stats) for key in ("bytes", "shards", "staged_bytes")}
@@ -409,7 +393,7 @@ def run_soak(
         for c in own:
             c.close()
 
-    per_op = {op: _percentiles([s for log in logs for s in log.latencies[op]]) for op in OP_TYPES}
+    per_op = {op: percentiles([s for log in logs for s in log.latencies[op]]) for op in OP_TYPES}
     return {
         "workers": len(nodes),
         "clients": clients,

@@ -237,7 +237,7 @@ class Controller:
         if missing:
             raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
         meta = partition.meta_for(sampled, fields)
-        partition.consumed.setdefault(task_name, set()).update(consumed)
+        partition.consume(task_name, consumed)
         if request_id is not None:
             self._answers.remember(request_id, request, partition_id, meta.task_ids)
         return DistributedBatchMemory.from_meta(meta, self._client)
@@ -349,10 +349,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return
-            if task_name is None:
-                partition.consumed.clear()
-            else:
-                partition.consumed.pop(task_name, None)
+            partition.reset_consumption(task_name)
             self.sampler.clear_cache(partition_id)
             self._changed.notify_all()
 

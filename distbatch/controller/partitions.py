@@ -3,12 +3,24 @@ each task's shard and its shape, who consumed what, what is being cleared, custo
 
 Plain data plus the queries the controller and samplers make of it (ready tasks, lengths, the
 metadata of a batch); the `Controller` holds the lock around every use.
+
+**Ready tasks are kept, not recomputed.** `ready(task_name, fields)` is what every `get_meta`
+asks; computing it from the columns costs time in proportion to every task the partition holds
+(tens of thousands in a streaming run, under the controller's lock). So the answer for each
+(task name, fields) asked is kept, in ascending order (`_ready`), and updated where it can
+change: a put (`register`), a consumption (`consume`), a forgotten task (`forget`), a deleted
+shard (`drop_rows`), a reset (`reset_consumption`). It is built on first use, and at most
+`MAX_READY_SETS` are kept per partition (least recently asked dropped, rebuilt when asked
+again). Consumption goes through `consume` / `reset_consumption`, never `consumed` directly,
+once the partition is in use (a checkpoint fills `consumed` before any `ready`).
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +35,52 @@ from distbatch.errors import (
 )
 from distbatch.ids import ShardKey
 from distbatch.wire.shapes import RowShapes
+
+# (task name, fields) pairs whose ready set a partition keeps; past that, the least recently asked
+# is dropped (and rebuilt, once, if asked again).
+MAX_READY_SETS = 64
+# Past this many indexes added or removed at once, a kept ready set is rebuilt, not edited in place.
+_BULK = 64
+
+
+class _Ascending:
+    """Distinct indexes in ascending order: a kept ready set.
+
+    New tasks mostly get the highest indexes and consumers mostly take the lowest, so an
+    addition is mostly an append and a removal a bisection and a move of pointers in C; many at
+    once (a clear) rebuild the list in one pass.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, indexes: Iterable[int]) -> None:
+        self.items = sorted(set(indexes))
+
+    def add_many(self, indexes: Iterable[int]) -> None:
+        new = sorted(set(indexes))
+        items = self.items
+        if not new:
+            return
+        if not items or new[0] > items[-1]:
+            items.extend(new)
+        elif len(new) > _BULK:
+            self.items = sorted(set(items).union(new))
+        else:
+            for i in new:
+                at = bisect_left(items, i)
+                if at == len(items) or items[at] != i:
+                    items.insert(at, i)
+
+    def discard_many(self, indexes: Collection[int]) -> None:
+        items = self.items
+        if len(indexes) > _BULK:
+            gone = set(indexes)
+            self.items = [i for i in items if i not in gone]
+            return
+        for i in indexes:
+            at = bisect_left(items, i)
+            if at < len(items) and items[at] == i:
+                del items[at]
 
 
 @dataclass
@@ -71,6 +129,11 @@ class Partition:
     expected: set[str] = field(default_factory=set)
     # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
     custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # (task name, fields) -> indexes with every one of those fields, not consumed by that task
+    # name (tasks being cleared included: `ready` leaves them out); see the module docstring.
+    _ready: dict[tuple[str, tuple[str, ...]], _Ascending] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def knows(self, name: str) -> bool:
         """Whether `name` was ever put into this partition or declared for it."""
@@ -177,18 +240,66 @@ class Partition:
             else:
                 for row in rows:
                     column.generation.pop(row, None)
+        self._add_ready(rows, meta.fields.keys())
+
+    def _add_ready(self, rows: Sequence[int], put_fields: AbstractSet[str]) -> None:
+        """Rows that just got `put_fields`: into each kept ready set they now belong to."""
+        for (task_name, names), ready in self._ready.items():
+            if put_fields.isdisjoint(names):
+                continue
+            columns = [self.columns[f].node for f in names]
+            consumed = self.consumed.get(task_name, ())
+            ready.add_many(r for r in rows if r not in consumed and all(r in c for c in columns))
 
     def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
-        """Indexes that have every field produced and are not consumed by `task_name`."""
+        """Indexes that have every field produced and are not consumed by `task_name`, ascending
+        (from the kept set: time in proportion to the ready tasks, not to all of them)."""
         if not fields or any(f not in self.columns for f in fields):
             return []
+        key = (task_name, tuple(sorted(set(fields))))
+        have = self._ready.pop(key, None)  # re-inserted last: the most recently asked
+        if have is None:
+            have = _Ascending(self._compute_ready(task_name, key[1]))
+            while len(self._ready) >= MAX_READY_SETS:
+                del self._ready[next(iter(self._ready))]
+        self._ready[key] = have
+        if self.clearing:
+            return [i for i in have.items if i not in self.clearing]
+        return list(have.items)
+
+    def _compute_ready(self, task_name: str, fields: Sequence[str]) -> set[int]:
+        """`ready` from the columns (tasks being cleared included): time in proportion to the
+        partition's tasks. For status queries, and to build a kept set."""
         columns = sorted((self.columns[f] for f in fields), key=lambda c: len(c.node))
         have = set(columns[0].node)
         for column in columns[1:]:
             have.intersection_update(column.node)
         have.difference_update(self.consumed.get(task_name, ()))
-        have.difference_update(self.clearing)
-        return sorted(have)
+        return have
+
+    def count_ready(self, fields: Sequence[str]) -> int:
+        """Tasks that have every one of `fields` (consumed or not, being cleared excluded)."""
+        if not fields or any(f not in self.columns for f in fields):
+            return 0
+        return len(self._compute_ready("\0", fields).difference(self.clearing))
+
+    def consume(self, task_name: str, indexes: Iterable[int]) -> None:
+        """Mark `indexes` consumed by `task_name`: never ready for it again (until a reset)."""
+        taken = set(indexes)
+        self.consumed.setdefault(task_name, set()).update(taken)
+        for (name, _), ready in self._ready.items():
+            if name == task_name:
+                ready.discard_many(taken)
+
+    def reset_consumption(self, task_name: str | None = None) -> None:
+        """Forget what `task_name` (or every consumer) consumed."""
+        if task_name is None:
+            self.consumed.clear()
+            self._ready.clear()
+            return
+        self.consumed.pop(task_name, None)
+        for key in [k for k in self._ready if k[0] == task_name]:
+            del self._ready[key]
 
     def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]:
         """Per-sample lengths (first dimension of `field`), for length-aware samplers."""
@@ -253,6 +364,7 @@ class Partition:
     def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
         """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
         n = self.node_index.get(node)
+        dropped: dict[str, list[int]] = {}
         for key in keys:
             i = self.index_of.get(key.task_id)
             column = self.columns.get(key.field)
@@ -260,6 +372,11 @@ class Partition:
                 del column.node[i]
                 column.shape.pop(i, None)
                 column.generation.pop(i, None)
+                dropped.setdefault(key.field, []).append(i)
+        for (_, names), ready in self._ready.items():
+            rows = [i for name in names for i in dropped.get(name, ())]
+            if rows:
+                ready.discard_many(rows)
 
     def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
         for i in indexes:
@@ -270,10 +387,12 @@ class Partition:
                 self.clearing.pop(i, None)
 
     def forget(self, indexes: Iterable[int]) -> None:
+        gone = []
         for i in list(indexes):
             task_id = self.task_of.pop(i, None)
             if task_id is None:
                 continue
+            gone.append(i)
             del self.index_of[task_id]
             self.custom_meta.pop(i, None)
             for column in self.columns.values():
@@ -282,12 +401,13 @@ class Partition:
                 column.generation.pop(i, None)
             for consumed in self.consumed.values():
                 consumed.discard(i)
+        for ready in self._ready.values():
+            ready.discard_many(gone)
 
     def production(self, names: list[str]) -> dict[str, Any]:
         """Tasks, how many have each of `names`, and how many have all of them."""
         produced = {n: len(self.columns[n].node) if n in self.columns else 0 for n in names}
-        ready = len(self.ready("\0", names)) if names else 0
-        return {"tasks": len(self.task_of), "produced": produced, "ready": ready}
+        return {"tasks": len(self.task_of), "produced": produced, "ready": self.count_ready(names)}
 
     def summary(self) -> dict[str, Any]:
         """Tasks, per field how many have it (and its kind), how many have every field, and per
@@ -302,7 +422,7 @@ class Partition:
             }
         return {
             "tasks": len(self.task_of),
-            "ready": len(self.ready("\0", self.known_fields())),
+            "ready": self.count_ready(self.known_fields()),
             "clearing": len(self.clearing),
             "fields": fields,
             "consumed": {name: len(indexes) for name, indexes in self.consumed.items()},

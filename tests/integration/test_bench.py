@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ray_support import import_ray
 
-from bench import baselines, scaling, transferqueue
+from bench import baselines, control_plane, scaling, transferqueue
 from bench.__main__ import main, parse_args, summary
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 
@@ -141,6 +141,47 @@ def test_scaling_run_checks_every_op_and_plots(tmp_path: Path) -> None:
     _png_written(tmp_path / "scaling.png")
     assert not (tmp_path / "bench.png").exists()  # no transfer workload ran
     assert json.loads((tmp_path / "results.json").read_text())["scaling"]["rows"][1]["tasks"] == 48
+
+
+def test_control_plane_section_runs_small_and_reports_sane_figures(tmp_path: Path) -> None:
+    """`--workloads control_plane` in small: 8 consumers in 2 groups, one paced run and one flat
+    out, on a controller in a child process; every task once per group, figures that add up."""
+    results = main(
+        ["--workloads", "control_plane", "--control-plane-consumers", "8", "--control-plane-groups", "2"]
+        + ["--control-plane-tasks", "256", "--control-plane-steps", "0.01,0", "--out", str(tmp_path)]
+    )
+    section = results["control_plane"]
+    assert section["served"] == "a child process"
+    assert [r["scenario"]["step_seconds"] for r in section["runs"]] == [0.01, 0.0]
+    for run in section["runs"]:
+        assert run["ok"] and run["failures"] == [] and run["errors"] == 0
+        assert run["scenario"]["consumers"] == 8 and run["consumers_per_group"] == 4
+        assert run["tasks_delivered"] == 2 * 256 and run["answered_calls"] == 2 * 256 // 16
+        assert run["get_meta_calls"] == run["answered_calls"] + run["empty_calls"] == run["get_meta"]["count"]
+        assert run["consumed"] == {"group0": 256, "group1": 256}
+        for group in run["delivery"].values():
+            assert group["delivered"] == group["distinct"] == 256 and group["duplicates"] == 0
+        latency = run["get_meta"]
+        assert 0 < latency["p50_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+        assert run["seconds"] > 0 and run["calls_per_s"] == pytest.approx(
+            run["get_meta_calls"] / run["seconds"]
+        )
+        assert run["tasks_per_s"] == pytest.approx(512 / run["seconds"])
+        assert run["server_get_meta_mean_ms"] is not None and 0 < run["server_get_meta_mean_ms"]
+        assert run["requests_sent"] >= run["get_meta_calls"] + run["put"]["count"]
+    assert results["workloads"] == {} and "scaling" not in results
+    table = summary(results)
+    assert "control plane: 8 consumers in 2 groups of 4" in table and "flat out" in table
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["control_plane"]["runs"][1]["tasks_delivered"] == 512
+
+
+def test_control_plane_flags_are_checked() -> None:
+    with pytest.raises(SystemExit):  # 10 consumers do not split into 4 equal groups
+        parse_args(["--control-plane-consumers", "10"])
+    with pytest.raises(SystemExit):
+        parse_args(["--control-plane-steps", "0.5,-1"])
+    assert parse_args([]).control_plane_steps == list(control_plane.DEFAULT_STEPS)
 
 
 def test_scaling_plot_is_a_png(tmp_path: Path) -> None:
