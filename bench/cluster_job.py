@@ -26,6 +26,7 @@ Results go to `<out>/cluster.json` and, with matplotlib, `<out>/cluster.png`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -51,12 +52,15 @@ CONTROLLER_TIMEOUT = 1800.0
 # ----------------------------------------------------------------------------- the train engine
 
 
-def _train_engine_base() -> type:
+def grpo_pipeline() -> Any:
+    """examples/grpo_pipeline.py, the main job (examples/ is not a package)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    from grpo_pipeline import TrainEngine
+    return importlib.import_module("grpo_pipeline")
 
-    return TrainEngine
+
+def _train_engine_base() -> type:
+    return grpo_pipeline().TrainEngine
 
 
 class ClusterTrainEngine(_train_engine_base()):  # type: ignore[misc]
@@ -145,9 +149,9 @@ def timed_with_cpu(out: dict[str, list[float]], name: str) -> Iterator[None]:
 
 def pipeline_args(args: argparse.Namespace) -> argparse.Namespace:
     """examples/grpo_pipeline.py's arguments for this run's batch."""
-    import grpo_pipeline
+    example = grpo_pipeline()
 
-    return grpo_pipeline.parse_args(
+    return example.parse_args(
         [
             f"--prompts={args.prompts}",
             f"--n={args.n}",
@@ -199,7 +203,7 @@ def centralised_data_step(chunks: Sequence[Any], train: Any) -> list[Any]:
 
 def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, Any]:
     """Distributed and centralised data steps, `args.repeats` each, on fresh rollout batches."""
-    import grpo_pipeline
+    example = grpo_pipeline()
 
     job = pipeline_args(args)
     times: dict[str, list[float]] = {}
@@ -207,7 +211,7 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
     gathers: list[list[float]] = []  # each train worker's gather, seconds, per repeat
     for step in range(args.repeats):
         batch = rollout_batch(rollout, job, step)
-        chunks = batch.select_fields(grpo_pipeline.TRAIN_FIELDS).chunk_balanced(
+        chunks = batch.select_fields(example.TRAIN_FIELDS).chunk_balanced(
             len(train), group_size=job.n, length_field="input_ids"
         )
         links.append(busiest_link_bytes(chunks, train.nodes))
@@ -224,14 +228,14 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
 
 def main_job_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, list[float]]:
     """examples/grpo_pipeline.py's whole step, distributed and centralised, `args.steps` each."""
-    import grpo_pipeline
+    example = grpo_pipeline()
 
     job = pipeline_args(args)
     times: dict[str, list[float]] = {}
     for step in range(args.steps):
         for mode, centralised in (("distributed", False), ("centralised", True)):
             with timed_with_cpu(times, mode):
-                grpo_pipeline.run_step(step, job, rollout, train, centralised)
+                example.run_step(step, job, rollout, train, centralised)
     return times
 
 
