@@ -96,6 +96,17 @@ def bytes_by_host(chunk: Any) -> dict[str, int]:
     return out
 
 
+def pair_bytes(chunks: Sequence[Any], receivers: Sequence[str]) -> dict[tuple[str, str], int]:
+    """Bytes each (receiving host, holding host) pair moves when receiver i gathers chunk i peer
+    to peer (a pair of one host: bytes that stay on it)."""
+    pairs: dict[tuple[str, str], int] = {}
+    for chunk, receiver in zip(chunks, receivers):
+        to = host_of(receiver)
+        for source, nbytes in bytes_by_host(chunk).items():
+            pairs[to, source] = pairs.get((to, source), 0) + nbytes
+    return pairs
+
+
 def busiest_link_bytes(chunks: Sequence[Any], receivers: Sequence[str]) -> dict[str, int]:
     """Bytes each host's NIC must carry each way when receiver i gathers chunk i peer to peer:
     {"in": busiest ingress, "out": busiest egress, "total": all bytes, "local": bytes that
@@ -103,15 +114,13 @@ def busiest_link_bytes(chunks: Sequence[Any], receivers: Sequence[str]) -> dict[
     ingress: dict[str, int] = {}
     egress: dict[str, int] = {}
     total = local = 0
-    for chunk, receiver in zip(chunks, receivers):
-        to = host_of(receiver)
-        for source, nbytes in bytes_by_host(chunk).items():
-            total += nbytes
-            if source == to:
-                local += nbytes
-                continue
-            ingress[to] = ingress.get(to, 0) + nbytes
-            egress[source] = egress.get(source, 0) + nbytes
+    for (to, source), nbytes in pair_bytes(chunks, receivers).items():
+        total += nbytes
+        if source == to:
+            local += nbytes
+            continue
+        ingress[to] = ingress.get(to, 0) + nbytes
+        egress[source] = egress.get(source, 0) + nbytes
     return {
         "in": max(ingress.values(), default=0),
         "out": max(egress.values(), default=0),
@@ -209,12 +218,15 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
     times: dict[str, list[float]] = {}
     links: list[dict[str, int]] = []
     gathers: list[list[float]] = []  # each train worker's gather, seconds, per repeat
+    pairs: list[list[list[Any]]] = []  # per repeat: [receiving host, holding host, bytes] across hosts
     for step in range(args.repeats):
         batch = rollout_batch(rollout, job, step)
         chunks = batch.select_fields(example.TRAIN_FIELDS).chunk_balanced(
             len(train), group_size=job.n, length_field="input_ids"
         )
         links.append(busiest_link_bytes(chunks, train.nodes))
+        crossing = [[to, src, n] for (to, src), n in pair_bytes(chunks, train.nodes).items() if to != src]
+        pairs.append(crossing)
         with timed_with_cpu(times, "distributed"):
             received = train.call("receive", chunks)
         gathers.append(sorted(round(float(r["seconds"]), 3) for r in received))
@@ -223,7 +235,7 @@ def data_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, 
         for done in pushed:
             done.clear()
         batch.clear()
-    return {"times": times, "links": links, "gathers": gathers}
+    return {"times": times, "links": links, "gathers": gathers, "pairs": pairs}
 
 
 def main_job_steps(args: argparse.Namespace, rollout: Any, train: Any) -> dict[str, list[float]]:
@@ -301,6 +313,7 @@ def _stop(process: subprocess.Popen[Any]) -> None:
 def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One cluster of `hosts` worker hosts (+ the controller's), its measures."""
     from bench.cluster import Cluster, rate_bits
+    from bench.cluster_tcp import all_to_all
 
     with Cluster.up(hosts + 1, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
         rollout = [start_worker(cluster, h, stack, log_dir) for h in range(1, hosts + 1)]
@@ -312,9 +325,14 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
             0, argv, capture_output=True, text=True, env=worker_env(), cwd=ROOT, timeout=CONTROLLER_TIMEOUT
         )
         after = [cluster.link_stats(h) for h in range(hosts + 1)]
-    if done.returncode != 0:
-        raise RuntimeError(f"the controller failed on {hosts} hosts: {done.stderr[-4000:]}")
-    raw = json.loads(done.stdout.strip().splitlines()[-1])
+        if done.returncode != 0:
+            raise RuntimeError(f"the controller failed on {hosts} hosts: {done.stderr[-4000:]}")
+        raw = json.loads(done.stdout.strip().splitlines()[-1])
+        # The network's own figure: plain TCP moving each repeat's bytes between the same hosts.
+        raw["data"]["times"]["tcp"] = [
+            all_to_all(cluster, range(1, hosts + 1), [tuple(p) for p in pairs]) if pairs else 0.0
+            for pairs in raw["data"]["pairs"]
+        ]
     result = summarise(hosts, raw, rate_bits(args.rate))
     result["links"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]  # host 0: the controller's
     return result
@@ -346,6 +364,9 @@ def summarise(hosts: int, raw: dict[str, Any], rate: int) -> dict[str, Any]:
         out[f"data_{mode}_seconds"] = seconds
         out[f"data_{mode}_cpu"] = statistics.median(data["times"][mode + "_cpu"])
         out[f"data_{mode}_bound_s"] = bounds[mode]
+    out["data_tcp_s"] = statistics.median(data["times"]["tcp"])
+    if out["data_tcp_s"] > 0:
+        out["data_distributed_over_tcp"] = out["data_distributed_s"] / out["data_tcp_s"]
     out["data_centralised_over_distributed"] = out["data_centralised_s"] / out["data_distributed_s"]
     if bounds["distributed"] > 0:
         out["data_distributed_over_bound"] = out["data_distributed_s"] / bounds["distributed"]
@@ -376,6 +397,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
         ax.plot(
             hosts, [r[f"data_{mode}_bound_s"] for r in results], ":", color=color, label=f"{mode}: link bound"
         )
+    ax.plot(hosts, [r["data_tcp_s"] for r in results], "s--", color="tab:gray", label="plain TCP, same bytes")
     ax.set_xlabel("hosts (one rollout and one train worker each)")
     ax.set_ylabel("data step (s)")
     ax.set_xticks(hosts)
@@ -393,18 +415,20 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def report(results: list[dict[str, Any]]) -> list[str]:
-    """The table a person reads."""
+    """The table a person reads: per host count, the data step both ways with the link bound
+    and plain TCP's time for the same bytes, the CPU use, then the main job's step."""
     lines = [
-        f"{'hosts':>5} {'distributed':>12} {'bound':>7} {'x bound':>8} {'centralised':>12} {'bound':>7} "
-        f"{'speed-up':>9} {'cpu d/c':>9} {'job d':>7} {'job c':>7} {'job x':>6}"
+        f"{'hosts':>5} {'distributed':>12} {'TCP':>7} {'bound':>7} {'x bound':>8} {'centralised':>12} "
+        f"{'bound':>7} {'speed-up':>9} {'cpu d/c':>9} {'job d':>7} {'job c':>7} {'job x':>6}"
     ]
     nan = float("nan")
     for r in results:
         over = r.get("data_distributed_over_bound")
         lines.append(
-            f"{r['hosts']:>5} {r['data_distributed_s']:>11.2f}s {r['data_distributed_bound_s']:>6.2f}s "
-            f"{(f'{over:.2f}x' if over else '-'):>8} {r['data_centralised_s']:>11.2f}s "
-            f"{r['data_centralised_bound_s']:>6.2f}s {r['data_centralised_over_distributed']:>8.1f}x "
+            f"{r['hosts']:>5} {r['data_distributed_s']:>11.2f}s {r['data_tcp_s']:>6.2f}s "
+            f"{r['data_distributed_bound_s']:>6.2f}s {(f'{over:.2f}x' if over else '-'):>8} "
+            f"{r['data_centralised_s']:>11.2f}s {r['data_centralised_bound_s']:>6.2f}s "
+            f"{r['data_centralised_over_distributed']:>8.1f}x "
             f"{r['data_distributed_cpu']:>4.0%}/{r['data_centralised_cpu']:<4.0%}"
             f"{r.get('main_job_distributed_s', nan):>7.2f}s {r.get('main_job_centralised_s', nan):>6.2f}s "
             f"{r.get('main_job_centralised_over_distributed', nan):>5.1f}x"

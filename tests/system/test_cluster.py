@@ -305,6 +305,7 @@ def test_the_cluster_job_bench_runs_both_modes_and_leaves_nothing(tmp_path: Path
     # Centralised, every byte crosses the controller's NIC; distributed, at most a share of it
     # crosses any one worker's.
     assert result["data_centralised_bound_s"] > result["data_distributed_bound_s"] > 0
+    assert result["data_tcp_s"] > 0  # plain TCP moved the same cross-host bytes
     controller, *workers = result["links"]
     assert controller["received"] >= result["batch_bytes"] and controller["sent"] >= result["batch_bytes"]
     assert all(w["received"] > 0 and w["sent"] > 0 for w in workers)
