@@ -1,21 +1,24 @@
 """The main job across simulated hosts: distributed (peer to peer) vs centralised (through the
-controller's host), against what the links allow.
+controller's host), against what the links allow and what plain TCP achieves on them.
 
-Host 0 runs the controller; hosts 1..N each run a rollout worker and a train worker (two
-distbatch workers started inside the host's namespace, joined with `WorkerGroup.connect`). Every
-host's NIC is a `tbf` of rate R each way (bench/cluster.py), R low enough that the links, not
-this machine's cores, bound a step; the CPU use of each phase is reported to show which did.
+Host 0 runs the controller; hosts 1..N each run a rollout worker and a train worker
+(`--layout colocated`, as verl's hybrid engine places them), or the train workers get hosts
+N+1..2N of their own (`--layout disaggregated`, as AReaL's decoupled rollout does). Workers are
+distbatch workers started inside their host's namespace and joined with `WorkerGroup.connect`.
+Every host's NIC is a `tbf` of rate R each way (bench/cluster.py), R low enough that the links,
+not this machine's cores, bound a step; the CPU use of each phase is reported to show which did.
 
 Two measures per N, medians over `--repeats`:
 - **data step**: the rollout batch is on the rollout workers; each train worker gathers its
   balanced chunk. Distributed: straight from the rollout workers. Centralised: the controller
-  pulls each chunk and pushes it to its train worker, every chunk at once (its link's two
-  directions overlapped: its best case), then the train workers read it.
-- **main job step**: examples/grpo_pipeline.py's step (rollout, advantages, balance, train).
+  relays every chunk, in pieces, pulls of some overlapping pushes of others (both directions
+  of its link busy: its best case), then the train workers read what was pushed to them.
+- **main job step**: examples/grpo_pipeline.py's step (rollout, advantages, balance, train;
+  its centralised mode pulls the whole batch, then pushes the chunks).
 
-Next to each data step, the link lower bound: the bytes the busiest link must carry (from the
-batch's metadata: a chunk's bytes from another host cross the sender's and the receiver's NIC;
-centralised, every byte crosses the controller's NIC in and out) over R.
+Next to each data step: the link lower bound, the bytes the busiest NIC must carry (from the
+batch's metadata; centralised, every byte crosses the controller's NIC in and out) over R; and
+plain TCP's time moving the same bytes between the same hosts (bench/cluster_tcp.py).
 
     python -m bench.cluster_job --hosts 1,2,4,8 --rate 100mbit --out /tmp/cluster-bench
 
@@ -315,25 +318,29 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     from bench.cluster import Cluster, rate_bits
     from bench.cluster_tcp import all_to_all
 
-    with Cluster.up(hosts + 1, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
-        rollout = [start_worker(cluster, h, stack, log_dir) for h in range(1, hosts + 1)]
-        train = [start_worker(cluster, h, stack, log_dir) for h in range(1, hosts + 1)]
+    rollout_hosts = range(1, hosts + 1)
+    train_hosts = rollout_hosts if args.layout == "colocated" else range(hosts + 1, 2 * hosts + 1)
+    machines = 1 + len(set(rollout_hosts) | set(train_hosts))
+    with Cluster.up(machines, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
+        rollout = [start_worker(cluster, h, stack, log_dir) for h in rollout_hosts]
+        train = [start_worker(cluster, h, stack, log_dir) for h in train_hosts]
         argv = [sys.executable, "-m", "bench.cluster_job", "controller", "--rollout", ",".join(rollout),
                 "--train", ",".join(train), *job_flags(args)]  # fmt: skip
-        before = [cluster.link_stats(h) for h in range(hosts + 1)]
+        before = [cluster.link_stats(h) for h in range(machines)]
         done = cluster.run(
             0, argv, capture_output=True, text=True, env=worker_env(), cwd=ROOT, timeout=CONTROLLER_TIMEOUT
         )
-        after = [cluster.link_stats(h) for h in range(hosts + 1)]
+        after = [cluster.link_stats(h) for h in range(machines)]
         if done.returncode != 0:
             raise RuntimeError(f"the controller failed on {hosts} hosts: {done.stderr[-4000:]}")
         raw = json.loads(done.stdout.strip().splitlines()[-1])
         # The network's own figure: plain TCP moving each repeat's bytes between the same hosts.
         raw["data"]["times"]["tcp"] = [
-            all_to_all(cluster, range(1, hosts + 1), [tuple(p) for p in pairs]) if pairs else 0.0
+            all_to_all(cluster, range(1, machines), [tuple(p) for p in pairs]) if pairs else 0.0
             for pairs in raw["data"]["pairs"]
         ]
     result = summarise(hosts, raw, rate_bits(args.rate))
+    result["layout"] = args.layout
     result["links"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]  # host 0: the controller's
     return result
 
@@ -398,7 +405,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
             hosts, [r[f"data_{mode}_bound_s"] for r in results], ":", color=color, label=f"{mode}: link bound"
         )
     ax.plot(hosts, [r["data_tcp_s"] for r in results], "s--", color="tab:gray", label="plain TCP, same bytes")
-    ax.set_xlabel("hosts (one rollout and one train worker each)")
+    layout = results[0].get("layout", "colocated")
+    ax.set_xlabel(
+        "hosts (one rollout and one train worker each)"
+        if layout == "colocated"
+        else "rollout hosts (and as many train hosts)"
+    )
     ax.set_ylabel("data step (s)")
     ax.set_xticks(hosts)
     rate = results[0]["rate_bits"] / 1e6
@@ -452,6 +464,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="data steps per mode")
     parser.add_argument("--steps", type=int, default=2, help="main job steps per mode (0: none)")
+    parser.add_argument(
+        "--layout",
+        choices=["colocated", "disaggregated"],
+        default="colocated",
+        help="train workers on the rollout hosts (verl's hybrid engine) or on hosts of their own (AReaL's)",
+    )
     parser.add_argument("--prefix", default="dbj", help="names of the cluster's namespaces and links")
     parser.add_argument("--out", default="bench-cluster", help="results directory")
     parser.add_argument("--rollout", help=argparse.SUPPRESS)
