@@ -8,15 +8,20 @@ body buffer (`recv_into`), as the raw-socket baseline does: one copy. Only what 
 client's data fetches need: a request with a body, a response with a Content-Length,
 one request per connection. Anything else raises
 `ResponseError`, which the caller treats as a broken connection.
+
+`until_stalled` is the progress watchdog of both directions: a fetch here is judged by the bytes
+it receives, an upload (`distbatch.client.transport`) by the bytes the worker acknowledges.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from distbatch.errors import ResponseError
+
+T = TypeVar("T")
 
 MAX_HEAD_BYTES = 64 << 10
 # A stalled transfer is noticed within this share of the stall timeout past it.
@@ -24,12 +29,56 @@ STALL_CHECKS_PER_TIMEOUT = 4
 
 
 class StalledTransfer(TimeoutError):
-    """No byte of the response arrived for the stall timeout: the worker stopped or its link is
-    down (no reset ever arrives then), while a slow transfer that still moves is never cut."""
+    """No byte moved for the stall timeout (none of the response arrived, or none of an upload
+    went out): the worker stopped or its link is down (no reset ever arrives then), while a slow
+    transfer that still moves is never cut. `moved`: the bytes that did, before it stalled."""
 
-    def __init__(self, seconds: float, received: int) -> None:
-        super().__init__(f"no data for {seconds:g} s after {received} bytes (stalled)")
-        self.seconds, self.received = seconds, received
+    def __init__(self, seconds: float, moved: int, sending: bool = False) -> None:
+        if sending:
+            super().__init__(f"no data went out for {seconds:g} s after {moved} bytes were sent (stalled)")
+        else:
+            super().__init__(f"no data for {seconds:g} s after {moved} bytes (stalled)")
+        self.seconds, self.moved, self.sending = seconds, moved, sending
+
+
+async def until_stalled(
+    work: Awaitable[T],
+    position: Callable[[], int | None],
+    stall_timeout: float,
+    sending: bool = False,
+    cut: Callable[[], None] | None = None,
+) -> T:
+    """`work`'s result, unless `position()` (bytes moved so far) stays the same for
+    `stall_timeout` seconds: then `work` is cancelled (closing its connection) and
+    `StalledTransfer` raised. Progress restarts the clock, so a slow transfer is judged by
+    whether it moves, never by how long it takes; the caller bounds the total. A position of
+    None means the transfer has not begun (a connection being made, bounded by its own
+    timeout): the clock does not run. `cut()`, when
+    given, runs first whenever `work` is given up (stalled, or our caller cancelled): to drop
+    what it still has queued, which must not reach the worker once the link comes back."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    check = stall_timeout / STALL_CHECKS_PER_TIMEOUT
+    last, moved_at = position(), loop.time()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=check)
+            if done:
+                return task.result()
+            now = position()
+            if now is None or now != last:
+                last, moved_at = now, loop.time()
+            elif loop.time() - moved_at >= stall_timeout:
+                break
+    finally:
+        if not task.done():  # a stall, or our caller gave up
+            if cut is not None:
+                cut()
+            task.cancel()
+    await asyncio.wait({task})  # let it close its connection
+    if not task.cancelled() and task.exception() is None:
+        return task.result()  # it finished as it was cancelled
+    raise StalledTransfer(stall_timeout, last or 0, sending)
 
 
 class _BodyProtocol(asyncio.BufferedProtocol):
@@ -47,7 +96,6 @@ class _BodyProtocol(asyncio.BufferedProtocol):
         self.received = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
-        self.last_progress = asyncio.get_running_loop().time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -58,7 +106,6 @@ class _BodyProtocol(asyncio.BufferedProtocol):
         return memoryview(self.head)[self.head_len :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.last_progress = asyncio.get_running_loop().time()
         if self.done.done():
             return
         if self.view is not None:
@@ -163,8 +210,7 @@ async def request_into_buffer(
         lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        protocol.last_progress = loop.time()  # the clock starts once the request is sent
-        await _done_or_stalled(protocol, stall_timeout)
+        await _done_or_stalled(protocol, stall_timeout)  # the clock starts once the request is sent
         return protocol.status, protocol.headers, protocol.body
     finally:
         transport.close()
@@ -175,17 +221,10 @@ async def _done_or_stalled(protocol: _BodyProtocol, stall_timeout: float | None)
     if stall_timeout is None:
         await protocol.done
         return
-    loop = asyncio.get_running_loop()
-    check = stall_timeout / STALL_CHECKS_PER_TIMEOUT
-    while True:
-        try:
-            await asyncio.wait_for(asyncio.shield(protocol.done), check)
-            return
-        except TimeoutError:
-            if protocol.done.done():  # finished as the wait timed out
-                protocol.done.result()
-                return
-            if loop.time() - protocol.last_progress >= stall_timeout:
-                received = protocol.received + protocol.head_len
-                protocol._fail(StalledTransfer(stall_timeout, received))
-                protocol.done.result()  # raises it
+    try:
+        await until_stalled(
+            asyncio.shield(protocol.done), lambda: protocol.head_len + protocol.received, stall_timeout
+        )
+    except StalledTransfer as exc:
+        protocol._fail(exc)  # aborts the connection
+        protocol.done.result()  # raises it

@@ -33,7 +33,7 @@ from distbatch.ids import ShardRef, validate_id, validate_key, validate_node
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
 from distbatch.twins import awaiting, blocking, done, first_result
 
-# A gather with no byte arriving for this long has stalled (the liveness timeout's default).
+# A gather or put with no byte moving for this long has stalled (the liveness timeout's default).
 DEFAULT_STALL_TIMEOUT = 30.0
 
 T = TypeVar("T")
@@ -67,10 +67,15 @@ class ShardClient:
             gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
         same_host: False keeps this client on HTTP even to workers on its host.
-        stall_timeout: a gather that receives no byte for this many seconds fails at once with
-            `WorkerUnavailableError` saying it stalled (a worker stopped, or a link that went
-            down without a reset), not retried; progress resets it, so a slow transfer is judged
-            by whether it moves. None: only `timeout` bounds it.
+        stall_timeout: a gather that receives no byte for this many seconds, or a put whose
+            upload the worker acknowledges no byte of (nor answers, once it has all of it), fails
+            at once with `WorkerUnavailableError` saying it stalled (a worker stopped, or a link
+            that went down without a reset), not retried; progress resets it, so a slow transfer
+            is judged by whether it moves, never by how long it takes. A stalled put's connection
+            is reset, so nothing of it reaches the worker if the link comes back; a put in staged
+            parts stops its other parts and drops the parts staged (in the background, within
+            `timeout`; else the worker's `--stage-ttl` does): the worker stores nothing of it.
+            None: only `timeout` bounds them.
 
     Workers on this host are reached through shared memory instead of HTTP when they allow it
     (`distbatch.client.same_host`; `DISTBATCH_SHM=0` turns that off): same calls, same errors.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from distbatch import wire
@@ -42,6 +42,31 @@ MAX_SAME_HOST_REQUEST_BYTES = 1 << 62
 
 _CHANNEL_BROKE = (OSError, EOFError, ShmError)
 """What a same-host request whose connection failed raises (HTTP then carries it)."""
+
+
+async def _failures_until_unreachable(requests: list[Awaitable[Any]]) -> list[BaseException]:
+    """Run `requests` concurrently; what they raised (nothing: all succeeded). Once one finds the
+    worker unreachable (`WorkerUnavailableError`: stopped, or its link down), the others are
+    cancelled: those still queued for a connection slot would each wait out their own timeouts
+    on the same silent worker, for a put that fails anyway."""
+    tasks = [asyncio.ensure_future(request) for request in requests]
+    try:
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not t.cancelled() and isinstance(t.exception(), WorkerUnavailableError) for t in done):
+                break
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for those done
+    await asyncio.wait(tasks)
+    return [error for t in tasks if not t.cancelled() and (error := t.exception()) is not None]
+
+
+async def _ignoring(errors: type[BaseException], work: Awaitable[Any]) -> None:
+    """Await `work`, ignoring `errors` (best-effort work in the background)."""
+    with contextlib.suppress(errors):
+        await work
 
 
 class ShardPath(Protocol):
@@ -90,26 +115,34 @@ class HttpShardPath:
         # and never touches existing shards before it succeeds. Each part has a name, so a
         # retried request replaces its first attempt instead of adding to it.
         stage = uuid.uuid4().hex
-        results = await asyncio.gather(
-            *(
+        failures = await _failures_until_unreachable(
+            [
                 self.transport.request(
                     node, "PUT", f"/v1/shards?stage={stage}&part=p{i}", body=wire.build_bundle(part)
                 )
                 for i, part in enumerate(bundles)
-            ),
-            return_exceptions=True,
+            ]
         )
-        failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            await self.abort_stage(node, stage)
+            unreachable = any(isinstance(f, WorkerUnavailableError) for f in failures)
+            await self.abort_stage(node, stage, unreachable=unreachable)
             raise failures[0]
         return await self.commit_stage(node, stage)
 
-    async def abort_stage(self, node: str, stage: str) -> None:
+    async def abort_stage(self, node: str, stage: str, *, unreachable: bool = False) -> None:
         """Drop a staged put's parts; a failure here is ignored: the stage expires on the worker,
-        and the failure that made us abort is what matters."""
+        and the failure that made us abort is what matters. To a worker that just went
+        unanswered (`unreachable`: stopped, or its link down) the abort goes in the background,
+        within the client's timeout: the put fails now, not after the abort's own wait."""
+        runtime = self.transport.runtimes.get()
+        notice = self.transport.request(
+            node, "POST", "/v1/shards/abort", json_body={"stage": stage}, runtime=runtime
+        )
+        if unreachable:
+            runtime.spawn(_ignoring(NodeError, notice))
+            return
         with contextlib.suppress(NodeError):
-            await self.transport.request(node, "POST", "/v1/shards/abort", json_body={"stage": stage})
+            await notice
 
     async def commit_stage(self, node: str, stage: str) -> PutResult:
         """Store every part of a staged put at once."""

@@ -11,14 +11,19 @@ they share one retry policy and one error mapping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import socket
+import struct
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import aiohttp.payload
 
 from distbatch import wire
 from distbatch.client import http_recv
@@ -134,6 +139,65 @@ async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
         view = memoryview(part).cast("B")
         for start in range(0, view.nbytes, SEND_SLICE_BYTES):
             yield view[start : start + SEND_SLICE_BYTES]
+
+
+def _unacknowledged(transport: Any) -> int:
+    """Bytes the kernel holds for `transport`'s socket that the peer has not acknowledged yet
+    (Linux's SIOCOUTQ); 0 where that cannot be read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not sys.platform.startswith("linux"):
+        return 0
+    import fcntl
+    import termios
+
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
+    """A container body sent in slices (`_send_slices`) that says how far it got, for the stall
+    watchdog: a slice is a few MiB and the kernel queues more, so progress is read from the
+    connection, not from the slices handed over."""
+
+    def __init__(self, parts: list[wire.Buffer]) -> None:
+        super().__init__(_send_slices(parts))  # type: ignore[arg-type]  # memoryviews are written as bytes
+        self._writer: Any = None  # aiohttp's, once the body is being written
+        self._acknowledged = 0
+
+    async def write(self, writer: Any) -> None:
+        self._writer = writer
+        await super().write(writer)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        self._writer = writer
+        await super().write_with_length(writer, content_length)
+
+    def acknowledged(self) -> int | None:
+        """Bytes of the request (head and body) the worker has acknowledged so far: what left
+        the event loop's buffer less what the kernel still holds unacknowledged. None before
+        the body is written (the connection is being made, under the connect timeout)."""
+        if self._writer is None:
+            return None
+        transport = getattr(self._writer, "transport", None)
+        if transport is not None and not transport.is_closing():
+            left_the_loop = self._writer.output_size - transport.get_write_buffer_size()
+            self._acknowledged = left_the_loop - _unacknowledged(transport)
+        return self._acknowledged
+
+    def cut(self) -> None:
+        """Close the connection at once, with a reset: what the event loop and the kernel still
+        queue is dropped, so an upload given up on never completes later (a link that comes back
+        would otherwise deliver it, and the worker store a put its caller was told failed)."""
+        transport = getattr(self._writer, "transport", None)
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
 
 
 class HttpTransport:
@@ -270,15 +334,32 @@ class HttpTransport:
         raise AnsweredError(error_from_response(request.node, status, bytes(payload)))
 
     async def _send(self, session: aiohttp.ClientSession, request: _Outgoing, remaining: float | None) -> Any:
-        """One try through aiohttp: JSON replies, and binary ones of unknown size."""
+        """One try through aiohttp: JSON replies, and binary ones of unknown size. A container
+        body (a put) is watched for progress: `StalledTransfer` once nothing moved for the stall
+        timeout, none of it acknowledged by the worker nor, once all of it was, an answer."""
+        body = request.body
+        stall_timeout = self.policy.stall_timeout
+        if not isinstance(body, list):
+            return await self._exchange(session, request, remaining, body)
+        if stall_timeout is None:
+            return await self._exchange(session, request, remaining, _send_slices(body))
+        upload = _WatchedUpload(body)
+        exchange = self._exchange(session, request, remaining, upload)
+        return await http_recv.until_stalled(
+            exchange, upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
+        )
+
+    async def _exchange(
+        self, session: aiohttp.ClientSession, request: _Outgoing, remaining: float | None, data: Any
+    ) -> Any:
+        """Send `request` with `data` as its body and read the answer."""
         connect = (
             self.policy.connect_timeout if remaining is None else min(self.policy.connect_timeout, remaining)
         )
-        body = request.body
         async with session.request(
             request.method,
             f"http://{request.node}{request.path}",
-            data=_send_slices(body) if isinstance(body, list) else body,
+            data=data,
             headers=request.headers,
             timeout=aiohttp.ClientTimeout(total=remaining, sock_connect=connect),
         ) as response:

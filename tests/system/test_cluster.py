@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -17,17 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_support import REPO, STEP_TIMEOUT, cluster_env, remove_stale, run_prefix
 
 from bench.cluster import Cluster, check, down, leftovers
 from distbatch.launch.local import log_tail, read_first_line
-from distbatch.shm import ENV_SWITCH
 
-REPO = Path(__file__).resolve().parents[2]
 RATE = "200mbit"
 RATE_BITS = 200e6
 BATCH_SHAPE = (1024, 2048)  # float32: 8 MiB, 64 Mibit (67.1 Mbit)
 BATCH_BITS = BATCH_SHAPE[0] * BATCH_SHAPE[1] * 4 * 8
-STEP_TIMEOUT = 120.0  # seconds for any one subprocess
 
 _REASON = check()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated cluster here: {_REASON}")
@@ -61,34 +58,10 @@ CLIENT = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    # The root conftest turns the same-host path off; across hosts it is on, as in production,
-    # and must decide by itself that a worker in another host is not on this one.
-    env.pop(ENV_SWITCH, None)
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        env.pop(name, None)
-    return env
-
-
-def _prefix(tag: str) -> str:
-    """Unique per run: the test process's pid, within the prefix limit ("dt" + tag + pid)."""
-    return f"dt{tag}{os.getpid()}"
-
-
-def _remove_stale() -> None:
-    """Take down what earlier runs of this file left when killed mid-test (their pid is gone)."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    for tag, pid in set(re.findall(r"^dt([cdj])(\d+)h\d+", listing, re.MULTILINE)):
-        if not Path(f"/proc/{pid}").exists():
-            down(f"dt{tag}{pid}")
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    _remove_stale()
-    prefix = _prefix("c")
+    remove_stale()
+    prefix = run_prefix("c")
     with Cluster.up(2, rate=RATE, prefix=prefix) as made:
         yield made
     assert leftovers(prefix) == []
@@ -100,7 +73,7 @@ def cluster_worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -
     It runs without DISTBATCH_HOST_ID, as a worker in a pod would: its host id is the kernel's
     (boot id and network namespace)."""
     log = tmp_path_factory.mktemp("cluster") / "worker.log"
-    env = _env()
+    env = cluster_env()
     env.pop("DISTBATCH_HOST_ID", None)
     with log.open("wb") as log_file:
         process = subprocess.Popen(
@@ -153,7 +126,7 @@ def test_put_and_gather_across_hosts(cluster: Cluster, cluster_worker: str, tmp_
     script.write_text(CLIENT)
     done = cluster.run(
         0, [sys.executable, str(script), cluster_worker, str(BATCH_SHAPE[0]), str(BATCH_SHAPE[1])],
-        capture_output=True, text=True, timeout=STEP_TIMEOUT, env=_env(), cwd=REPO,
+        capture_output=True, text=True, timeout=STEP_TIMEOUT, env=cluster_env(), cwd=REPO,
     )  # fmt: skip
     print(f"client stderr:\n{done.stderr}")
     print(f"client stdout:\n{done.stdout}")
@@ -175,7 +148,7 @@ def test_put_and_gather_across_hosts(cluster: Cluster, cluster_worker: str, tmp_
 
 def test_down_leaves_nothing() -> None:
     """A cluster of its own, downed twice: no namespace or link with its prefix remains."""
-    prefix = _prefix("d")
+    prefix = run_prefix("d")
     made = Cluster.up(1, rate=RATE, prefix=prefix)
     try:
         assert leftovers(prefix), "up made nothing"
@@ -200,7 +173,7 @@ def test_without_a_host_id_hosts_tell_each_other_apart_by_namespace(
     same-host socket it could not reach: no failed handshake, no warning, HTTP at once."""
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
-    env = _env()
+    env = cluster_env()
     env.pop("DISTBATCH_HOST_ID", None)
     argv = [sys.executable, str(script), cluster_worker, "64", "64"]
     done = subprocess.run(
@@ -251,7 +224,7 @@ def test_a_link_down_mid_gather_fails_by_the_stall_timeout_and_a_retry_succeeds(
     client = subprocess.Popen(
         ["ip", "netns", "exec", cluster.namespace(0), *argv],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env(), cwd=REPO,
+        env=cluster_env(), cwd=REPO,
     )  # fmt: skip
     assert client.stdin is not None and client.stdout is not None
     try:
@@ -286,8 +259,8 @@ def test_the_cluster_job_bench_runs_both_modes_and_leaves_nothing(tmp_path: Path
     empty after, the table and plot are written and no namespace is left."""
     from bench.cluster_job import driver_main, parse_args
 
-    _remove_stale()
-    prefix = _prefix("j")
+    remove_stale()
+    prefix = run_prefix("j")
     args = parse_args(
         ["--hosts", "2", "--rate", RATE, "--prompts", "16", "--n", "4", "--mean-len", "256",
          "--repeats", "1", "--steps", "1", "--prefix", prefix, "--out", str(tmp_path)]
