@@ -389,7 +389,8 @@ def summarise(hosts: int, raw: dict[str, Any], rate: int) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
-    """Data-step time against hosts, both modes and their link bounds (None without matplotlib)."""
+    """Step time against hosts: the data step (both modes, their link bounds, plain TCP) and,
+    when measured, the main job's step (None without matplotlib)."""
     try:
         import matplotlib
 
@@ -398,28 +399,36 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         return None
     hosts = [r["hosts"] for r in results]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    job = all("main_job_distributed_s" in r for r in results)
+    fig, axes = plt.subplots(1, 2 if job else 1, figsize=(11 if job else 6.4, 4.2), squeeze=False)
+    data_ax = axes[0][0]
     for mode, color in (("distributed", "tab:blue"), ("centralised", "tab:red")):
-        ax.plot(hosts, [r[f"data_{mode}_s"] for r in results], "o-", color=color, label=mode)
-        ax.plot(
-            hosts, [r[f"data_{mode}_bound_s"] for r in results], ":", color=color, label=f"{mode}: link bound"
-        )
-    ax.plot(hosts, [r["data_tcp_s"] for r in results], "s--", color="tab:gray", label="plain TCP, same bytes")
+        data_ax.plot(hosts, [r[f"data_{mode}_s"] for r in results], "o-", color=color, label=mode)
+        bounds = [r[f"data_{mode}_bound_s"] for r in results]
+        data_ax.plot(hosts, bounds, ":", color=color, label=f"{mode}: link bound")
+    data_ax.plot(
+        hosts, [r["data_tcp_s"] for r in results], "s--", color="tab:gray", label="plain TCP, same bytes"
+    )
+    rate, size = results[0]["rate_bits"] / 1e6, results[0]["batch_bytes"] / 1e6
+    data_ax.set_title(f"Data step: train workers gather {size:.0f} MB ({rate:g} Mbit/s NICs)")
+    data_ax.set_ylabel("seconds")
+    if job:
+        job_ax = axes[0][1]
+        for mode, color in (("distributed", "tab:blue"), ("centralised", "tab:red")):
+            job_ax.plot(hosts, [r[f"main_job_{mode}_s"] for r in results], "o-", color=color, label=mode)
+        job_ax.set_title("Main job step: rollout, advantages, balance, train")
     layout = results[0].get("layout", "colocated")
-    ax.set_xlabel(
-        "hosts (one rollout and one train worker each)"
+    xlabel = (
+        "hosts (a rollout and a train worker each)"
         if layout == "colocated"
-        else "rollout hosts (and as many train hosts)"
+        else "rollout hosts (+ as many train hosts)"
     )
-    ax.set_ylabel("data step (s)")
-    ax.set_xticks(hosts)
-    rate = results[0]["rate_bits"] / 1e6
-    ax.set_title(
-        f"Each host gathers its balanced chunk; {rate:g} Mbit/s links, "
-        f"{results[0]['batch_bytes'] / 1e6:.0f} MB"
-    )
-    ax.grid(alpha=0.3)
-    ax.legend()
+    for ax in axes[0]:
+        ax.set_xlabel(xlabel)
+        ax.set_xticks(hosts)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -446,6 +455,28 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             f"{r.get('main_job_centralised_over_distributed', nan):>5.1f}x"
         )
     return lines
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The results as the guide and README show them (tests check those match the saved run)."""
+    rows = [
+        "| hosts | data step, distributed | plain TCP, same bytes | link bound | centralised | "
+        "speed-up | main job step, distributed / centralised |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        job = (
+            f"{r['main_job_distributed_s']:.2f} / {r['main_job_centralised_s']:.2f} s "
+            f"({r['main_job_centralised_over_distributed']:.1f}×)"
+            if "main_job_distributed_s" in r
+            else "—"
+        )
+        rows.append(
+            f"| {r['hosts']} | {r['data_distributed_s']:.2f} s | {r['data_tcp_s']:.2f} s | "
+            f"{r['data_distributed_bound_s']:.2f} s | {r['data_centralised_s']:.2f} s | "
+            f"{r['data_centralised_over_distributed']:.1f}× | {job} |"
+        )
+    return "\n".join(rows)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
