@@ -113,7 +113,10 @@ class DistbatchStorageManager(StorageManager):
             await self.client.aput_bundle(self.home, bundle)
         except WorkerUnavailableError as exc:
             what = f"put of {size} sample(s) to partition {partition!r}"
-            raise _unreachable(exc, f"{what} failed; none of its fields was recorded") from exc
+            outcome = f"{what} failed; none of its fields was recorded"
+            if self._move_home(away_from=self.home):  # later puts go to a worker that may answer
+                outcome += f"; this process's next puts go to {self.home}"
+            raise _unreachable(exc, outcome) from exc
         moved = _moved_fields(metadata, list(batch.fields), self.slot, self.options.endpoints)
         # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
         where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, self.slot))
@@ -122,6 +125,17 @@ class DistbatchStorageManager(StorageManager):
             await self.client.adelete_products_each(
                 {node: [(task_ids(gis), fields)] for node, (gis, fields) in moved.items()}
             )
+
+    def _move_home(self, away_from: str) -> bool:
+        """Make another worker this process's home (one on its host if there is one), after
+        `away_from` went unanswered: else every later put would wait on a dead worker. False
+        when there is no other."""
+        others = [e for e in self.options.endpoints if e != away_from]
+        if not others:
+            return False
+        self.home = home_worker(others, local_addresses(), os.getpid())
+        self.slot = self.options.endpoints.index(self.home)
+        return True
 
     # ------------------------------------------------------------------ get
 

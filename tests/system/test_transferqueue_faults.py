@@ -296,8 +296,14 @@ def test_a_worker_killed_mid_put_fails_the_put_clearly_and_nothing_of_it_is_reco
     again = tq.kv_batch_get(keys=new, partition_id="p")
     assert torch.equal(again.get("reward"), values["reward"])
     assert tq.kv_list(partition_id="p")["p"]["new0"] == {"by": "producer"}
+    # This process's own puts no longer go to the dead worker: the error named the one they go
+    # to now (another of the workers), and a put from here succeeds there.
+    new_home = str(error).split("this process's next puts go to ", 1)[1]
+    assert new_home != setup.mine.node and new_home.startswith("127.0.0.1:")
+    tq.kv_batch_put(keys=["later"], partition_id="p", fields=TensorDict({"reward": torch.tensor([9.0])}, [1]))
+    assert tq.kv_batch_get(keys=["later"], partition_id="p").get("reward").tolist() == [9.0]
     # And all of them clear with the dead worker still down: none of their data was there.
-    tq.kv_clear(keys=KEPT + new, partition_id="p")
+    tq.kv_clear(keys=KEPT + new + ["later"], partition_id="p")
     assert not tq.kv_list(partition_id="p").get("p")
 
 
