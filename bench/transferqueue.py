@@ -206,6 +206,11 @@ def child_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result", type=Path, required=True, help="where to write the figures (JSON)")
     parser.add_argument("--backend", default="SimpleStorage", choices=["SimpleStorage", "Distbatch"])
     parser.add_argument("--same-host", action="store_true", help="Distbatch: the same-host path on")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after tq.init: full collections then skip the start-up heap (see the guide)",
+    )
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if any(k not in KINDS for k in kinds):
@@ -232,6 +237,11 @@ def child_main(argv: list[str] | None = None) -> None:
             options = {"num_data_storage_units": args.units}
         conf = {"backend": {"storage_backend": args.backend, args.backend: options}}
         tq.init(OmegaConf.create(conf))
+        if args.gc_freeze:
+            import gc
+
+            gc.freeze()
+            out["gc_freeze"] = True
         try:
             for kind in kinds:
                 make = make_dense_columns if kind == "dense" else make_columns
