@@ -345,6 +345,25 @@ class Cluster:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, prefix={self.prefix!r})"
 
 
+def established_tcp(pid: int) -> list[tuple[str, str]]:
+    """The established TCP (IPv4) connections of the network namespace process `pid` is in, as
+    (local "a.b.c.d:port", remote "a.b.c.d:port"): /proc/<pid>/net/tcp is that namespace's table,
+    read from anywhere without entering it."""
+    out = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) > 3 and parts[3] == "01":  # TCP_ESTABLISHED
+            out.append((_proc_address(parts[1]), _proc_address(parts[2])))
+    return out
+
+
+def _proc_address(field: str) -> str:
+    """/proc/net/tcp's "0100007F:1F90" (little-endian IPv4, hex port) as "127.0.0.1:8080"."""
+    address, port = field.split(":")
+    octets = [str(int(address[i : i + 2], 16)) for i in range(6, -1, -2)]
+    return f"{'.'.join(octets)}:{int(port, 16)}"
+
+
 def _tbf_drops(argv: list[str]) -> int:
     """Packets the tbf qdiscs `argv` lists (tc -s -j) have dropped."""
     shown = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=COMMAND_TIMEOUT).stdout

@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.cluster import established_tcp
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -273,6 +276,36 @@ def controller_main(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- driver (root)
 
 
+class ConnectionCount:
+    """The most TCP connections open at once during a block, sampled from the worker hosts'
+    tables every `period` seconds: between workers (each counted once, though both its ends
+    are seen) and to the controller. What should hold: a count bounded by the pairs of workers
+    (a gather is one request per worker it reads; a client keeps at most its per-node limit to
+    any one worker), whatever the batch size or the number of steps."""
+
+    def __init__(self, pids: list[int], controller: str, period: float = 0.02) -> None:
+        self.pids, self.controller, self.period = pids, controller, period
+        self.most_between_workers = self.most_to_controller = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period):
+            sockets = [c for pid in self.pids for c in established_tcp(pid)]
+            to_controller = sum(1 for _, remote in sockets if host_of(remote) == self.controller)
+            between = (len(sockets) - to_controller) // 2
+            self.most_between_workers = max(self.most_between_workers, between)
+            self.most_to_controller = max(self.most_to_controller, to_controller)
+
+    def __enter__(self) -> ConnectionCount:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def worker_env() -> dict[str, str]:
     """The workers' and controller's environment: the repo and examples/ importable, no proxy,
     the same-host path left to decide by itself (each host is its own)."""
@@ -284,7 +317,7 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path) -> str:
+def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path, pids: dict[int, int]) -> str:
     """A worker that accepts an engine, in `host`, on its address; its node once it listens."""
     from distbatch.launch.local import log_tail, read_first_line
 
@@ -296,6 +329,7 @@ def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path) -> st
             host, argv, stdout=subprocess.PIPE, stderr=log_file, env=worker_env(), cwd=ROOT
         )
     stack.callback(_stop, process)
+    pids.setdefault(host, process.pid)  # `ip netns exec` execs: this is the worker, in the host
     node = read_first_line(process, timeout=WORKER_START_TIMEOUT)
     if node is None:
         raise RuntimeError(f"worker on host {host} did not start: {log_tail(log)}")
@@ -322,14 +356,22 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     train_hosts = rollout_hosts if args.layout == "colocated" else range(hosts + 1, 2 * hosts + 1)
     machines = 1 + len(set(rollout_hosts) | set(train_hosts))
     with Cluster.up(machines, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
-        rollout = [start_worker(cluster, h, stack, log_dir) for h in rollout_hosts]
-        train = [start_worker(cluster, h, stack, log_dir) for h in train_hosts]
+        pids: dict[int, int] = {}  # a worker per host: where its namespace's TCP table is read
+        rollout = [start_worker(cluster, h, stack, log_dir, pids) for h in rollout_hosts]
+        train = [start_worker(cluster, h, stack, log_dir, pids) for h in train_hosts]
         argv = [sys.executable, "-m", "bench.cluster_job", "controller", "--rollout", ",".join(rollout),
                 "--train", ",".join(train), *job_flags(args)]  # fmt: skip
         before = [cluster.link_stats(h) for h in range(machines)]
-        done = cluster.run(
-            0, argv, capture_output=True, text=True, env=worker_env(), cwd=ROOT, timeout=CONTROLLER_TIMEOUT
-        )
+        with ConnectionCount(list(pids.values()), cluster.address(0)) as connections:
+            done = cluster.run(
+                0,
+                argv,
+                capture_output=True,
+                text=True,
+                env=worker_env(),
+                cwd=ROOT,
+                timeout=CONTROLLER_TIMEOUT,
+            )
         after = [cluster.link_stats(h) for h in range(machines)]
         if done.returncode != 0:
             raise RuntimeError(f"the controller failed on {hosts} hosts: {done.stderr[-4000:]}")
@@ -341,6 +383,8 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         ]
     result = summarise(hosts, raw, rate_bits(args.rate))
     result["layout"] = args.layout
+    result["max_worker_connections"] = connections.most_between_workers
+    result["max_controller_connections"] = connections.most_to_controller
     result["links"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]  # host 0: the controller's
     return result
 

@@ -6,6 +6,7 @@ no iproute2, a container without CAP_NET_ADMIN). Traffic stays between the names
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from cluster_support import REPO, STEP_TIMEOUT, cluster_env, remove_stale, run_prefix
 
 from bench.cluster import Cluster, check, down, leftovers
+from distbatch import ShardClient
 from distbatch.launch.local import log_tail, read_first_line
 
 RATE = "200mbit"
@@ -279,6 +281,12 @@ def test_the_cluster_job_bench_runs_both_modes_and_leaves_nothing(tmp_path: Path
     # crosses any one worker's.
     assert result["data_centralised_bound_s"] > result["data_distributed_bound_s"] > 0
     assert result["data_tcp_s"] > 0  # plain TCP moved the same cross-host bytes
+    # Connections stay bounded by the pairs of workers (4 here), not by the batch: between
+    # workers, fewer than one per ordered pair; the controller's, by its client's per-worker
+    # limit (its calls, pings and kept-alive pool).
+    assert 0 < result["max_worker_connections"] <= 4 * 4
+    per_worker = inspect.signature(ShardClient).parameters["max_connections_per_node"].default
+    assert 0 < result["max_controller_connections"] <= per_worker * 4
     controller, *workers = result["links"]
     assert controller["received"] >= result["batch_bytes"] and controller["sent"] >= result["batch_bytes"]
     assert all(w["received"] > 0 and w["sent"] > 0 for w in workers)
