@@ -31,14 +31,20 @@ STALL_CHECKS_PER_TIMEOUT = 4
 class StalledTransfer(TimeoutError):
     """No byte moved for the stall timeout (none of the response arrived, or none of an upload
     went out): the worker stopped or its link is down (no reset ever arrives then), while a slow
-    transfer that still moves is never cut. `moved`: the bytes that did, before it stalled."""
+    transfer that still moves is never cut. `moved`: the bytes that did, before it stalled;
+    `delivered`: an upload the worker had acknowledged whole before no answer came."""
 
-    def __init__(self, seconds: float, moved: int, sending: bool = False) -> None:
-        if sending:
+    def __init__(self, seconds: float, moved: int, sending: bool = False, delivered: bool = False) -> None:
+        if delivered:  # an upload the worker has whole: it may have stored it
+            super().__init__(
+                f"no answer for {seconds:g} s after the worker acknowledged all {moved} bytes of the "
+                "request (stalled; it may have stored it)"
+            )
+        elif sending:
             super().__init__(f"no data went out for {seconds:g} s after {moved} bytes were sent (stalled)")
         else:
             super().__init__(f"no data for {seconds:g} s after {moved} bytes (stalled)")
-        self.seconds, self.moved, self.sending = seconds, moved, sending
+        self.seconds, self.moved, self.sending, self.delivered = seconds, moved, sending, delivered
 
 
 async def until_stalled(

@@ -71,10 +71,11 @@ class ShardClient:
             upload the worker acknowledges no byte of (nor answers, once it has all of it), fails
             at once with `WorkerUnavailableError` saying it stalled (a worker stopped, or a link
             that went down without a reset), not retried; progress resets it, so a slow transfer
-            is judged by whether it moves, never by how long it takes. A stalled put's connection
-            is reset, so nothing of it reaches the worker if the link comes back; a put in staged
-            parts stops its other parts and drops the parts staged (in the background, within
-            `timeout`; else the worker's `--stage-ttl` does): the worker stores nothing of it.
+            is judged by whether it moves, never by how long it takes. A put stalled on the way
+            out has its connection reset, so nothing of it reaches the worker if the link comes
+            back (one the worker had acknowledged whole but never answered may have been stored:
+            its error says so); a put in staged parts stops its other parts and drops the parts
+            staged (in the background, within `timeout`; else the worker's `--stage-ttl` does).
             None: only `timeout` bounds them.
 
     Workers on this host are reached through shared memory instead of HTTP when they allow it

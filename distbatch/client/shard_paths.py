@@ -124,9 +124,9 @@ class HttpShardPath:
             ]
         )
         if failures:
-            unreachable = any(isinstance(f, WorkerUnavailableError) for f in failures)
-            await self.abort_stage(node, stage, unreachable=unreachable)
-            raise failures[0]
+            unreachable = [f for f in failures if isinstance(f, WorkerUnavailableError)]
+            await self.abort_stage(node, stage, unreachable=bool(unreachable))
+            raise (unreachable or failures)[0]  # the reason the others were stopped, if it was one
         return await self.commit_stage(node, stage)
 
     async def abort_stage(self, node: str, stage: str, *, unreachable: bool = False) -> None:

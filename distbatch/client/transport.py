@@ -165,14 +165,18 @@ class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
         super().__init__(_send_slices(parts))  # type: ignore[arg-type]  # memoryviews are written as bytes
         self._writer: Any = None  # aiohttp's, once the body is being written
         self._acknowledged = 0
+        self._written = False  # every slice handed to the connection
+        self.delivered = False  # ... and every byte of it acknowledged by the worker
 
     async def write(self, writer: Any) -> None:
         self._writer = writer
         await super().write(writer)
+        self._written = True
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
         self._writer = writer
         await super().write_with_length(writer, content_length)
+        self._written = True
 
     def acknowledged(self) -> int | None:
         """Bytes of the request (head and body) the worker has acknowledged so far: what left
@@ -182,8 +186,10 @@ class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
             return None
         transport = getattr(self._writer, "transport", None)
         if transport is not None and not transport.is_closing():
-            left_the_loop = self._writer.output_size - transport.get_write_buffer_size()
-            self._acknowledged = left_the_loop - _unacknowledged(transport)
+            queued = transport.get_write_buffer_size()
+            unacknowledged = _unacknowledged(transport)
+            self._acknowledged = self._writer.output_size - queued - unacknowledged
+            self.delivered = self._written and queued == 0 and unacknowledged == 0
         return self._acknowledged
 
     def cut(self) -> None:
@@ -345,9 +351,15 @@ class HttpTransport:
             return await self._exchange(session, request, remaining, _send_slices(body))
         upload = _WatchedUpload(body)
         exchange = self._exchange(session, request, remaining, upload)
-        return await http_recv.until_stalled(
-            exchange, upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
-        )
+        try:
+            return await http_recv.until_stalled(
+                exchange, upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
+            )
+        except StalledTransfer as stalled:
+            if not upload.delivered:
+                raise
+            # The worker had all of it: it may have stored it; say so rather than "nothing went out".
+            raise StalledTransfer(stalled.seconds, stalled.moved, sending=True, delivered=True) from None
 
     async def _exchange(
         self, session: aiohttp.ClientSession, request: _Outgoing, remaining: float | None, data: Any

@@ -85,7 +85,8 @@ class DistbatchStorageManager(StorageManager):
         super().__init__(controller_info, config, zmq_context)
         self.options = options
         self.client = ShardClient(token=options.token, timeout=options.timeout, same_host=options.same_host)
-        self.home = home_worker(options.endpoints, local_addresses(), os.getpid())
+        self.here = local_addresses()  # once: a lookup on the event loop during a fault could hang
+        self.home = home_worker(options.endpoints, self.here, os.getpid())
         self.slot = options.endpoints.index(self.home)
         if options.fast_schema:
             fast_schema.install()
@@ -107,19 +108,22 @@ class DistbatchStorageManager(StorageManager):
         global_indexes = list(metadata.global_indexes)
         ids = task_ids(global_indexes)
         batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
-        bundle, _ = batch.export_bundle(self.home)
+        # Where this put goes, fixed for the whole put: puts run concurrently, and another one
+        # failing may move the process's home meanwhile.
+        home, slot = self.home, self.slot
+        bundle, _ = batch.export_bundle(home)
         partition = metadata.partition_ids[0]
         try:
-            await self.client.aput_bundle(self.home, bundle)
+            await self.client.aput_bundle(home, bundle)
         except WorkerUnavailableError as exc:
             what = f"put of {size} sample(s) to partition {partition!r}"
             outcome = f"{what} failed; none of its fields was recorded"
-            if self._move_home(away_from=self.home):  # later puts go to a worker that may answer
+            if self._move_home(away_from=home):  # later puts go to a worker that may answer
                 outcome += f"; this process's next puts go to {self.home}"
             raise _unreachable(exc, outcome) from exc
-        moved = _moved_fields(metadata, list(batch.fields), self.slot, self.options.endpoints)
+        moved = _moved_fields(metadata, list(batch.fields), slot, self.options.endpoints)
         # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
-        where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, self.slot))
+        where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, slot))
         await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
             await self.client.adelete_products_each(
@@ -128,12 +132,15 @@ class DistbatchStorageManager(StorageManager):
 
     def _move_home(self, away_from: str) -> bool:
         """Make another worker this process's home (one on its host if there is one), after
-        `away_from` went unanswered: else every later put would wait on a dead worker. False
-        when there is no other."""
+        `away_from` went unanswered: else every later put would wait on a dead worker. True when
+        the home is another worker now (moved here or by a concurrent put), False when there is
+        no other."""
+        if self.home != away_from:  # a concurrent put that failed there moved it already
+            return True
         others = [e for e in self.options.endpoints if e != away_from]
         if not others:
             return False
-        self.home = home_worker(others, local_addresses(), os.getpid())
+        self.home = home_worker(others, self.here, os.getpid())
         self.slot = self.options.endpoints.index(self.home)
         return True
 

@@ -29,7 +29,9 @@ class BackendOptions:
         same_host: reach workers on this host through shared memory (False: HTTP only).
         timeout: seconds one request to a worker may take, retries included.
         fast_schema: compute the field schema TransferQueue's client records after every put
-            from offsets instead of one tensor per sample (equal result; see `fast_schema`).
+            from offsets instead of one tensor per sample (equal result; see `fast_schema`). It
+            applies to the whole process from the first manager that installs it until
+            `distbatch.transferqueue.close()`.
     """
 
     endpoints: tuple[str, ...] = ()

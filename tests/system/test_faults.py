@@ -427,6 +427,25 @@ def test_a_stalled_gather_fails_by_its_stall_timeout_not_the_total_deadline(spaw
         _assert_same(_fetch_bundle(client, a.node, bundle), list(bundle.values()))
 
 
+def test_a_put_the_worker_took_whole_but_never_answered_says_it_may_be_stored(spawn) -> None:
+    """A SIGSTOPped worker's kernel still acknowledges a small put's bytes; no answer comes. The
+    put fails by its stall timeout, and its error says the worker had all of it (it may have
+    stored it), not that nothing went out. Resumed, the worker serves the put it got."""
+    (a,) = spawn(1)
+    stall = 1.0
+    with ShardClient(timeout=30.0, stall_timeout=stall) as client:
+        bundle = _small_bundle("delivered-put")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(WorkerUnavailableError, match=r"acknowledged all \d+ bytes.*may have stored"):
+                client.put(a.node, bundle)
+            assert time.monotonic() - started <= stall * 1.25 + SLACK
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        _assert_same(_fetch_bundle(client, a.node, bundle), list(bundle.values()))
+
+
 def test_spawned_worker_is_usable_at_once_after_a_kill(start_worker) -> None:
     """Killing a worker frees nothing another needs: a new one (new port) serves on its first request."""
     first = start_worker()

@@ -15,6 +15,7 @@ it SIGKILLs it; the fixtures stop every process they start, whatever the test di
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import itertools
 import os
@@ -345,3 +346,22 @@ def test_a_worker_killed_mid_get_fails_the_get_clearly_and_the_others_keep_servi
         tq.kv_batch_get(keys=big[:1], partition_id="p")
     assert_says_unreachable(again.value, setup.mine, "get")
     assert time.monotonic() - started <= TIMEOUT + SLACK
+
+
+def test_puts_failing_together_on_a_dead_home_all_move_to_the_same_live_worker(setup: Setup) -> None:
+    """Puts run concurrently; when their home worker is dead they all fail, and each moves the
+    process's home only if it is still the dead one: all name the same live worker (none moves
+    it back onto the dead one), and the next put succeeds there."""
+    setup.mine.kill()
+    row = TensorDict({"reward": torch.tensor([1.0])}, batch_size=[1])
+
+    async def puts() -> list[Any]:
+        calls = [tq.async_kv_batch_put(keys=[f"c{i}"], partition_id="p", fields=row) for i in range(4)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    errors = asyncio.run(puts())
+    assert all(isinstance(e, WorkerUnavailableError) for e in errors), errors
+    homes = {str(e).split("this process's next puts go to ", 1)[1] for e in errors}
+    assert len(homes) == 1 and setup.mine.node not in homes, homes
+    tq.kv_batch_put(keys=["after"], partition_id="p", fields=row)
+    assert tq.kv_batch_get(keys=["after"], partition_id="p").get("reward").tolist() == [1.0]
