@@ -186,6 +186,8 @@ class ShardStore:
             self._stages.expire(now)  # first: this stage itself may have expired
             if self._stages.committed(stage_id) is not None:
                 raise UnknownStageError(f"stage {stage_id!r} is already committed")
+            if self._stages.aborted(stage_id):
+                raise UnknownStageError(f"stage {stage_id!r} was aborted")
             key = StageBook.part_key(bundle, part)
             released = self._stages.replaced_bytes(stage_id, key)
             self._check_capacity(self._shards.segments.nbytes + incoming - released, incoming, now)
@@ -219,9 +221,11 @@ class ShardStore:
         return result
 
     def abort(self, stage_id: str) -> int:
-        """Drop a stage; returns how many shards it held (0 if none). Idempotent."""
+        """Drop a stage; returns how many shards it held (0 if none). Idempotent. Parts of it
+        that arrive afterwards (within `stage_ttl`) are refused: the client gave up on the put."""
         with self._lock:
             parts = self._stages.take(stage_id)
+            self._stages.record_abort(stage_id, self._clock())
         if parts is None:
             return 0
         return sum(part.bundle.shard_count() for part in parts)

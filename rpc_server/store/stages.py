@@ -43,6 +43,9 @@ class StageBook:
         self._stages: dict[str, _Stage] = {}
         self.staged_bytes = 0
         self._committed: dict[str, tuple[float, tuple[int, int, int]]] = {}
+        # Stages aborted within `ttl`: a part of one that arrives late (the client gave up on
+        # it while it was still on the wire) is refused instead of opening the stage again.
+        self._aborted: dict[str, float] = {}
 
     def __bool__(self) -> bool:
         """Whether any stage is open."""
@@ -78,6 +81,13 @@ class StageBook:
         self.staged_bytes -= stage.nbytes
         return list(stage.parts.values())
 
+    def record_abort(self, stage_id: str, now: float) -> None:
+        self._aborted[stage_id] = now
+
+    def aborted(self, stage_id: str) -> bool:
+        """Whether `stage_id` was aborted within `ttl`."""
+        return stage_id in self._aborted
+
     def committed(self, stage_id: str) -> tuple[int, int, int] | None:
         """What committing `stage_id` stored, if it was committed within `ttl`."""
         done = self._committed.get(stage_id)
@@ -98,6 +108,9 @@ class StageBook:
         for stage_id, (done, _) in list(self._committed.items()):
             if now - done > self.ttl:
                 del self._committed[stage_id]
+        for stage_id, when in list(self._aborted.items()):
+            if now - when > self.ttl:
+                del self._aborted[stage_id]
         if dropped:  # a client staged part of a put and never committed or aborted it
             logger.warning(
                 "dropped %d staged put(s), %d bytes, not committed within %gs (a client died mid-put?)",

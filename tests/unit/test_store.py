@@ -364,6 +364,28 @@ def test_staged_bytes_count_against_capacity() -> None:
     assert_empty(store)
 
 
+def test_a_part_arriving_after_its_stage_was_aborted_is_refused_and_holds_nothing() -> None:
+    """The client aborts a staged put while one part is still on the wire: that part, arriving
+    late, must not open the stage again (it would sit reserved until the stage's TTL)."""
+    now = [0.0]
+    store = ShardStore(stage_ttl=60.0, clock=lambda: now[0])
+    store.stage("s", {("a", "f"): u8(b"first")}, part="p0")
+    assert store.abort("s") == 1
+    with pytest.raises(UnknownStageError, match="aborted"):
+        store.stage("s", {("b", "f"): u8(b"late")}, part="p1")
+    with pytest.raises(UnknownStageError):
+        store.commit("s")
+    assert store.stats().staged_bytes == 0
+    assert store.abort("never-staged") == 0  # an abort that overtook every part: they are refused too
+    with pytest.raises(UnknownStageError, match="aborted"):
+        store.stage("never-staged", {("c", "f"): u8(b"late")}, part="p0")
+    now[0] = 61.0  # after the TTL the id is forgotten, like a committed one
+    store.expire_stages()
+    store.stage("never-staged", {("c", "f"): u8(b"new")}, part="p0")
+    assert store.abort("never-staged") == 1
+    assert_empty(store)
+
+
 def test_named_parts_replace_and_commit_is_idempotent() -> None:
     store = ShardStore()
     store.stage("s", {("a", "f"): u8(b"first"), ("b", "f"): u8(b"first")}, part="p0")
