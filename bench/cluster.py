@@ -345,6 +345,21 @@ class Cluster:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, prefix={self.prefix!r})"
 
 
+def stop_process(process: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """Terminate `process` (kill it if it does not go within `grace` seconds) and close its pipes:
+    for what benches and tests start in the cluster's hosts."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(grace)
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None:
+            stream.close()
+
+
 def established_tcp(pid: int) -> list[tuple[str, str]]:
     """The established TCP (IPv4) connections of the network namespace process `pid` is in, as
     (local "a.b.c.d:port", remote "a.b.c.d:port"): /proc/<pid>/net/tcp is that namespace's table,

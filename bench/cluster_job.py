@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster import established_tcp
+from bench.cluster import established_tcp, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -328,23 +328,12 @@ def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path, pids:
         process = cluster.popen(
             host, argv, stdout=subprocess.PIPE, stderr=log_file, env=worker_env(), cwd=ROOT
         )
-    stack.callback(_stop, process)
+    stack.callback(stop_process, process)
     pids.setdefault(host, process.pid)  # `ip netns exec` execs: this is the worker, in the host
     node = read_first_line(process, timeout=WORKER_START_TIMEOUT)
     if node is None:
         raise RuntimeError(f"worker on host {host} did not start: {log_tail(log)}")
     return node
-
-
-def _stop(process: subprocess.Popen[Any]) -> None:
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -523,6 +512,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The batch's shape (examples/grpo_pipeline.py's knobs), shared by the cluster benches."""
+    parser.add_argument("--prompts", type=int, default=640, help="prompts per step (x n tasks)")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--mean-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -532,11 +530,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hosts", default="1,2,4,8", help="comma list of worker-host counts")
     parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
-    parser.add_argument("--prompts", type=int, default=640, help="prompts per step (x n tasks)")
-    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
-    parser.add_argument("--mean-len", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--seed", type=int, default=0)
+    add_batch_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="data steps per mode")
     parser.add_argument("--steps", type=int, default=2, help="main job steps per mode (0: none)")
     parser.add_argument(

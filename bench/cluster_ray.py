@@ -529,6 +529,8 @@ def report(results: list[dict[str, Any]]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from bench.cluster_job import add_batch_args
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -537,11 +539,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hosts", default="2,4", help="comma list of worker-host counts")
     parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
-    parser.add_argument("--prompts", type=int, default=640, help="prompts per step (x n tasks)")
-    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
-    parser.add_argument("--mean-len", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--seed", type=int, default=0)
+    add_batch_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed gets per host count")
     parser.add_argument(
         "--layout",

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.cluster import stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = struct.Struct(">Q")
 SEND_BLOCK = 1 << 20  # bytes handed to the kernel per send
@@ -120,15 +122,7 @@ def all_to_all(cluster: Any, hosts: Sequence[int], pairs: Sequence[tuple[str, st
         return max(json.loads(_line(node))["seconds"] for node in nodes.values())
     finally:
         for node in nodes.values():
-            if node.stdin is not None:
-                node.stdin.close()
-            try:
-                node.wait(10)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait(10)
-            if node.stdout is not None:
-                node.stdout.close()
+            stop_process(node)
 
 
 def _send(node: subprocess.Popen[str], line: str) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from bench.cluster import Cluster, down
+from bench.cluster import Cluster, down, stop_process
 from distbatch.launch.local import log_tail, read_first_line
 from distbatch.shm import ENV_SWITCH
 
@@ -49,20 +49,6 @@ def remove_stale() -> None:
     for tag, pid in set(re.findall(r"^dt([a-z])(\d+)h\d+", listing, re.MULTILINE)):
         if not Path(f"/proc/{pid}").exists():
             down(f"dt{tag}{pid}")
-
-
-def stop_process(process: subprocess.Popen[Any], grace: float = 10.0) -> None:
-    """Terminate `process` (kill it if it does not go within `grace` seconds) and close its pipes."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(grace)
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            stream.close()
 
 
 class HostWorker:

@@ -10,8 +10,9 @@ from distbatch import DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.wire.shapes import RowShapes
 
-A, B, C = "10.77.0.2:5000", "10.77.0.3:5000", "10.77.0.4:5000"
-A2 = "10.77.0.2:6000"  # another worker on A's host
+# Nodes are only named here (nothing connects): port 0, hosts told apart by address.
+A, B, C = "10.77.0.2:0", "10.77.0.3:0", "10.77.0.4:0"
+A2 = "[10.77.0.2]:0"  # another worker's name on A's host (the bracketed form of its address)
 
 
 def remote(nodes: list[str], where: list[int], lengths: list[int]) -> DistributedBatchMemory:
