@@ -2,15 +2,15 @@
 peer measure next to bench/cluster_job's distributed data step, same batch, same links.
 
 The Ray cluster of bench/cluster_ray.py runs inside the namespaces of bench/cluster.py: the Ray
-head on host 0 with this bench's controller, which calls `transfer_queue.init` (so the
-`TransferQueueController` actor lands on host 0, the only node with a CPU free at that point
-and the local one; checked); a raylet on each of hosts 1..N with a producer and a consumer
-actor (pinned by the custom resource `host<i>`) and one `SimpleStorageUnit`. TransferQueue
-0.1.11 places its units itself (`get_node_round_robin_scheduling_strategies`: hard node
-affinity, round robin over the sorted ids of the alive nodes that have
-`backend.SimpleStorage.required_node_resource`); the worker hosts alone get that resource
-(`tqunit`), and N units over N such nodes is one per worker host. Where each landed is
-reported. Per repeat:
+head on host 0 (one CPU) with this bench's controller, which calls `transfer_queue.init`; a
+raylet on each of hosts 1..N with a producer and a consumer actor (pinned by the custom
+resource `host<i>`) and one `SimpleStorageUnit`. TransferQueue 0.1.11 takes no placement for
+its controller actor (`interface.init`: a name and a namespace, `num_cpus=1` from its
+decorator): Ray puts it on the caller's node, host 0, while that has a CPU free. Its units it
+places itself (`get_node_round_robin_scheduling_strategies`: hard node affinity, round robin
+over the sorted ids of the alive nodes that have `backend.SimpleStorage.required_node_resource`);
+the worker hosts alone get that resource (`tqunit`), and N units over N such nodes is one per
+worker host. Where each landed is checked (the run stops otherwise) and reported. Per repeat:
 
 1. each producer generates its share of the batch with examples/grpo_pipeline.py's
    `RolloutEngine.generate` (prompts i::N, as bench/cluster_job's rollout workers);
