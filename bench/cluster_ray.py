@@ -257,6 +257,28 @@ def expected_digests(args: argparse.Namespace, hosts: int, step: int) -> list[di
     return out
 
 
+def generate(args: argparse.Namespace, producers: list[Any], step: int, **options: Any) -> list[np.ndarray]:
+    """Every producer generates its share of repeat `step`'s batch (prompts i::N, as
+    bench.cluster_job's rollout workers; `options` go to `Producer.generate`); each share's
+    `input_ids` lengths."""
+    import ray
+
+    hosts = len(producers)
+    prompts = list(range(args.prompts))
+    job = dict(n=args.n, mean_len=args.mean_len, max_len=args.max_len, step=step, seed=args.seed, **options)
+    return list(ray.get([p.generate.remote(prompts[i::hosts], **job) for i, p in enumerate(producers)]))
+
+
+def balance(args: argparse.Namespace, lengths: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """distbatch's `chunk_balanced` rows over every share (by `input_ids` length, groups of n
+    kept together), one chunk per producer's host, as each producer's local rows per consumer:
+    out[producer][consumer] (`split_rows`)."""
+    from distbatch.batch.ops import balanced_rows
+
+    chunks = balanced_rows(np.concatenate(lengths), len(lengths), args.n)
+    return split_rows(chunks, [len(x) for x in lengths])
+
+
 def one_repeat(
     args: argparse.Namespace, producers: list[Any], consumers: list[Any], step: int
 ) -> dict[str, Any]:
@@ -264,16 +286,9 @@ def one_repeat(
     import ray
 
     from bench.cluster_job import cpu_busy_seconds
-    from distbatch.batch.ops import balanced_rows
 
     hosts = len(producers)
-    prompts = list(range(args.prompts))
-    job = dict(n=args.n, mean_len=args.mean_len, max_len=args.max_len, step=step, seed=args.seed)
-    lengths = ray.get(
-        [p.generate.remote(prompts[i::hosts], **job, layout=args.layout) for i, p in enumerate(producers)]
-    )
-    chunks = balanced_rows(np.concatenate(lengths), hosts, args.n)
-    local_rows = split_rows(chunks, [len(x) for x in lengths])
+    local_rows = balance(args, generate(args, producers, step, layout=args.layout))
     puts = ray.get([p.put_pieces.remote(rows) for p, rows in zip(producers, local_rows)])
     pair = [[sum(nbytes for _, nbytes in objects) for objects in per_consumer] for per_consumer in puts]
     refs = [[ref for p in range(hosts) for ref, _ in puts[p][i]] for i in range(hosts)]
@@ -298,16 +313,18 @@ def one_repeat(
     return out
 
 
-def make_actors(hosts: int) -> tuple[list[Any], list[Any]]:
-    """A producer and a consumer on each worker host, checked to be on distinct nodes."""
+def make_actors(
+    hosts: int, producer: type = Producer, consumer: type = Consumer
+) -> tuple[list[Any], list[Any]]:
+    """A `producer` and a `consumer` on each worker host, checked to be on distinct nodes."""
     import ray
 
     def place(cls: type, host: int) -> Any:
         actor: Any = ray.remote(cls)
         return actor.options(num_cpus=1, resources={f"host{host}": 1}).remote()
 
-    producers = [place(Producer, h) for h in range(1, hosts + 1)]
-    consumers = [place(Consumer, h) for h in range(1, hosts + 1)]
+    producers = [place(producer, h) for h in range(1, hosts + 1)]
+    consumers = [place(consumer, h) for h in range(1, hosts + 1)]
     nodes = ray.get([a.node_id.remote() for a in (*producers, *consumers)])
     if nodes[:hosts] != nodes[hosts:] or len(set(nodes[:hosts])) != hosts:
         raise RuntimeError(f"actors are not one producer and one consumer per host: {nodes}")
@@ -365,18 +382,28 @@ def ray_binary() -> str:
     return str(beside) if beside.exists() else "ray"
 
 
-def start_ray(cluster: Any, workers: int, temp_dir: Path, env: dict[str, str]) -> str:
-    """`ray start` the head in host 0 (no CPUs: the controller's host) and a raylet in each of
-    hosts 1..`workers` (2 CPUs, resource `host<i>`: 2); the head's address. Raises with the
-    command's output when one fails (the caller stops what started)."""
+def start_ray(
+    cluster: Any,
+    workers: int,
+    temp_dir: Path,
+    env: dict[str, str],
+    head_cpus: int = 0,
+    worker_cpus: int = 2,
+    resources: dict[str, int] | None = None,
+) -> str:
+    """`ray start` the head in host 0 (`head_cpus`, none by default: the controller's host) and a
+    raylet in each of hosts 1..`workers` (`worker_cpus`, resource `host<i>`: 2, plus
+    `resources`); the head's address. Raises with the command's output when one fails (the
+    caller stops what started)."""
     common = ["--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
     head = f"{cluster.address(0)}:{HEAD_PORT}"
     commands = [
         [ray_binary(), "start", "--head", "--node-ip-address", cluster.address(0), "--port", str(HEAD_PORT),
-         "--num-cpus", "0", "--include-dashboard=false", "--temp-dir", str(temp_dir), *common]
+         "--num-cpus", str(head_cpus), "--include-dashboard=false", "--temp-dir", str(temp_dir), *common]
     ] + [
-        [ray_binary(), "start", "--address", head, "--node-ip-address", cluster.address(h), "--num-cpus", "2",
-         "--resources", json.dumps({f"host{h}": 2}), *common]
+        [ray_binary(), "start", "--address", head, "--node-ip-address", cluster.address(h),
+         "--num-cpus", str(worker_cpus), "--resources", json.dumps({f"host{h}": 2, **(resources or {})}),
+         *common]
         for h in range(1, workers + 1)
     ]  # fmt: skip
     for host, argv in enumerate(commands):
@@ -419,10 +446,19 @@ def keep_logs(temp_dir: Path, to: Path) -> None:
         shutil.copytree(logs, to / logs.parent.name, dirs_exist_ok=True, ignore_dangling_symlinks=True)
 
 
-def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """One cluster of `hosts` worker hosts (+ host 0: the Ray head and the controller), its
-    measures; Ray stopped and the cluster down on the way out, whatever happens."""
-    from bench.cluster import Cluster, rate_bits
+def run_controller(
+    hosts: int,
+    args: argparse.Namespace,
+    log_dir: Path,
+    module: str,
+    flags: list[str],
+    **ray_nodes: Any,
+) -> tuple[dict[str, Any], list[dict[str, int]], list[int]]:
+    """One cluster of `hosts` worker hosts (+ host 0: the Ray head and the controller): Ray
+    started (`ray_nodes` go to `start_ray`), `python -m <module> controller <flags>` run in
+    host 0; its JSON line, each host's link counters over the run (host 0: the head's) and the
+    pids stopped after. Ray stopped and the cluster down on the way out, whatever happens."""
+    from bench.cluster import Cluster
 
     env = ray_env()
     temp_dir = ray_temp_dir(args.prefix)
@@ -430,9 +466,9 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     with Cluster.up(hosts + 1, rate=args.rate, prefix=args.prefix) as cluster, ExitStack() as stack:
         stack.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         stack.callback(_stop_or_raise, [cluster.namespace(h) for h in range(hosts + 1)], stopped)
-        head = start_ray(cluster, hosts, temp_dir, env)
-        argv = [sys.executable, "-m", "bench.cluster_ray", "controller", "--address", head,
-                "--node-ip", cluster.address(0), "--workers", str(hosts), *job_flags(args)]  # fmt: skip
+        head = start_ray(cluster, hosts, temp_dir, env, **ray_nodes)
+        argv = [sys.executable, "-m", module, "controller", "--address", head,
+                "--node-ip", cluster.address(0), "--workers", str(hosts), *flags]  # fmt: skip
         before = [cluster.link_stats(h) for h in range(hosts + 1)]
         done = cluster.run(
             0, argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=CONTROLLER_TIMEOUT
@@ -444,8 +480,16 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
                 f"the controller failed on {hosts} hosts (Ray logs in {log_dir}): {done.stderr[-4000:]}"
             )
     raw = json.loads(done.stdout.strip().splitlines()[-1])
+    return raw, [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)], stopped
+
+
+def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """One cluster of `hosts` worker hosts, Ray's measures (`run_controller`)."""
+    from bench.cluster import rate_bits
+
+    raw, links, stopped = run_controller(hosts, args, log_dir, "bench.cluster_ray", job_flags(args))
     result = summarise(hosts, raw["repeats"], rate_bits(args.rate), args.layout)
-    result["links"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]  # host 0: the head's
+    result["links"] = links  # host 0: the head's
     result["stopped_pids"] = stopped
     return result
 
@@ -465,9 +509,13 @@ def _stop_or_raise(namespaces: list[str], stopped: list[int]) -> None:
 
 
 def job_flags(args: argparse.Namespace) -> list[str]:
+    return [*batch_flags(args), f"--layout={args.layout}", *(["--check"] if args.check else [])]
+
+
+def batch_flags(args: argparse.Namespace) -> list[str]:
+    """The batch and the repeats (`add_cluster_args`) as the controller's flags."""
     return [f"--prompts={args.prompts}", f"--n={args.n}", f"--mean-len={args.mean_len}",
-            f"--max-len={args.max_len}", f"--seed={args.seed}", f"--repeats={args.repeats}",
-            f"--layout={args.layout}", *(["--check"] if args.check else [])]  # fmt: skip
+            f"--max-len={args.max_len}", f"--seed={args.seed}", f"--repeats={args.repeats}"]  # fmt: skip
 
 
 def summarise(hosts: int, repeats: list[dict[str, Any]], rate: int, layout: str = "packed") -> dict[str, Any]:
@@ -496,8 +544,11 @@ def summarise(hosts: int, repeats: list[dict[str, Any]], rate: int, layout: str 
     return out
 
 
-def add_distbatch(results: list[dict[str, Any]], path: Path) -> None:
-    """Put bench.cluster_job's distributed data step (same hosts) next to Ray's, and the ratio."""
+def add_distbatch(
+    results: list[dict[str, Any]], path: Path, measures: Sequence[str] = ("ray_get", "ray_wall")
+) -> None:
+    """Put bench.cluster_job's distributed data step (same hosts) next to each result, and the
+    ratio of each of `measures` (`<measure>_s` in the result) to it."""
     theirs = {r["hosts"]: r for r in json.loads(path.read_text())["results"]}
     for r in results:
         d = theirs.get(r["hosts"])
@@ -505,8 +556,8 @@ def add_distbatch(results: list[dict[str, Any]], path: Path) -> None:
             continue
         r["distbatch_data_s"] = d["data_distributed_s"]
         r["distbatch_gather_s"] = statistics.median(max(g) for g in d["data_distributed_gathers"])
-        r["ray_get_over_distbatch_data"] = r["ray_get_s"] / d["data_distributed_s"]
-        r["ray_wall_over_distbatch_data"] = r["ray_wall_s"] / d["data_distributed_s"]
+        for measure in measures:
+            r[f"{measure}_over_distbatch_data"] = r[f"{measure}_s"] / d["data_distributed_s"]
 
 
 def report(results: list[dict[str, Any]]) -> list[str]:
@@ -529,18 +580,10 @@ def report(results: list[dict[str, Any]]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from bench.cluster_job import add_batch_args
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "role", nargs="?", choices=["driver", "controller"], default="driver", help=argparse.SUPPRESS
-    )
-    parser.add_argument("--hosts", default="2,4", help="comma list of worker-host counts")
-    parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
-    add_batch_args(parser)
-    parser.add_argument("--repeats", type=int, default=3, help="timed gets per host count")
+    add_cluster_args(parser, prefix="dbr", out="bench-cluster-ray")
     parser.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -549,13 +592,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "balanced (Ray's best case, not timed); groups: one object per group of n, put as generated",
     )
     parser.add_argument("--check", action="store_true", help="check every chunk against distbatch's own")
-    parser.add_argument("--prefix", default="dbr", help="names of the cluster's namespaces and links")
-    parser.add_argument("--out", default="bench-cluster-ray", help="results directory")
+    return parser.parse_args(argv)
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, prefix: str, out: str) -> None:
+    """The options the Ray-in-namespaces benches share: the role, hosts, rate, batch, repeats,
+    names, results, the distbatch results to compare with, and the controller's own."""
+    from bench.cluster_job import add_batch_args
+
+    parser.add_argument(
+        "role", nargs="?", choices=["driver", "controller"], default="driver", help=argparse.SUPPRESS
+    )
+    parser.add_argument("--hosts", default="2,4", help="comma list of worker-host counts")
+    parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
+    add_batch_args(parser)
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per host count")
+    parser.add_argument("--prefix", default=prefix, help="names of the cluster's namespaces and links")
+    parser.add_argument("--out", default=out, help="results directory")
     parser.add_argument("--distbatch", type=Path, help="bench.cluster_job's cluster.json to compare with")
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--node-ip", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def unavailable() -> str | None:
@@ -572,32 +629,54 @@ def unavailable() -> str | None:
 
 def driver_main(args: argparse.Namespace, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every host count in turn (one cluster and one Ray cluster each, torn down after)."""
-    problem = unavailable()
+    return drive(args, "cluster_ray", unavailable(), run_hosts, add_distbatch, report, progress)
+
+
+def drive(
+    args: argparse.Namespace,
+    name: str,
+    problem: str | None,
+    run: Callable[[int, argparse.Namespace, Path], dict[str, Any]],
+    compare: Callable[[list[dict[str, Any]], Path], None],
+    table: Callable[[list[dict[str, Any]]], list[str]],
+    progress: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """A bench's driver: `run` each host count in turn, `compare` with `--distbatch`, print its
+    `table` as it goes and at the end; the results in `<out>/<name>.json`. Exits with `problem`
+    if this machine cannot run it."""
     if problem is not None:
-        raise SystemExit(f"bench.cluster_ray: {problem}")
+        raise SystemExit(f"bench.{name}: {problem}")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results = []
     for hosts in [int(h) for h in args.hosts.split(",")]:
         progress(f"{hosts} host(s) at {args.rate} ...")
-        results.append(run_hosts(hosts, args, out / "logs"))
+        results.append(run(hosts, args, out / "logs"))
         if args.distbatch:
-            add_distbatch(results[-1:], args.distbatch)
-        progress(report(results)[-1])
-    (out / "cluster_ray.json").write_text(
+            compare(results[-1:], args.distbatch)
+        progress(table(results)[-1])
+    (out / f"{name}.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1)
     )
-    for line in report(results):
+    for line in table(results):
         print(line)
-    print(f"results: {out / 'cluster_ray.json'}")
+    print(f"results: {out / f'{name}.json'}")
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    parse: Callable[[Sequence[str] | None], argparse.Namespace] = parse_args,
+    controller: Callable[[argparse.Namespace], int] = controller_main,
+    driver: Callable[[argparse.Namespace], object] = driver_main,
+) -> int:
+    """The command line: the driver (as root, outside the cluster), or with role `controller`
+    the part in host 0 (the driver starts it); another bench's own with `parse`, `controller`
+    and `driver`."""
+    args = parse(argv)
     if args.role == "controller":
-        return controller_main(args)
-    driver_main(args)
+        return controller(args)
+    driver(args)
     return 0
 
 

@@ -51,6 +51,27 @@ def remove_stale() -> None:
             down(f"dt{tag}{pid}")
 
 
+def remove_stale_ray(stem: str) -> None:
+    """Stop the processes in, then take down, the clusters `<stem><pid>` that earlier runs of a Ray
+    test left when killed (their pid is gone): Ray's processes outlive their test."""
+    from bench.cluster_ray import stop_namespaces
+
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for pid in set(re.findall(rf"^{stem}(\d+)h\d+", listing, re.MULTILINE)):
+        if not Path(f"/proc/{pid}").exists():
+            stop_namespaces(re.findall(rf"^({stem}{pid}h\d+)", listing, re.MULTILINE))
+            down(f"{stem}{pid}")
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "State:\tZ" not in status
+
+
 class HostWorker:
     """A distbatch worker (`python -m rpc_server`) in one host, bound to its cluster address."""
 

@@ -9,18 +9,17 @@ namespaces' addresses; Ray's files go to a temp dir of its own, not /tmp/ray.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from cluster_support import remove_stale_ray, running
 from ray_support import import_ray
 
-from bench.cluster import check, down, leftovers
+from bench.cluster import check, leftovers
 
 import_ray()
 
-from bench.cluster_ray import parse_args, ray_temp_dir, run_hosts, stop_namespaces  # noqa: E402
+from bench.cluster_ray import parse_args, ray_temp_dir, run_hosts  # noqa: E402
 
 _REASON = check()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated cluster here: {_REASON}")
@@ -28,29 +27,11 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated clust
 WORKER_HOSTS = 2  # + host 0: the head and the controller
 
 
-def _remove_stale() -> None:
-    """Stop and take down what earlier runs of this file left when killed (their pid is gone)."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    for pid in set(re.findall(r"^dtr(\d+)h\d+", listing, re.MULTILINE)):
-        if not Path(f"/proc/{pid}").exists():
-            stop_namespaces(re.findall(rf"^(dtr{pid}h\d+)", listing, re.MULTILINE))
-            down(f"dtr{pid}")
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie counts as gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return "State:\tZ" not in status
-
-
 def test_ray_gets_the_grpo_chunks_across_hosts_and_leaves_nothing(tmp_path: Path) -> None:
     """Two worker hosts: each consumer gets its balanced chunk (half of it from the other host)
     with `ray.get`, equal to distbatch's own chunk; then no namespace, link, Ray process or Ray
     temp dir is left."""
-    _remove_stale()
+    remove_stale_ray("dtr")
     prefix = f"dtr{os.getpid()}"
     args = parse_args(
         ["--prompts=16", "--n=4", "--mean-len=256", "--repeats=1", "--check", f"--prefix={prefix}",
@@ -67,6 +48,6 @@ def test_ray_gets_the_grpo_chunks_across_hosts_and_leaves_nothing(tmp_path: Path
     assert result["ray_get_s"] > 0
 
     assert result["stopped_pids"], "no Ray process was found in the namespaces"
-    assert [p for p in result["stopped_pids"] if _running(p)] == []
+    assert [p for p in result["stopped_pids"] if running(p)] == []
     assert leftovers(prefix) == []
     assert not ray_temp_dir(prefix).exists()
