@@ -493,22 +493,24 @@ def table(result: dict[str, Any]) -> str:
         f"{s['tasks']:,} tasks per run in puts of {s['chunk']} every {put_ms:g} ms, "
         f"batches of {s['batch_size']}, empty polls {poll_ms:g} ms apart; controller in {result['served']}",
         f"  {'load':<18} {'calls/s':>8} {'tasks/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-        f"{'server ms':>9} {'answered/empty':>15} {'errors':>6}  once per group",
+        f"{'server ms':>9} {'put p50/p99':>12} {'answered/empty':>15} {'errors':>6}  once per group",
     ]
     for r in runs:
         p = r["get_meta"]
         once = all(d["duplicates"] == d["missing"] == d["unknown"] == 0 for d in r["delivery"].values())
         server = r["server_get_meta_mean_ms"]
         load = _load(r["scenario"]["step_seconds"])
+        put = r["put"]
+        put_ms = f"{put['p50_ms'] or 0:.1f}/{put['p99_ms'] or 0:.1f}"
         lines.append(
             f"  {load:<18} {r['calls_per_s']:>8,.0f} {r['tasks_per_s']:>8,.0f} "
             f"{p['p50_ms'] or 0:>8.2f} {p['p99_ms'] or 0:>8.2f} {p['max_ms'] or 0:>8.2f} "
-            f"{server if server is not None else float('nan'):>9.2f} "
+            f"{server if server is not None else float('nan'):>9.2f} {put_ms:>12} "
             f"{r['answered_calls']:>8,}/{r['empty_calls']:<6,} {r['errors']:>6}  {'yes' if once else 'NO'}"
         )
     lines.append(
         "  (get_meta as the consumers timed it, empty polls included; server ms: the controller's own "
-        "mean handling time; tasks/s: all groups together)"
+        "mean handling time; put: the producer's announcements, ms; tasks/s: all groups together)"
     )
     return "\n".join(lines)
 

@@ -335,12 +335,17 @@ class ShardClient:
         timeout: float | None | object = ...,
         idempotent: bool = True,
         waits: bool = False,
+        keep_alive: bool | None = None,
     ) -> Coroutine[Any, Any, Any]:
         """A JSON request to any distbatch HTTP service (worker or controller), with this
         client's session, token, retries and error mapping.
 
         `waits=True` for a request the server may hold open (a long poll): it takes a connection
         slot of the waiting budget, so waiters never hold up puts and fetches to the same node.
+        `keep_alive`: whether it may go out on a kept-alive connection (default: only when
+        idempotent, since a server may close one just as the request leaves, and only a re-send
+        mends that); True for a request that is not retried here but that the caller safely
+        sends again itself (`RemoteController.get_meta`, deduplicated by its request id).
         """
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
@@ -352,6 +357,7 @@ class ShardClient:
             timeout=timeout,
             idempotent=idempotent,
             waits=waits,
+            keep_alive=keep_alive,
         )
 
     request_json = blocking(_request_json_verb)

@@ -246,6 +246,7 @@ class HttpTransport:
         waits: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         runtime: Runtime | None = None,
+        keep_alive: bool | None = None,
     ) -> Any:
         """One logical request with retries inside one deadline; returns JSON or a bytearray.
 
@@ -254,14 +255,16 @@ class HttpTransport:
         retried only when no connection was made or the worker answered 503 `busy` (it ran
         nothing). `waits`: the server may hold it open, so it takes a slot of the waiting
         budget, not the node's. `runtime`: the one to use (cleanup running while the client
-        closes must not look it up).
+        closes must not look it up). `keep_alive`: on a kept-alive connection (default: when
+        idempotent; see `ShardClient.request_json`), else on a connection of its own.
         """
         limit = self.policy.timeout if timeout is ... else timeout
         deadline = None if limit is None else asyncio.get_running_loop().time() + float(limit)  # type: ignore[arg-type]
         body, headers, size = self._body(path, body, json_body, extra_headers)
         outgoing = _Outgoing(node, method, path, headers, body, size, binary_response, waits, deadline)
         runtime = runtime or self.runtimes.get()
-        session = runtime.session() if idempotent else runtime.fresh_session()
+        reuse = idempotent if keep_alive is None else keep_alive
+        session = runtime.session() if reuse else runtime.fresh_session()
         retries = _Retries(self.policy, idempotent, deadline)
         while True:
             self.traffic.requests += 1

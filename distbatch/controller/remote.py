@@ -68,6 +68,7 @@ class RemoteController:
         timeout: float | None = None,
         idempotent: bool = True,
         waits: bool = False,
+        keep_alive: bool | None = None,
     ) -> Any:
         try:
             return self.client.request_json(
@@ -78,6 +79,7 @@ class RemoteController:
                 timeout=timeout or self.timeout,
                 idempotent=idempotent,
                 waits=waits,
+                keep_alive=keep_alive,
             )
         except RequestError as exc:
             raise _local_error(exc) from None
@@ -129,13 +131,16 @@ class RemoteController:
                 "sampling_config": sampling_config,
             }
             try:
-                # Not retried by the client once sent: the loop here re-sends with the same id.
+                # Not retried by the client once sent: the loop here re-sends with the same id,
+                # so a quick poll may reuse a kept-alive connection (a new one per poll would
+                # cost a connection setup each, the most of a poll's time with many pollers).
                 reply = self._post(
                     "/v1/controller/get_meta",
                     body,
                     timeout=deadline - now,
                     idempotent=False,
                     waits=wait > 0,
+                    keep_alive=wait == 0,
                 )
                 return decode_value(reply["batch"], self._client)
             except WorkerUnavailableError as exc:

@@ -33,7 +33,7 @@ from distbatch.serving.errors import error_response as _error
 from distbatch.serving.errors import register_json_errors
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.metrics import Metrics, record_requests
-from distbatch.serving.server import HttpServer, connection_gauges
+from distbatch.serving.server import GIVE_TURN_BACK, HttpServer, connection_gauges
 
 logger = logging.getLogger("distbatch.controller")
 
@@ -43,6 +43,17 @@ _GET_META_KEYWORDS = frozenset(
     {"partition_id", "task_name", "fields", "batch_size", "timeout", "request_id", "partition"}
 )
 _ROUTES = Blueprint("controller", __name__)
+# get_meta calls served at once; more wait their turn, idle, before their headers are parsed
+# (`HttpServer`'s request turns). A crowd of ranks polling flat out would otherwise keep hundreds
+# of request threads runnable, and a producer's put, one of them, would get a sliver of the
+# interpreter (its tasks are what the polls wait for). The controller's work is under one lock
+# anyway: a few at once keep it busy. A long poll gives its turn back before it waits.
+POLLS_AT_ONCE = 4
+# Request threads: a thread per request under way (idle kept-alive connections hold none); every
+# rank can have a poll waiting for its turn, or a long poll waiting for producers, at once.
+MAX_THREADS = 1024
+# What reserve threads answer when every normal thread is taken: liveness, and producers' puts.
+RESERVE_REQUESTS = frozenset({("GET", "/health"), ("HEAD", "/health"), ("POST", "/v1/controller/put")})
 
 
 def _controller() -> Controller:
@@ -119,6 +130,8 @@ def get_meta() -> Response:
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
     ):
         raise InvalidArgumentError("'timeout' must be a non-negative number")
+    if timeout and (give_turn_back := request.environ.get(GIVE_TURN_BACK)) is not None:
+        give_turn_back()  # a long poll waits for producers: no turn held while it sleeps
     batch = _controller().get_meta(
         _required(body, "partition_id"),
         _required(body, "task_name"),
@@ -217,8 +230,6 @@ def load_state() -> Response:
     return jsonify({"ok": True})
 
 
-
-
 def create_controller_app(controller: Controller, *, token: str | None = None) -> Flask:
     """A Flask app serving `controller`; `token` (default `$DISTBATCH_TOKEN`) guards all but /health."""
     app = Flask("distbatch.controller")
@@ -274,7 +285,14 @@ class ControllerServer:
         self, controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
     ) -> None:
         self.controller = controller
-        self._server = HttpServer(create_controller_app(controller, token=token), host, port)
+        self._server = HttpServer(
+            create_controller_app(controller, token=token),
+            host,
+            port,
+            max_threads=MAX_THREADS,
+            reserve_requests=RESERVE_REQUESTS,
+            request_turns={("POST", "/v1/controller/get_meta"): POLLS_AT_ONCE},
+        )
         self.address = self._server.node
         self._token_required = token is not None or bool(token_from_env())
         self._running = True

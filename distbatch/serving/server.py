@@ -22,7 +22,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
@@ -33,6 +33,8 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 from distbatch.errors import ServerBindError
 from distbatch.protocol import SERVER_IDLE_SECONDS
 from distbatch.serving.metrics import Values
+from distbatch.serving.parking import ParkedConnections
+from distbatch.serving.turns import Turns
 
 DEFAULT_MAX_THREADS = 256
 DEFAULT_READ_TIMEOUT = 60.0
@@ -42,6 +44,9 @@ DEFAULT_IDLE_TIMEOUT = SERVER_IDLE_SECONDS
 # The WSGI environ key that tells an app this server sends any buffer the app yields (a
 # `memoryview` too), not only the `bytes` PEP 3333 asks for.
 SENDS_BUFFERS = "distbatch.sends_buffers"
+# The WSGI environ key of a callable that gives back the request's turn (`request_turns`) early,
+# for a request that will now wait rather than work (a long poll); calling it again does nothing.
+GIVE_TURN_BACK = "distbatch.give_turn_back"
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
@@ -101,6 +106,15 @@ DRAIN_MAX_BYTES = 4 << 20
 # this big (and sockets have TCP_NODELAY): a small response is one segment, never a head held
 # back by Nagle's algorithm until the client's delayed ACK (40 ms per request).
 COALESCE_BYTES = 64 << 10
+# After a response, a connection keeps its thread this long for its next request (a client's
+# next call, a rank's next poll), then waits parked, without a thread (`ParkedConnections`);
+# at once when a new request is waiting for a thread. Serving from a parked connection costs
+# a hand-over (and, flat out, a queue behind every other parked one that became readable).
+PARK_AFTER_SECONDS = 0.1
+# Parked connections beyond this many (per server; at least `max_threads`) are closed, the
+# longest idle first: clients reconnect, and a flood of idle sockets cannot use up descriptors.
+MAX_PARKED = 4096
+_NOT_PARKED = object()
 
 
 class _SlicedWriter(io.BufferedIOBase):
@@ -193,11 +207,12 @@ class _TimedRequestHandler(WSGIRequestHandler):
     The timeout (`timeout`, set per server) covers each socket operation: a stalled
     upload or a peer that stops reading is closed after it; a request whose handler
     computes for minutes is not, since no socket operation happens meanwhile. Between
-    requests a connection waits at most `idle_timeout`, and less when the server needs
-    its thread for a waiting connection (`_BoundedThreadingServer.wait_for_request`).
+    requests a connection gives up its thread (it is parked, `ParkedConnections`) and is
+    closed after `idle_timeout` without a request.
     """
 
     idle_timeout = DEFAULT_IDLE_TIMEOUT
+    _turn: Turns | None = None
 
     def setup(self) -> None:
         super().setup()
@@ -210,7 +225,7 @@ class _TimedRequestHandler(WSGIRequestHandler):
             self.connection.settimeout(min(self.timeout or RESERVE_READ_TIMEOUT, RESERVE_READ_TIMEOUT))
 
     def handle(self) -> None:
-        """Serve requests until the client closes, asks to close, or idles past `idle_timeout`."""
+        """Serve requests until the client closes or asks to close, or the connection idles (parked)."""
         try:
             self.close_connection = True
             self.handle_one_request()
@@ -220,7 +235,8 @@ class _TimedRequestHandler(WSGIRequestHandler):
             self.connection_dropped(exc)
 
     def _next_request_arrives(self) -> bool:
-        """Whether another request starts on this connection (False: close it)."""
+        """Whether another request starts on this connection now (False: it closes, or is parked
+        until its next request begins, idle with no thread)."""
         server = self.server
         if not isinstance(server, _BoundedThreadingServer):
             return True
@@ -233,7 +249,34 @@ class _TimedRequestHandler(WSGIRequestHandler):
             ahead = cast(io.BufferedReader, self.rfile).peek(1)
         finally:
             self.connection.settimeout(self.timeout)
-        return bool(ahead) or server.wait_for_request(self.connection, self.idle_timeout)
+        if ahead or server.next_request_within(self.connection, PARK_AFTER_SECONDS):
+            return True
+        server.park_when_done(self.connection, self.client_address)
+        return False
+
+    def parse_request(self) -> bool:
+        # A request with turns (`request_turns`) waits for one before its headers are even
+        # parsed: a crowd of them then waits idle instead of all competing for the interpreter.
+        server = self.server
+        if isinstance(server, _BoundedThreadingServer) and not self.on_reserve:
+            turns = server.turns_for(self.raw_requestline)
+            if turns is not None:
+                if not turns.take():  # False: the server is stopping
+                    self.close_connection = True
+                    return False
+                self._turn = turns
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            self._give_turn_back()
+
+    def _give_turn_back(self) -> None:
+        turns, self._turn = self._turn, None
+        if turns is not None:
+            turns.give_back()
 
     def run_wsgi(self) -> None:
         if self.on_reserve:
@@ -244,6 +287,7 @@ class _TimedRequestHandler(WSGIRequestHandler):
         # `parse_request` (http.server) already answered `Expect: 100-continue`.
         self.environ = environ = self.make_environ()
         environ[SENDS_BUFFERS] = True
+        environ[GIVE_TURN_BACK] = self._give_turn_back
         body: _CountingReader | None = None
         length = _framed_length(self.headers)
         if environ["wsgi.input"] is self.rfile and length is not None:
@@ -444,9 +488,10 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
     """A threaded WSGI server that runs at most `max_threads` connections at once, plus
     `reserve_threads` for the small `reserve_requests` (liveness probes and the like).
 
-    A kept-alive connection holds its thread while it waits for its next request;
-    when a new connection finds every normal thread taken, one such idle connection is
-    asked to close (`wait_for_request`), so idle clients never lock out a new one.
+    A kept-alive connection gives its thread back while it waits for its next request
+    (parked on one selector thread, `ParkedConnections`, until it is readable again, then
+    served on a thread like a new connection), so idle clients never hold a thread and
+    never lock out a new one.
     When every normal thread has been busy for `RESERVE_GRACE_SECONDS`, the next
     connection goes to a free reserve thread (see `_TimedRequestHandler.run_wsgi`);
     with those busy too the serve loop stops accepting, so new connections wait in
@@ -462,10 +507,12 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         max_threads: int,
         reserve_threads: int,
         reserve_requests: Collection[tuple[str, str]],
+        request_turns: Mapping[tuple[str, str], int],
     ) -> None:
         self.max_threads = max_threads
         self.reserve_threads = reserve_threads
         self.reserve_requests = frozenset(reserve_requests)
+        self._turns = {kind: Turns(count) for kind, count in request_turns.items()}
         self._busy = 0
         self._reserve_busy = 0
         # Every normal thread stayed busy past the grace: reserve threads are used at once
@@ -474,23 +521,30 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self._on_reserve: set[socket.socket] = set()
         self._slots_changed = threading.Condition()
         self._stopping = threading.Event()
-        # Idle kept-alive connections wait on their socket and on `_wake`: one byte is sent to
-        # `_wake` per idle connection asked to close (`_yields_asked`), one more at shutdown.
-        self._idle = 0
-        self._yields_asked = 0
-        self._wake, self._wake_sender = socket.socketpair()
-        self._wake.setblocking(False)
+        # Connections whose handler asked to be parked once its thread lets go (-> address).
+        self._to_park: dict[socket.socket, Any] = {}
+        # Readable while a connection waits for a thread: connections idling on theirs park now.
+        self._slot_wanted, self._slot_wanted_sender = socket.socketpair()
+        self._slot_wanted.setblocking(False)
+        self._waiting_for_slots = 0
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
+        idle_timeout = getattr(handler, "idle_timeout", DEFAULT_IDLE_TIMEOUT)
+        self._parked = ParkedConnections(self._resume, idle_timeout, max(MAX_PARKED, max_threads))
         try:
             super().__init__(host, port, app, handler)
         except _BindFailed as failed:
-            self._wake.close()
-            self._wake_sender.close()
+            self._close_helpers()
             raise _bind_error(host, port, failed.error) from None
-        except BaseException:  # the bind failed: nothing will close the pair later
-            self._wake.close()
-            self._wake_sender.close()
+        except BaseException:  # nothing will close the parking thread later
+            self._close_helpers()
             raise
+
+    def _close_helpers(self) -> None:
+        for turns in self._turns.values():
+            turns.close()
+        self._parked.close()
+        self._slot_wanted.close()
+        self._slot_wanted_sender.close()
 
     def server_bind(self) -> None:
         # Werkzeug answers an OSError here by printing and calling sys.exit(1), which would end
@@ -509,38 +563,53 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
     def _take_slot(self) -> bool:
         """Wait for a thread slot (called with a connection pending); True if a reserve one."""
         with self._slots_changed:
-            grace_ends = time.monotonic() + RESERVE_GRACE_SECONDS
-            yielding = False  # an idle connection was asked to free its thread for this one
-            while True:
-                if self._busy < self.max_threads:
-                    self._busy += 1
-                    self._withdraw_yield(yielding)
-                    return False
-                now = time.monotonic()
-                if self._idle and not self._yields_asked:
-                    # An idle kept-alive connection frees its thread for this one: worth the wait.
-                    self._yields_asked += 1
-                    self._wake_sender.send(b"y")
-                    grace_ends = max(grace_ends, now + RESERVE_GRACE_SECONDS)
-                    yielding = True
-                saturated = self._saturated and not yielding
-                if self._reserve_busy < self.reserve_threads and (saturated or now >= grace_ends):
-                    self._reserve_busy += 1
-                    self._saturated = True
-                    self._withdraw_yield(yielding)
-                    return True
-                if self._stopping.is_set():
-                    raise OSError("server is shutting down")  # socketserver skips this round
-                wait = SLOT_POLL_SECONDS if saturated or now >= grace_ends else grace_ends - now
-                self._slots_changed.wait(min(wait, SLOT_POLL_SECONDS))
+            if self._busy < self.max_threads:
+                self._busy += 1
+                return False
+            self._want_slot(True)
+            try:
+                return self._wait_for_slot()
+            finally:
+                self._want_slot(False)
 
-    def _withdraw_yield(self, asked: bool) -> None:
-        """A slot came without the yield this round asked for: take the request back, so no
-        connection that goes idle later is closed for nothing (caller holds the lock)."""
-        if asked and self._yields_asked:
-            self._yields_asked -= 1
-            with contextlib.suppress(OSError):
-                self._wake.recv(1)
+    def _wait_for_slot(self) -> bool:
+        """`_take_slot` once every normal thread is taken (caller holds the lock)."""
+        grace_ends = time.monotonic() + RESERVE_GRACE_SECONDS
+        while True:
+            if self._busy < self.max_threads:
+                self._busy += 1
+                return False
+            now = time.monotonic()
+            if self._reserve_busy < self.reserve_threads and (self._saturated or now >= grace_ends):
+                self._reserve_busy += 1
+                self._saturated = True
+                return True
+            if self._stopping.is_set():
+                raise OSError("server is shutting down")  # socketserver skips this round
+            wait = SLOT_POLL_SECONDS if self._saturated or now >= grace_ends else grace_ends - now
+            self._slots_changed.wait(min(wait, SLOT_POLL_SECONDS))
+
+    def _want_slot(self, wanted: bool) -> None:
+        """Count a connection waiting for a thread in or out; `_slot_wanted` is readable while
+        any waits (caller holds the lock)."""
+        self._waiting_for_slots += 1 if wanted else -1
+        with contextlib.suppress(OSError):
+            if wanted and self._waiting_for_slots == 1:
+                self._slot_wanted_sender.send(b"w")
+            elif not wanted and not self._waiting_for_slots:
+                self._slot_wanted.recv(16)
+
+    def next_request_within(self, connection: socket.socket, seconds: float) -> bool:
+        """Whether `connection`'s next request begins within `seconds`, unless another connection
+        wants a thread first (False: park it)."""
+        poller = select.poll()
+        try:
+            poller.register(connection, select.POLLIN)
+            poller.register(self._slot_wanted, select.POLLIN)
+        except (ValueError, OSError):  # closed: the server is shutting down
+            return False
+        ready = {fd for fd, _ in poller.poll(seconds * 1000)}
+        return connection.fileno() in ready
 
     def _release_slot(self, reserve: bool) -> None:
         with self._slots_changed:
@@ -555,45 +624,41 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def wait_for_request(self, connection: socket.socket, idle_timeout: float) -> bool:
-        """Wait until `connection` has bytes to read (True), or until it should be closed (False):
-        idle for `idle_timeout`, its thread wanted by a waiting connection, or the server stopping."""
-        deadline = time.monotonic() + idle_timeout
-        poller = select.poll()
-        poller.register(connection, select.POLLIN)
-        poller.register(self._wake, select.POLLIN)
-        with self._slots_changed:
-            self._idle += 1
-            self._slots_changed.notify_all()  # a connection waiting for a thread may ask this one
-        try:
-            while not self._stopping.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                ready = {fd for fd, _ in poller.poll(left * 1000)}
-                if connection.fileno() in ready:
-                    return True
-                if self._wake.fileno() in ready and self._claim_yield():
-                    return False
-            return False
-        finally:
-            with self._slots_changed:
-                self._idle -= 1
+    def turns_for(self, request_line: bytes) -> Turns | None:
+        """The turns a request of this request line takes (None: it runs at once)."""
+        if not self._turns:
+            return None
+        parts = request_line.split()
+        if len(parts) < 2:
+            return None
+        return self._turns.get((parts[0].decode("latin-1"), _path_of(parts[1].decode("latin-1"))))
 
-    def _claim_yield(self) -> bool:
-        """Take one asked-for yield, if one is still unclaimed (another idle connection may have)."""
+    def park_when_done(self, connection: socket.socket, address: Any) -> None:
+        """Park `connection` once its thread is done with it (`shutdown_request`), instead of closing it."""
         with self._slots_changed:
-            if not self._yields_asked:
-                return False
-            self._yields_asked -= 1
-            with contextlib.suppress(OSError):  # BlockingIOError, or closed at shutdown
-                self._wake.recv(1)
-            return True
+            self._to_park[connection] = address
+
+    def _resume(self, connection: socket.socket, address: Any) -> None:
+        """Serve a parked connection's next request on a thread, as `serve_forever` does a new one."""
+        try:
+            reserve = self._take_slot()
+        except OSError:  # stopping
+            with contextlib.suppress(OSError):
+                connection.close()
+            return
+        if reserve:
+            with self._slots_changed:
+                self._on_reserve.add(connection)
+        try:
+            self.process_request(connection, address)
+        except Exception:  # no thread could start: as socketserver does for a new connection
+            self.handle_error(connection, address)
+            self.shutdown_request(connection)
 
     def connection_counts(self) -> tuple[int, int]:
         """(connections a thread is serving a request on, kept-alive ones waiting for their next)."""
         with self._slots_changed:
-            return self._busy + self._reserve_busy - self._idle, self._idle
+            return self._busy + self._reserve_busy, self._parked.count()
 
     def on_reserve(self, connection: socket.socket) -> bool:
         """Whether this accepted connection runs on a reserve thread."""
@@ -614,9 +679,16 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         return connection, address
 
     def shutdown_request(self, request: Any) -> None:
-        # socketserver calls this exactly once per accepted connection, whichever way it ends.
+        # socketserver calls this exactly once per time a thread served the connection (or
+        # failed to start), whichever way it ended: the slot is given back, and the connection
+        # closed, or parked when its handler asked for that (`park_when_done`).
         try:
-            super().shutdown_request(request)
+            with self._slots_changed:
+                address = self._to_park.pop(request, _NOT_PARKED)
+            if address is not _NOT_PARKED and not self._stopping.is_set():
+                self._parked.park(request, address)
+            else:
+                super().shutdown_request(request)
         finally:
             with self._slots_changed:
                 reserve = request in self._on_reserve
@@ -625,17 +697,15 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
 
     def shutdown(self) -> None:
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            self._wake_sender.send(b"s")  # idle connections close
+        for turns in self._turns.values():
+            turns.close()  # requests waiting for a turn end
+        self._parked.close()  # idle connections close
         super().shutdown()
 
     def server_close(self) -> None:
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            self._wake_sender.send(b"s")
         super().server_close()
-        self._wake_sender.close()
-        self._wake.close()
+        self._close_helpers()
 
 
 def connection_gauges(app: Flask) -> Values:
@@ -661,7 +731,10 @@ class HttpServer:
     when a new connection needs its thread).
     `reserve_threads` more answer the `reserve_requests` (method, path) while all of
     those are busy and refuse anything else with 503 `busy`, so a busy server never
-    looks dead to a liveness probe.
+    looks dead to a liveness probe. `request_turns` maps (method, path) to how many such
+    requests are served at once; more wait for a turn, idle, before their headers are parsed
+    (their app may give the turn back early, `GIVE_TURN_BACK`), so a flood of one kind (polls)
+    leaves the interpreter to the others.
 
     The app may register `extensions["on_bound"](node)` to learn its address (what it raises,
     the constructor raises, with the socket closed) and `extensions["on_close"]()` to release
@@ -679,12 +752,15 @@ class HttpServer:
         reserve_threads: int = RESERVE_THREADS,
         reserve_requests: Collection[tuple[str, str]] = HEALTH_REQUESTS,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        request_turns: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
         check_port(port)
         if not max_threads >= 1 or not read_timeout > 0 or reserve_threads < 0 or not idle_timeout > 0:
             raise ValueError(
                 "max_threads must be >= 1, read_timeout and idle_timeout > 0, reserve_threads >= 0"
             )
+        if request_turns and min(request_turns.values()) < 1:
+            raise ValueError("request_turns must allow at least 1 request of each kind at once")
         self.max_threads = max_threads
         self.read_timeout = read_timeout
         # Werkzeug logs every request at INFO; keep the hot path quiet.
@@ -694,7 +770,7 @@ class HttpServer:
             "RequestHandler", (_TimedRequestHandler,), {"timeout": read_timeout, "idle_timeout": idle_timeout}
         )
         self._server = _BoundedThreadingServer(
-            host, port, app, handler, max_threads, reserve_threads, reserve_requests
+            host, port, app, handler, max_threads, reserve_threads, reserve_requests, request_turns or {}
         )
         self.node = format_node(advertised_host(host), self._server.server_port)
         app.extensions["connections"] = self._server.connection_counts  # see `connection_gauges`
@@ -707,6 +783,10 @@ class HttpServer:
                 raise
         self._on_close = app.extensions.get("on_close")
         self._thread: threading.Thread | None = None
+
+    def connections(self) -> tuple[int, int]:
+        """(connections a thread is serving a request on, kept-alive ones waiting parked for their next)."""
+        return self._server.connection_counts()
 
     def serve_forever(self) -> None:
         self._server.serve_forever()

@@ -197,6 +197,42 @@ def test_waiting_consumers_never_starve_a_producer_sharing_their_client(
         stored.clear()
 
 
+def test_long_polls_hold_no_turn_and_quick_polls_reuse_their_connection(
+    serve: Callable[..., ControllerServer],
+) -> None:
+    """More ranks long-polling than the controller serves get_meta calls at once (POLLS_AT_ONCE):
+    they wait without a turn, so a quick poll is still answered at once; and a rank's quick
+    polls go out on one kept-alive connection, which waits parked between them."""
+    from distbatch.controller.server import POLLS_AT_ONCE
+    from distbatch.serving.server import PARK_AFTER_SECONDS
+
+    server = serve(Controller())
+    with ShardClient(timeout=30) as waiting_client, ShardClient(timeout=30) as polling_client:
+        waiting = RemoteController(server.address, client=waiting_client, timeout=30)
+        waiting.create_partition("p", ["x"])
+        with ThreadPoolExecutor(max_workers=POLLS_AT_ONCE + 2) as pool:
+            long_polls = [
+                pool.submit(waiting.get_meta, "p", "train", ["x"], 1, timeout=3)
+                for _ in range(POLLS_AT_ONCE + 2)
+            ]
+            deadline = time.monotonic() + 10
+            while waiting.waiting_consumers() < POLLS_AT_ONCE + 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waiting.waiting_consumers() == POLLS_AT_ONCE + 2
+            poller = RemoteController(server.address, client=polling_client)
+            for _ in range(20):
+                assert poller.get_meta("p", "train", ["x"], 1).status is BatchStatus.EMPTY
+            assert not any(f.done() for f in long_polls)  # answered while they all still wait
+            assert all(f.result(timeout=10).status is BatchStatus.EMPTY for f in long_polls)
+        # 20 polls, one connection: once idle (parked), the server holds exactly two, the
+        # poller's and the waiting client's (its other calls); the long polls had their own
+        # connections, closed after their answers, and a fresh one per quick poll would be too
+        time.sleep(PARK_AFTER_SECONDS + 0.2)
+        text = HTTP.get(f"http://{server.address}/metrics", timeout=5).text
+        idle = [line for line in text.splitlines() if line.startswith("distbatch_connections_idle ")]
+        assert float(idle[0].split()[1]) == 2
+
+
 def test_summary_shows_partitions_consumers_and_who_waits_where(
     shared_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
 ) -> None:

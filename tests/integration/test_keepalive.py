@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,7 +16,7 @@ from flask import Flask, Response, request
 
 from distbatch import ShardClient, wire
 from distbatch.launch import WorkerProcess
-from distbatch.serving.server import DRAIN_MAX_BYTES, HttpServer
+from distbatch.serving.server import DRAIN_MAX_BYTES, GIVE_TURN_BACK, HttpServer
 
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}
 
@@ -215,9 +216,10 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(start_server: Start
         assert time.monotonic() - started < 5
 
 
-def test_idle_connections_yield_their_thread_to_a_new_one(start_server: StartServer) -> None:
-    """With one thread, held by an idle kept-alive connection, a new connection is served at once
-    (not after the 60 s idle timeout, not refused 503 `busy`), and the idle one is closed."""
+def test_idle_connections_hold_no_thread(start_server: StartServer) -> None:
+    """With one thread and an idle kept-alive connection, new connections are served at once (not
+    after the 60 s idle timeout, not refused 503 `busy`) while the idle one stays open, parked
+    without a thread, and is served again when its next request comes."""
     server = start_server(max_threads=1, idle_timeout=60)
     with connect(server) as idle:
         idle.sendall(request_bytes("GET", "/ping"))
@@ -230,7 +232,31 @@ def test_idle_connections_yield_their_thread_to_a_new_one(start_server: StartSer
                 status, _, body = Reader(fresh).response()
                 assert (status, body) == (200, b"pong")
         assert time.monotonic() - started < 10
-        assert idle_reader.closed(timeout=5)
+        assert not idle_reader.closed(timeout=0.2)
+        for _ in range(2):
+            idle.sendall(request_bytes("GET", "/ping"))
+            assert idle_reader.response()[:3:2] == (200, b"pong")
+
+
+def test_more_kept_alive_clients_than_threads_all_stay_open(start_server: StartServer) -> None:
+    """More kept-alive clients than threads: each is answered, stays open between requests, and
+    the connections gauge counts them idle (parked), none active."""
+    server = start_server(max_threads=2, idle_timeout=60)
+    sockets = [connect(server) for _ in range(12)]
+    try:
+        readers = [Reader(sock) for sock in sockets]
+        for _ in range(2):
+            for sock, reader in zip(sockets, readers):
+                sock.sendall(request_bytes("GET", "/ping"))
+                assert reader.response()[2] == b"pong"
+        deadline = time.monotonic() + 5
+        while (counts := server.connections()) != (0, 12) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counts == (0, 12)
+        assert not any(reader.closed(timeout=0.01) for reader in readers)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_shutdown_closes_idle_connections(start_server: StartServer) -> None:
@@ -351,3 +377,68 @@ def test_expect_100_continue_is_answered_once(start_server: StartServer) -> None
         sock.sendall(b"hello")
         status, _, body = reader.response()
         assert (status, body) == (200, b"hello")
+
+
+# ---------------------------------------------------------------- request turns
+
+
+def turns_app(state: dict[str, int]) -> Flask:
+    """/work takes 0.2 s holding its turn; /wait gives its turn back, then waits 0.2 s."""
+    app = Flask("turns")
+    lock = threading.Lock()
+
+    def busy(give_back: bool) -> Response:
+        if give_back:
+            request.environ[GIVE_TURN_BACK]()
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.2)
+        with lock:
+            state["now"] -= 1
+        return Response(b"done", mimetype="text/plain")
+
+    app.add_url_rule("/work", "work", lambda: busy(False))
+    app.add_url_rule("/wait", "wait", lambda: busy(True))
+    app.add_url_rule("/ping", "ping", lambda: Response(b"pong", mimetype="text/plain"))
+    return app
+
+
+def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> None:
+    """`request_turns`: 6 concurrent requests of a kind allowed 2 at once never run more than 2
+    at a time, all are answered, and a request of another kind is answered meanwhile without
+    waiting for them; a request that gives its turn back early no longer counts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = {"now": 0, "most": 0}
+    turns = {("GET", "/work"): 2, ("GET", "/wait"): 1}
+    server = HttpServer(turns_app(state), request_turns=turns).start_background()
+    try:
+
+        def get(path: str) -> tuple[bytes, float]:
+            started = time.monotonic()
+            with connect(server) as sock:
+                sock.sendall(request_bytes("GET", path))
+                return Reader(sock).response()[2], time.monotonic() - started
+
+        with ThreadPoolExecutor(8) as pool:
+            work = [pool.submit(get, "/work") for _ in range(6)]
+            time.sleep(0.1)
+            assert get("/ping")[0] == b"pong"
+            assert not all(f.done() for f in work)  # answered while the six still run
+            assert [f.result()[0] for f in work] == [b"done"] * 6
+        assert state["most"] == 2
+        assert max(f.result()[1] for f in work) >= 0.55  # three rounds of two
+
+        state["most"] = 0
+        with ThreadPoolExecutor(4) as pool:
+            waits = [pool.submit(get, "/wait") for _ in range(4)]
+            assert [f.result()[0] for f in waits] == [b"done"] * 4
+        assert state["most"] >= 2  # given back: they overlapped although one turn
+    finally:
+        server.shutdown()
+
+
+def test_request_turns_refuse_a_kind_allowed_none() -> None:
+    with pytest.raises(ValueError, match="request_turns"):
+        HttpServer(make_app(), request_turns={("GET", "/ping"): 0})
