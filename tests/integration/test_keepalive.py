@@ -442,3 +442,54 @@ def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> No
 def test_request_turns_refuse_a_kind_allowed_none() -> None:
     with pytest.raises(ValueError, match="request_turns"):
         HttpServer(make_app(), request_turns={("GET", "/ping"): 0})
+
+
+def slow_client_app() -> Flask:
+    app = make_app()
+    app.add_url_rule(
+        "/big", "big", lambda: Response(b"z" * (64 << 20), mimetype="application/octet-stream")
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    "stalled",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: test\r\n",  # headers never end
+        b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\nhal",  # nor does the body
+    ],
+    ids=["headers", "body"],
+)
+def test_a_request_that_stalls_arriving_holds_no_turn(stalled: bytes) -> None:
+    """A client that sends part of a request with turns and stops holds no turn while the server
+    waits (60 s read timeout) for the rest: one such client per turn must not stop the others."""
+    server = HttpServer(make_app(), request_turns={("POST", "/echo"): 1}).start_background()
+    try:
+        with connect(server) as stalling:
+            stalling.sendall(stalled)
+            time.sleep(0.2)  # its request line is in: it would hold the turn from here
+            started = time.monotonic()
+            with connect(server) as sock:
+                sock.sendall(request_bytes("POST", "/echo", b"hello"))
+                assert Reader(sock).response()[::2] == (200, b"hello")
+            assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
+
+
+def test_a_client_that_stops_reading_its_response_holds_no_turn() -> None:
+    """A response is sent without the turn: a client that stops reading a big one (the server
+    waits 60 s, the read timeout) does not hold up the next request of that kind."""
+    server = HttpServer(slow_client_app(), request_turns={("GET", "/big"): 1}).start_background()
+    try:
+        with connect(server) as stuck:
+            stuck.sendall(request_bytes("GET", "/big"))
+            time.sleep(0.5)  # its response fills the socket buffers, then the server waits
+            started = time.monotonic()
+            with connect(server) as sock:
+                sock.sendall(request_bytes("GET", "/big", close=True))
+                status, _, body = Reader(sock).response()
+                assert (status, len(body)) == (200, 64 << 20)
+            assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
