@@ -18,6 +18,7 @@ import errno
 import io
 import json
 import logging
+import resource
 import select
 import socket
 import threading
@@ -111,14 +112,26 @@ COALESCE_BYTES = 64 << 10
 # at once when a new request is waiting for a thread. Serving from a parked connection costs
 # a hand-over (and, flat out, a queue behind every other parked one that became readable).
 PARK_AFTER_SECONDS = 0.1
-# Parked connections beyond this many (per server; at least `max_threads`) are closed, the
-# longest idle first: clients reconnect, and a flood of idle sockets cannot use up descriptors.
+# Parked connections beyond this many (per server; at least `max_threads`, at most half the
+# descriptors the process may open) are closed, the longest idle first: clients reconnect, and
+# a flood of idle sockets cannot use up descriptors.
 MAX_PARKED = 4096
 # A request with turns (`request_turns`) is read whole before it waits for one when its body is
 # at most this big (a poll's is a few hundred bytes); a bigger one, which every waiting thread
 # would hold in memory, runs without a turn.
 TURN_BODY_BYTES = 64 << 10
 _NOT_PARKED = object()
+
+
+def _parked_bound(max_threads: int) -> int:
+    """How many idle connections a server parks (`MAX_PARKED`): never so many that they use up
+    the descriptors the process may open, which would leave it unable to accept a connection
+    (or open a file) until idle ones time out."""
+    bound = max(MAX_PARKED, max_threads)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        bound = min(bound, max(soft // 2, 1))
+    return bound
 
 
 class _SlicedWriter(io.BufferedIOBase):
@@ -551,7 +564,7 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self._waiting_for_slots = 0
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
         idle_timeout = getattr(handler, "idle_timeout", DEFAULT_IDLE_TIMEOUT)
-        self._parked = ParkedConnections(self._resume, idle_timeout, max(MAX_PARKED, max_threads))
+        self._parked = ParkedConnections(self._resume, idle_timeout, _parked_bound(max_threads))
         try:
             super().__init__(host, port, app, handler)
         except _BindFailed as failed:

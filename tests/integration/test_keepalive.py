@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -493,3 +495,44 @@ def test_a_client_that_stops_reading_its_response_holds_no_turn() -> None:
             assert time.monotonic() - started < 10
     finally:
         server.shutdown()
+
+
+# A server in a process allowed few open files (`FEW_FILES`), with few threads.
+FEW_FILES = 200
+FEW_FILES_SERVER = f"""
+import resource, sys
+from flask import Flask, Response
+resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from distbatch.serving.server import HttpServer
+app = Flask("few_files")
+app.add_url_rule("/ping", "ping", lambda: Response(b"pong", mimetype="text/plain"))
+server = HttpServer(app, max_threads=4, idle_timeout=60).start_background()
+print(server.node, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_never_use_up_the_servers_open_files() -> None:
+    """More idle kept-alive clients than the server's process may open files: the longest idle are
+    closed, so the server still accepts and answers a new connection (it could accept none, and
+    spun, until idle ones timed out)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", FEW_FILES_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    idle: list[socket.socket] = []
+    try:
+        assert child.stdout is not None
+        host, _, port = child.stdout.readline().strip().rpartition(":")
+        for _ in range(FEW_FILES + 100):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            idle.append(sock)
+            sock.sendall(request_bytes("GET", "/ping"))
+            assert Reader(sock).response()[2] == b"pong"
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(request_bytes("GET", "/ping", close=True))
+            assert Reader(sock).response()[2] == b"pong"
+    finally:
+        for sock in idle:
+            sock.close()
+        child.kill()
+        child.wait()
