@@ -43,7 +43,7 @@ _GET_META_KEYWORDS = frozenset(
     {"partition_id", "task_name", "fields", "batch_size", "timeout", "request_id", "partition"}
 )
 _ROUTES = Blueprint("controller", __name__)
-# get_meta calls served at once; more wait their turn, idle, before their headers are parsed
+# get_meta calls served at once; more wait their turn, idle, once they have arrived
 # (`HttpServer`'s request turns). A crowd of ranks polling flat out would otherwise keep hundreds
 # of request threads runnable, and a producer's put, one of them, would get a sliver of the
 # interpreter (its tasks are what the polls wait for). The controller's work is under one lock

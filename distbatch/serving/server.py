@@ -18,6 +18,7 @@ import errno
 import io
 import json
 import logging
+import resource
 import select
 import socket
 import threading
@@ -111,10 +112,26 @@ COALESCE_BYTES = 64 << 10
 # at once when a new request is waiting for a thread. Serving from a parked connection costs
 # a hand-over (and, flat out, a queue behind every other parked one that became readable).
 PARK_AFTER_SECONDS = 0.1
-# Parked connections beyond this many (per server; at least `max_threads`) are closed, the
-# longest idle first: clients reconnect, and a flood of idle sockets cannot use up descriptors.
+# Parked connections beyond this many (per server; at least `max_threads`, at most half the
+# descriptors the process may open) are closed, the longest idle first: clients reconnect, and
+# a flood of idle sockets cannot use up descriptors.
 MAX_PARKED = 4096
+# A request with turns (`request_turns`) is read whole before it waits for one when its body is
+# at most this big (a poll's is a few hundred bytes); a bigger one, which every waiting thread
+# would hold in memory, runs without a turn.
+TURN_BODY_BYTES = 64 << 10
 _NOT_PARKED = object()
+
+
+def _parked_bound(max_threads: int) -> int:
+    """How many idle connections a server parks (`MAX_PARKED`): never so many that they use up
+    the descriptors the process may open, which would leave it unable to accept a connection
+    (or open a file) until idle ones time out."""
+    bound = max(MAX_PARKED, max_threads)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        bound = min(bound, max(soft // 2, 1))
+    return bound
 
 
 class _SlicedWriter(io.BufferedIOBase):
@@ -213,6 +230,7 @@ class _TimedRequestHandler(WSGIRequestHandler):
 
     idle_timeout = DEFAULT_IDLE_TIMEOUT
     _turn: Turns | None = None
+    _body_read: bytes | None = None  # a body read before its request waited for a turn
 
     def setup(self) -> None:
         super().setup()
@@ -255,17 +273,31 @@ class _TimedRequestHandler(WSGIRequestHandler):
         return False
 
     def parse_request(self) -> bool:
-        # A request with turns (`request_turns`) waits for one before its headers are even
-        # parsed: a crowd of them then waits idle instead of all competing for the interpreter.
+        # A request with turns (`request_turns`) waits for one, idle, once it has arrived whole
+        # (its headers, and its body when small): a crowd of them then waits instead of all
+        # competing for the interpreter, and a client that stops sending holds no turn.
+        self._body_read = None
+        if not super().parse_request():
+            return False
         server = self.server
-        if isinstance(server, _BoundedThreadingServer) and not self.on_reserve:
-            turns = server.turns_for(self.raw_requestline)
-            if turns is not None:
-                if not turns.take():  # False: the server is stopping
-                    self.close_connection = True
-                    return False
-                self._turn = turns
-        return super().parse_request()
+        if not isinstance(server, _BoundedThreadingServer) or self.on_reserve:
+            return True
+        turns = server.turns_for(self.raw_requestline)
+        if turns is None:
+            return True
+        length = _framed_length(self.headers)
+        if length is None or length > TURN_BODY_BYTES:
+            return True  # too big to hold while it waits (or not framed): runs without a turn
+        if length:
+            self._body_read = self.rfile.read(length)  # the read timeout bounds a stall
+            if len(self._body_read) < length:  # the client closed: nothing to answer
+                self.close_connection = True
+                return False
+        if not turns.take():  # False: the server is stopping
+            self.close_connection = True
+            return False
+        self._turn = turns
+        return True
 
     def handle_one_request(self) -> None:
         try:
@@ -291,7 +323,8 @@ class _TimedRequestHandler(WSGIRequestHandler):
         body: _CountingReader | None = None
         length = _framed_length(self.headers)
         if environ["wsgi.input"] is self.rfile and length is not None:
-            body = environ["wsgi.input"] = _CountingReader(self.rfile, length)
+            stream = self.rfile if self._body_read is None else io.BytesIO(self._body_read)
+            body = environ["wsgi.input"] = _CountingReader(stream, length)
         else:
             # Chunked, or framing that is not one plain Content-Length: where the body ends
             # is the app's business, so nothing more is read from this connection (no
@@ -393,6 +426,8 @@ class _Response:
 
     def run(self, app: Any) -> None:
         chunks = app(self.environ, self.start_response)
+        # The turn covers the app's work, not the sending: a client that reads slowly holds none.
+        self.handler._give_turn_back()
         try:
             for chunk in chunks:
                 self.write(chunk)
@@ -529,7 +564,7 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         self._waiting_for_slots = 0
         self.request_queue_size = max(ACCEPT_BACKLOG, max_threads)
         idle_timeout = getattr(handler, "idle_timeout", DEFAULT_IDLE_TIMEOUT)
-        self._parked = ParkedConnections(self._resume, idle_timeout, max(MAX_PARKED, max_threads))
+        self._parked = ParkedConnections(self._resume, idle_timeout, _parked_bound(max_threads))
         try:
             super().__init__(host, port, app, handler)
         except _BindFailed as failed:
@@ -732,9 +767,9 @@ class HttpServer:
     `reserve_threads` more answer the `reserve_requests` (method, path) while all of
     those are busy and refuse anything else with 503 `busy`, so a busy server never
     looks dead to a liveness probe. `request_turns` maps (method, path) to how many such
-    requests are served at once; more wait for a turn, idle, before their headers are parsed
-    (their app may give the turn back early, `GIVE_TURN_BACK`), so a flood of one kind (polls)
-    leaves the interpreter to the others.
+    requests' apps run at once; more wait for a turn, idle, once they have arrived (the turn is
+    given back before the response is sent, or earlier by the app, `GIVE_TURN_BACK`), so a
+    flood of one kind (polls) leaves the interpreter to the others.
 
     The app may register `extensions["on_bound"](node)` to learn its address (what it raises,
     the constructor raises, with the socket closed) and `extensions["on_close"]()` to release

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -442,3 +444,95 @@ def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> No
 def test_request_turns_refuse_a_kind_allowed_none() -> None:
     with pytest.raises(ValueError, match="request_turns"):
         HttpServer(make_app(), request_turns={("GET", "/ping"): 0})
+
+
+def slow_client_app() -> Flask:
+    app = make_app()
+    app.add_url_rule(
+        "/big", "big", lambda: Response(b"z" * (64 << 20), mimetype="application/octet-stream")
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    "stalled",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: test\r\n",  # headers never end
+        b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\nhal",  # nor does the body
+    ],
+    ids=["headers", "body"],
+)
+def test_a_request_that_stalls_arriving_holds_no_turn(stalled: bytes) -> None:
+    """A client that sends part of a request with turns and stops holds no turn while the server
+    waits (60 s read timeout) for the rest: one such client per turn must not stop the others."""
+    server = HttpServer(make_app(), request_turns={("POST", "/echo"): 1}).start_background()
+    try:
+        with connect(server) as stalling:
+            stalling.sendall(stalled)
+            time.sleep(0.2)  # its request line is in: it would hold the turn from here
+            started = time.monotonic()
+            with connect(server) as sock:
+                sock.sendall(request_bytes("POST", "/echo", b"hello"))
+                assert Reader(sock).response()[::2] == (200, b"hello")
+            assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
+
+
+def test_a_client_that_stops_reading_its_response_holds_no_turn() -> None:
+    """A response is sent without the turn: a client that stops reading a big one (the server
+    waits 60 s, the read timeout) does not hold up the next request of that kind."""
+    server = HttpServer(slow_client_app(), request_turns={("GET", "/big"): 1}).start_background()
+    try:
+        with connect(server) as stuck:
+            stuck.sendall(request_bytes("GET", "/big"))
+            time.sleep(0.5)  # its response fills the socket buffers, then the server waits
+            started = time.monotonic()
+            with connect(server) as sock:
+                sock.sendall(request_bytes("GET", "/big", close=True))
+                status, _, body = Reader(sock).response()
+                assert (status, len(body)) == (200, 64 << 20)
+            assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
+
+
+# A server in a process allowed few open files (`FEW_FILES`), with few threads.
+FEW_FILES = 200
+FEW_FILES_SERVER = f"""
+import resource, sys
+from flask import Flask, Response
+resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from distbatch.serving.server import HttpServer
+app = Flask("few_files")
+app.add_url_rule("/ping", "ping", lambda: Response(b"pong", mimetype="text/plain"))
+server = HttpServer(app, max_threads=4, idle_timeout=60).start_background()
+print(server.node, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_never_use_up_the_servers_open_files() -> None:
+    """More idle kept-alive clients than the server's process may open files: the longest idle are
+    closed, so the server still accepts and answers a new connection (it could accept none, and
+    spun, until idle ones timed out)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", FEW_FILES_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    idle: list[socket.socket] = []
+    try:
+        assert child.stdout is not None
+        host, _, port = child.stdout.readline().strip().rpartition(":")
+        for _ in range(FEW_FILES + 100):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            idle.append(sock)
+            sock.sendall(request_bytes("GET", "/ping"))
+            assert Reader(sock).response()[2] == b"pong"
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(request_bytes("GET", "/ping", close=True))
+            assert Reader(sock).response()[2] == b"pong"
+    finally:
+        for sock in idle:
+            sock.close()
+        child.kill()
+        child.wait()
