@@ -18,6 +18,7 @@ import errno
 import io
 import json
 import logging
+import re
 import resource
 import select
 import socket
@@ -273,16 +274,17 @@ class _TimedRequestHandler(WSGIRequestHandler):
         return False
 
     def parse_request(self) -> bool:
-        # A request with turns (`request_turns`) waits for one, idle, once it has arrived whole
-        # (its headers, and its body when small): a crowd of them then waits instead of all
-        # competing for the interpreter, and a client that stops sending holds no turn.
+        # A request with turns (`request_turns`) waits for one idle, so a crowd of them waits
+        # instead of all competing for the interpreter; and it holds one only once it has
+        # arrived whole, so a client that stops sending holds none. One that arrived whole with
+        # its request line (a small request, one segment: the usual case) waits before its
+        # headers are even parsed; any other is parsed and its small body read first.
         self._body_read = None
+        turns = self._turns()
+        if turns is not None and _arrived_whole(self.rfile, self.connection, self.timeout):
+            return self._take_turn(turns) and super().parse_request()
         if not super().parse_request():
             return False
-        server = self.server
-        if not isinstance(server, _BoundedThreadingServer) or self.on_reserve:
-            return True
-        turns = server.turns_for(self.raw_requestline)
         if turns is None:
             return True
         length = _framed_length(self.headers)
@@ -293,6 +295,16 @@ class _TimedRequestHandler(WSGIRequestHandler):
             if len(self._body_read) < length:  # the client closed: nothing to answer
                 self.close_connection = True
                 return False
+        return self._take_turn(turns)
+
+    def _turns(self) -> Turns | None:
+        """The turns this request must wait for (None: it runs at once)."""
+        server = self.server
+        if not isinstance(server, _BoundedThreadingServer) or self.on_reserve:
+            return None
+        return server.turns_for(self.raw_requestline)
+
+    def _take_turn(self, turns: Turns) -> bool:
         if not turns.take():  # False: the server is stopping
             self.close_connection = True
             return False
@@ -390,6 +402,35 @@ class _TimedRequestHandler(WSGIRequestHandler):
                 dropped += n
 
 
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*([0-9]+)[ \t]*\r\n", re.IGNORECASE)
+
+
+def _arrived_whole(rfile: Any, connection: socket.socket, timeout: float | None) -> bool:
+    """Whether the rest of a request (after its request line) is already in `rfile`'s buffer:
+    its head up to the blank line and a body of the Content-Length it names (none: empty).
+    Looks without reading from the socket; unsure (odd framing, a repeated length) is False."""
+    connection.settimeout(0)
+    try:
+        buffered = cast(io.BufferedReader, rfile).peek(1)
+    except OSError:
+        return False
+    finally:
+        connection.settimeout(timeout)
+    if buffered.startswith(b"\r\n"):
+        head_end = 2  # no headers at all
+    elif (blank := buffered.find(b"\r\n\r\n")) >= 0:
+        head_end = blank + 4
+    else:
+        return False
+    head = b"\r\n" + buffered[:head_end]
+    if b"transfer-encoding" in head.lower():
+        return False
+    lengths = _CONTENT_LENGTH.findall(head)
+    if len(lengths) > 1:
+        return False
+    return len(buffered) - head_end >= (int(lengths[0]) if lengths else 0)
+
+
 def _discard(body: _CountingReader) -> bool:
     """Read and drop the body bytes an answered request did not read, within
     `LINGER_MAX_SECONDS`; whether they all came (else the connection must close)."""
@@ -426,8 +467,6 @@ class _Response:
 
     def run(self, app: Any) -> None:
         chunks = app(self.environ, self.start_response)
-        # The turn covers the app's work, not the sending: a client that reads slowly holds none.
-        self.handler._give_turn_back()
         try:
             for chunk in chunks:
                 self.write(chunk)
@@ -455,6 +494,9 @@ class _Response:
                 if before or size:
                     wfile.write(before + flat.tobytes() + after)
                 return
+            # A big chunk may wait for the client to read: that wait holds no turn (small ones
+            # fit the socket's buffer and never wait, so the turn covers them at no risk).
+            self.handler._give_turn_back()
             if before:
                 wfile.write(before)
             wfile.write(flat)
@@ -717,18 +759,17 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         # socketserver calls this exactly once per time a thread served the connection (or
         # failed to start), whichever way it ended: the slot is given back, and the connection
         # closed, or parked when its handler asked for that (`park_when_done`).
-        try:
-            with self._slots_changed:
-                address = self._to_park.pop(request, _NOT_PARKED)
-            if address is not _NOT_PARKED and not self._stopping.is_set():
-                self._parked.park(request, address)
-            else:
-                super().shutdown_request(request)
-        finally:
-            with self._slots_changed:
-                reserve = request in self._on_reserve
-                self._on_reserve.discard(request)
-            self._release_slot(reserve)
+        # Which slot to give back is read before the connection is parked: once parked, it may
+        # be resumed onto another slot (a reserve one) before this thread gets further.
+        with self._slots_changed:
+            address = self._to_park.pop(request, _NOT_PARKED)
+            reserve = request in self._on_reserve
+            self._on_reserve.discard(request)
+        self._release_slot(reserve)
+        if address is not _NOT_PARKED and not self._stopping.is_set():
+            self._parked.park(request, address)
+        else:
+            super().shutdown_request(request)
 
     def shutdown(self) -> None:
         self._stopping.set()
