@@ -23,6 +23,7 @@ from distbatch.wire.container import (
     RawTensor,
     join_parts,
 )
+from distbatch.wire.host_copy import HOST_COPIES
 from distbatch.wire.shapes import RowShapes
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def tensor_to_raw(tensor: torch.Tensor) -> RawTensor:
     if tensor.device.type != "cpu":
         if tensor.device.type == "meta":
             raise WireFormatError(str(tensor_problem(tensor)))
-        tensor = tensor.cpu()
+        tensor = HOST_COPIES.to_host(tensor)
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     shape = tuple(tensor.shape)
     if tensor.numel() == 0:

@@ -9,6 +9,7 @@ profiler's CUDA memcpy records. Skipped where no CUDA device is present (CI has 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from distbatch import DistributedBatchMemory, ShardClient
 from distbatch.launch import WorkerProcess
 from distbatch.shm import ENV_HOST_ID, ENV_SWITCH
+from distbatch.wire.host_copy import CHUNK_BYTES, PinnedRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,12 +35,15 @@ def _gpu_batch() -> tuple[dict[str, object], dict[str, object]]:
     ids = [torch.randint(0, 50_000, (n,), generator=gen) for n in lengths]
     logprobs = [torch.randn(n, generator=gen) for n in lengths]
     cpu = {
+        # 40 MiB: copied to the host through the pinned ring (distbatch.wire.host_copy), 3 chunks
+        "activations": torch.randn(TASKS, (40 << 20) // 4 // TASKS, generator=gen),
         "hidden": torch.randn(TASKS, 16, generator=gen).to(torch.bfloat16),
         "input_ids": ids,
         "logprobs": torch.nested.nested_tensor(logprobs, layout=torch.jagged),
         "reward": torch.randn(TASKS, generator=gen),
     }
     gpu = {
+        "activations": cpu["activations"].cuda(),
         "hidden": cpu["hidden"].cuda(),
         "input_ids": [t.cuda() for t in ids],
         "logprobs": cpu["logprobs"].cuda(),
@@ -77,12 +82,17 @@ def test_gpu_columns_go_in_with_one_copy_each_and_come_back_equal(
         remote = local.to_remote(worker.node, client=gpu_client)
         torch.cuda.synchronize()
     try:
-        # one device-to-host copy per column that holds GPU data; the ragged list column is
-        # joined on the device (one cat) before its copy; offsets are built on the host
-        assert _memcpy_count(prof, "DtoH") <= len(gpu), [e.name for e in prof.events() if "Memcpy" in e.name]
+        # one device-to-host copy per column that holds GPU data (a big one in chunks of the
+        # pinned ring, never one per task); the ragged list column is joined on the device
+        # (one cat) before its copy; offsets are built on the host
+        chunks = math.ceil(cpu["activations"].nbytes / CHUNK_BYTES)
+        assert _memcpy_count(prof, "DtoH") <= len(gpu) - 1 + chunks, [
+            e.name for e in prof.events() if "Memcpy" in e.name
+        ]
         same_host = gpu_client.traffic().same_host_requests
         assert same_host >= 1 if same_host_path else same_host == 0
         back = remote.to_local()
+        assert torch.equal(back["activations"], cpu["activations"])
         assert torch.equal(back["hidden"], cpu["hidden"])
         assert torch.equal(back["reward"], cpu["reward"])
         for i in range(TASKS):
@@ -101,3 +111,25 @@ def test_gpu_columns_go_in_with_one_copy_each_and_come_back_equal(
         assert torch.equal(dense.cpu().reshape(TASKS, 16), cpu["hidden"])
     finally:
         remote.clear()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(10_007, 3),  # not a whole number of chunks
+        lambda: torch.randn(300, 40).t(),  # not contiguous
+        lambda: torch.randint(0, 2, (50_001,), dtype=torch.bool),
+        lambda: torch.randn(7_777, dtype=torch.complex64),
+        lambda: torch.randn(9_999).to(torch.bfloat16),
+        lambda: torch.empty(0, 5),
+    ],
+    ids=["ragged-tail", "transposed", "bool", "complex", "bf16", "empty"],
+)
+def test_the_pinned_ring_copies_any_tensor_exactly(make: Callable[[], torch.Tensor]) -> None:
+    """Small chunks, so most tensors take many of them and both buffers are refilled."""
+    value = make()
+    ring = PinnedRing(torch.device("cuda", 0), chunk_bytes=4096)
+    for _ in range(2):  # the ring is reused
+        copied = ring.to_host(value.cuda())
+        assert copied.device.type == "cpu" and copied.is_contiguous()
+        assert copied.dtype == value.dtype and torch.equal(copied, value)
