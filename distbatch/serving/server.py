@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any, Self, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from flask import Flask
 from werkzeug.exceptions import InternalServerError
@@ -160,9 +160,10 @@ class _SlicedWriter(io.BufferedIOBase):
 
 
 def _path_of(target: str) -> str:
-    """The path of a request line's target ("" when it does not parse: refused, not served)."""
+    """The path of a request line's target, percent-decoded as the app's routing sees it ("" when
+    it does not parse: refused, not served)."""
     try:
-        return urlsplit(target).path
+        return unquote(urlsplit(target).path)
     except ValueError:
         return ""
 

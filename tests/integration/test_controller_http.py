@@ -233,6 +233,28 @@ def test_long_polls_hold_no_turn_and_quick_polls_reuse_their_connection(
         assert float(idle[0].split()[1]) == 2
 
 
+def test_serving_a_controller_lifts_a_low_open_file_limit() -> None:
+    """Hundreds of ranks each keep a connection: a process that serves a controller with the
+    common soft limit of 256 or 1024 descriptors gets it raised (towards the hard limit)."""
+    import resource
+    import subprocess
+    import sys
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    code = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from distbatch.controller import Controller\n"
+        "from distbatch.controller.server import serve_controller\n"
+        "with serve_controller(Controller()):\n"
+        "    print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert int(out.stdout.strip()) > 256
+
+
 def test_summary_shows_partitions_consumers_and_who_waits_where(
     shared_workers: list[WorkerProcess], serve: Callable[..., ControllerServer]
 ) -> None:

@@ -441,6 +441,26 @@ def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> No
         server.shutdown()
 
 
+def test_an_encoded_path_takes_the_turns_of_the_path_it_routes_to() -> None:
+    """`/wor%6B` is routed to `/work`: it waits for the same turns (no way around them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = {"now": 0, "most": 0}
+    server = HttpServer(turns_app(state), request_turns={("GET", "/work"): 1}).start_background()
+    try:
+
+        def get(path: str) -> bytes:
+            with connect(server) as sock:
+                sock.sendall(request_bytes("GET", path))
+                return Reader(sock).response()[2]
+
+        with ThreadPoolExecutor(4) as pool:
+            bodies = list(pool.map(get, ["/work", "/wor%6B", "/%77ork", "/work"]))
+        assert bodies == [b"done"] * 4 and state["most"] == 1
+    finally:
+        server.shutdown()
+
+
 def test_request_turns_refuse_a_kind_allowed_none() -> None:
     with pytest.raises(ValueError, match="request_turns"):
         HttpServer(make_app(), request_turns={("GET", "/ping"): 0})
