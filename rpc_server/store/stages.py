@@ -2,9 +2,10 @@
 
 A put split over several requests is staged part by part, then committed. Staged bytes are
 reserved against capacity (so a commit cannot overflow), a stage untouched for `ttl` seconds is
-dropped with its reservation, and a commit is remembered for `ttl` seconds so a retried commit
-answers the same. Separate from the store's data: a stage holds bundles, not segments, until
-the store applies them. Nothing here locks: the store calls it with its lock held.
+dropped with its reservation, and how a stage ended is remembered for `ttl` seconds: a retried
+commit answers the same, and a late part of an aborted stage is refused. Separate from the
+store's data: a stage holds bundles, not segments, until the store applies them. Nothing here
+locks: the store calls it with its lock held.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ class _Stage:
 
 
 class StageBook:
-    """The open stages by id, the bytes they reserve, and the recent commits' results."""
+    """The open stages by id, the bytes they reserve, and how recent stages ended."""
 
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._stages: dict[str, _Stage] = {}
         self.staged_bytes = 0
-        self._committed: dict[str, tuple[float, tuple[int, int, int]]] = {}
-        # Stages aborted within `ttl`: a part of one that arrives late (the client gave up on
-        # it while it was still on the wire) is refused instead of opening the stage again.
-        self._aborted: dict[str, float] = {}
+        # Stages that ended within `ttl`, oldest first: when, and what a commit stored (None:
+        # aborted; a part of it that arrives late, the client having given up on it while it was
+        # still on the wire, is refused instead of opening the stage again).
+        self._ended: dict[str, tuple[float, tuple[int, int, int] | None]] = {}
 
     def __bool__(self) -> bool:
         """Whether any stage is open."""
@@ -82,22 +83,27 @@ class StageBook:
         return list(stage.parts.values())
 
     def record_abort(self, stage_id: str, now: float) -> None:
-        self._aborted[stage_id] = now
+        self._record_end(stage_id, now, None)
+
+    def record_commit(self, stage_id: str, now: float, result: tuple[int, int, int]) -> None:
+        self._record_end(stage_id, now, result)
+
+    def _record_end(self, stage_id: str, now: float, result: tuple[int, int, int] | None) -> None:
+        self._ended.pop(stage_id, None)  # re-inserted: the dict stays oldest first
+        self._ended[stage_id] = (now, result)
 
     def aborted(self, stage_id: str) -> bool:
         """Whether `stage_id` was aborted within `ttl`."""
-        return stage_id in self._aborted
+        ended = self._ended.get(stage_id)
+        return ended is not None and ended[1] is None
 
     def committed(self, stage_id: str) -> tuple[int, int, int] | None:
         """What committing `stage_id` stored, if it was committed within `ttl`."""
-        done = self._committed.get(stage_id)
-        return None if done is None else done[1]
-
-    def record_commit(self, stage_id: str, now: float, result: tuple[int, int, int]) -> None:
-        self._committed[stage_id] = (now, result)
+        ended = self._ended.get(stage_id)
+        return None if ended is None else ended[1]
 
     def expire(self, now: float) -> tuple[int, int]:
-        """Drop stages untouched for `ttl` and forget older commits; returns (stages, bytes) dropped."""
+        """Drop stages untouched for `ttl` and forget older ends; returns (stages, bytes) dropped."""
         dropped = released = 0
         for stage_id, stage in list(self._stages.items()):
             if now - stage.touched > self.ttl:
@@ -105,12 +111,11 @@ class StageBook:
                 self.staged_bytes -= stage.nbytes
                 dropped += 1
                 released += stage.nbytes
-        for stage_id, (done, _) in list(self._committed.items()):
-            if now - done > self.ttl:
-                del self._committed[stage_id]
-        for stage_id, when in list(self._aborted.items()):
-            if now - when > self.ttl:
-                del self._aborted[stage_id]
+        while self._ended:  # oldest first: stop at the first one still remembered
+            stage_id, (ended, _) = next(iter(self._ended.items()))
+            if now - ended <= self.ttl:
+                break
+            del self._ended[stage_id]
         if dropped:  # a client staged part of a put and never committed or aborted it
             logger.warning(
                 "dropped %d staged put(s), %d bytes, not committed within %gs (a client died mid-put?)",
