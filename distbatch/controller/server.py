@@ -34,7 +34,6 @@ from distbatch.serving.errors import register_json_errors
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.metrics import Metrics, record_requests
 from distbatch.serving.server import GIVE_TURN_BACK, HttpServer, connection_gauges
-from distbatch.shm import raise_open_file_limit
 
 logger = logging.getLogger("distbatch.controller")
 
@@ -286,8 +285,6 @@ class ControllerServer:
         self, controller: Controller, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
     ) -> None:
         self.controller = controller
-        # Every rank may hold a connection, and each request thread one more descriptor.
-        raise_open_file_limit()
         self._server = HttpServer(
             create_controller_app(controller, token=token),
             host,

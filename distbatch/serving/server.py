@@ -19,7 +19,6 @@ import io
 import json
 import logging
 import re
-import resource
 import select
 import socket
 import threading
@@ -37,6 +36,7 @@ from distbatch.protocol import SERVER_IDLE_SECONDS
 from distbatch.serving.metrics import Values
 from distbatch.serving.parking import ParkedConnections
 from distbatch.serving.turns import Turns
+from distbatch.shm import raise_open_file_limit
 
 DEFAULT_MAX_THREADS = 256
 DEFAULT_READ_TIMEOUT = 60.0
@@ -127,12 +127,9 @@ _NOT_PARKED = object()
 def _parked_bound(max_threads: int) -> int:
     """How many idle connections a server parks (`MAX_PARKED`): never so many that they use up
     the descriptors the process may open, which would leave it unable to accept a connection
-    (or open a file) until idle ones time out."""
-    bound = max(MAX_PARKED, max_threads)
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY:
-        bound = min(bound, max(soft // 2, 1))
-    return bound
+    (or open a file) until idle ones time out. The soft limit is lifted first (towards the hard
+    one): every kept-alive client holds a descriptor, and 1024 is a common default."""
+    return min(max(MAX_PARKED, max_threads), max(raise_open_file_limit() // 2, 1))
 
 
 class _SlicedWriter(io.BufferedIOBase):
@@ -724,9 +721,7 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
             with contextlib.suppress(OSError):
                 connection.close()
             return
-        if reserve:
-            with self._slots_changed:
-                self._on_reserve.add(connection)
+        self._mark_reserve(connection, reserve)
         try:
             self.process_request(connection, address)
         except Exception:  # no thread could start: as socketserver does for a new connection
@@ -751,10 +746,14 @@ class _BoundedThreadingServer(ThreadedWSGIServer):
         except BaseException:
             self._release_slot(reserve)
             raise
+        self._mark_reserve(connection, reserve)
+        return connection, address
+
+    def _mark_reserve(self, connection: socket.socket, reserve: bool) -> None:
+        """Note that `connection` runs on a reserve slot (`on_reserve`), when it does."""
         if reserve:
             with self._slots_changed:
                 self._on_reserve.add(connection)
-        return connection, address
 
     def shutdown_request(self, request: Any) -> None:
         # socketserver calls this exactly once per time a thread served the connection (or

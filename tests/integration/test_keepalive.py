@@ -522,7 +522,7 @@ FEW_FILES = 200
 FEW_FILES_SERVER = f"""
 import resource, sys
 from flask import Flask, Response
-resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES}))  # hard too: nothing to lift
 from distbatch.serving.server import HttpServer
 app = Flask("few_files")
 app.add_url_rule("/ping", "ping", lambda: Response(b"pong", mimetype="text/plain"))
