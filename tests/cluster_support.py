@@ -5,6 +5,7 @@ a host, and scripts in a host spoken to by lines (tests/system/test_cluster*.py)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,11 +13,11 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from bench.cluster import Cluster, down, stop_process
+from bench.cluster import Cluster, down, leftovers, stop_process
 from distbatch.launch.local import log_tail, read_first_line
 from distbatch.shm import ENV_SWITCH
 
@@ -49,6 +50,17 @@ def remove_stale() -> None:
     for tag, pid in set(re.findall(r"^dt([a-z])(\d+)h\d+", listing, re.MULTILINE)):
         if not Path(f"/proc/{pid}").exists():
             down(f"dt{tag}{pid}")
+
+
+@contextlib.contextmanager
+def fresh_cluster(hosts: int, rate: str, tag: str) -> Iterator[Cluster]:
+    """`hosts` simulated hosts at `rate` under this run's prefix for `tag` (`run_prefix`), once
+    whatever killed runs left is gone; after it, nothing it made is left (asserted)."""
+    remove_stale()
+    prefix = run_prefix(tag)
+    with Cluster.up(hosts, rate=rate, prefix=prefix) as made:
+        yield made
+    assert leftovers(prefix) == []
 
 
 def remove_stale_ray(stem: str) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_support import REPO, STEP_TIMEOUT, cluster_env, remove_stale, run_prefix
+from cluster_support import REPO, STEP_TIMEOUT, cluster_env, fresh_cluster, remove_stale, run_prefix
 
 from bench.cluster import Cluster, check, down, leftovers
 from distbatch import ShardClient
@@ -62,11 +62,8 @@ CLIENT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    remove_stale()
-    prefix = run_prefix("c")
-    with Cluster.up(2, rate=RATE, prefix=prefix) as made:
+    with fresh_cluster(2, RATE, "c") as made:
         yield made
-    assert leftovers(prefix) == []
 
 
 @pytest.fixture(scope="module")

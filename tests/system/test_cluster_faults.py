@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from cluster_support import HostScript, HostWorker, cluster_env, remove_stale, run_prefix
+from cluster_support import HostScript, HostWorker, cluster_env, fresh_cluster
 
-from bench.cluster import Cluster, check, leftovers
+from bench.cluster import Cluster, check
 
 RATE = "200mbit"
 SLOW_RATE = "20mbit"
@@ -43,11 +43,8 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated clust
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """Three hosts at 200 Mbit/s; each test finds every link up (the fixture below restores them)."""
-    remove_stale()
-    prefix = run_prefix("f")
-    with Cluster.up(3, rate=RATE, prefix=prefix) as made:
+    with fresh_cluster(3, RATE, "f") as made:
         yield made
-    assert leftovers(prefix) == []
 
 
 @pytest.fixture
@@ -202,11 +199,8 @@ def test_a_link_down_mid_put_fails_by_the_stall_timeout_and_stores_nothing(
 @pytest.fixture
 def slow_cluster() -> Iterator[Cluster]:
     """Two hosts whose NICs run at 20 Mbit/s."""
-    remove_stale()
-    prefix = run_prefix("s")
-    with Cluster.up(2, rate=SLOW_RATE, prefix=prefix) as made:
+    with fresh_cluster(2, SLOW_RATE, "s") as made:
         yield made
-    assert leftovers(prefix) == []
 
 
 @pytest.mark.parametrize("parts", [1, 4], ids=["one-request", "staged-parts"])
