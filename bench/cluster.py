@@ -33,7 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +343,19 @@ class Cluster:
 
     def __repr__(self) -> str:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, prefix={self.prefix!r})"
+
+
+def run_role(
+    args: argparse.Namespace,
+    controller: Callable[[argparse.Namespace], int],
+    driver: Callable[[argparse.Namespace], object],
+) -> int:
+    """A cluster bench's command line: the driver (as root, outside the cluster), or with role
+    `controller` the part the driver starts in host 0; the exit status."""
+    if args.role == "controller":
+        return controller(args)
+    driver(args)
+    return 0
 
 
 def stop_process(process: subprocess.Popen[Any], grace: float = 10.0) -> None:

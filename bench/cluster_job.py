@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster import established_tcp, stop_process
+from bench.cluster import established_tcp, run_role, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -569,11 +569,7 @@ def driver_main(args: argparse.Namespace, progress: Callable[[str], None] = prin
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.role == "controller":
-        return controller_main(args)
-    driver_main(args)
-    return 0
+    return run_role(parse_args(argv), controller_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.cluster import run_role
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAD_PORT = 6379  # the GCS port inside host 0's namespace (ours alone)
 OBJECT_STORE_BYTES = 300_000_000  # per node
@@ -664,20 +666,8 @@ def drive(
     return results
 
 
-def main(
-    argv: Sequence[str] | None = None,
-    parse: Callable[[Sequence[str] | None], argparse.Namespace] = parse_args,
-    controller: Callable[[argparse.Namespace], int] = controller_main,
-    driver: Callable[[argparse.Namespace], object] = driver_main,
-) -> int:
-    """The command line: the driver (as root, outside the cluster), or with role `controller`
-    the part in host 0 (the driver starts it); another bench's own with `parse`, `controller`
-    and `driver`."""
-    args = parse(argv)
-    if args.role == "controller":
-        return controller(args)
-    driver(args)
-    return 0
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_role(parse_args(argv), controller_main, driver_main)
 
 
 if __name__ == "__main__":

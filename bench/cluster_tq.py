@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.cluster import run_role
 from bench.cluster_ray import (
     RAGGED_FIELDS,
     TASK_FIELDS,
@@ -69,7 +70,6 @@ from bench.cluster_ray import (
     make_actors,
     run_controller,
 )
-from bench.cluster_ray import main as ray_main
 from bench.cluster_ray import unavailable as ray_unavailable
 
 PARTITION = "grpo"
@@ -467,7 +467,7 @@ def driver_main(args: argparse.Namespace, progress: Callable[[str], None] = prin
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return ray_main(argv, parse_args, controller_main, driver_main)
+    return run_role(parse_args(argv), controller_main, driver_main)
 
 
 if __name__ == "__main__":
