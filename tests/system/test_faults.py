@@ -443,6 +443,11 @@ def test_a_put_the_worker_took_whole_but_never_answered_says_it_may_be_stored(sp
             assert time.monotonic() - started <= stall * 1.25 + SLACK
         finally:
             os.kill(a.pid, signal.SIGCONT)
+        # Resumed, the worker serves the put's connection and the fetch's in either order: wait
+        # for the put to land (under load the fetch could otherwise be answered first).
+        deadline = time.monotonic() + 30
+        while client.stats(a.node)["shards"] < len(bundle) and time.monotonic() < deadline:
+            time.sleep(0.02)
         _assert_same(_fetch_bundle(client, a.node, bundle), list(bundle.values()))
 
 
