@@ -44,6 +44,7 @@ import torch
 
 from bench.measure import percentiles
 from distbatch.client import ShardClient
+from distbatch.client.results import Traffic
 from distbatch.launch import WorkerProcess, spawn_workers
 
 OP_TYPES = ("put", "fetch", "delete")
@@ -78,7 +79,9 @@ def bundle_checksum(values: dict[tuple[str, str], Any]) -> str:
         value = values[key]
         digest.update(json.dumps(list(key)).encode())
         if isinstance(value, torch.Tensor):
-            flat = value.detach().cpu().contiguous().reshape(-1)
+            # A fresh buffer with unit stride: `.contiguous()` keeps a one-element view's stride
+            # (torch calls it contiguous), which `.view(torch.uint8)` then refuses.
+            flat = torch.empty(value.numel(), dtype=value.dtype).copy_(value.detach().cpu().reshape(-1))
             digest.update(f"T|{value.dtype}|{list(value.shape)}|".encode())
             digest.update(flat.view(torch.uint8).numpy().tobytes())
         else:
@@ -87,25 +90,60 @@ def bundle_checksum(values: dict[tuple[str, str], Any]) -> str:
     return digest.hexdigest()
 
 
+# How often each edge a user meets turns up in the soak's random values (per tensor, per JSON
+# value, per bundle). Every edge must go through every path (HTTP, same host, staged puts) without
+# a fallback; the soak fails on a same-host request that fell back to HTTP.
+EDGE_RATES = {
+    "zero_dim": 0.05,  # a zero in one dimension, any position: (0,), (3, 0), (0, 2, 5), (2, 5, 0)
+    "scalar": 0.08,  # a 0-dim tensor
+    "strided": 0.10,  # non-contiguous: transposed, or every other element
+    "empty_text": 0.10,  # "" in a JSON value
+    "empty_bundle": 0.02,  # a put of no shards at all
+}
+
+
+def _random_shape(rng: random.Random, max_elems: int) -> list[int]:
+    if rng.random() < EDGE_RATES["scalar"]:
+        return []
+    ndim = rng.choice((1, 1, 1, 2, 2, 3))
+    budget = max(1, rng.randint(1, max_elems))
+    shape = [rng.randint(1, max(1, int(budget ** (1 / ndim)))) for _ in range(ndim)]
+    if rng.random() < EDGE_RATES["zero_dim"]:
+        shape[rng.randrange(ndim)] = 0
+    return shape
+
+
 def _random_tensor(rng: random.Random, gen: torch.Generator, max_elems: int) -> torch.Tensor:
     dtype = rng.choice(_DTYPES)
-    ndim = rng.choice((0, 1, 1, 1, 2, 2, 3))
-    shape: list[int] = []
-    budget = max(1, rng.randint(1, max_elems))
-    for _ in range(ndim):
-        dim = 0 if rng.random() < 0.03 else rng.randint(1, max(1, int(budget ** (1 / ndim))))
-        shape.append(dim)
+    shape = _random_shape(rng, max_elems)
+    strided = len(shape) >= 1 and rng.random() < EDGE_RATES["strided"]
+    if strided:  # made bigger, then viewed without a copy: transposed, or every other row
+        shape = shape[::-1] if len(shape) >= 2 else [shape[0] * 2]
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen, dtype=dtype)
+        tensor = torch.randn(shape, generator=gen).to(dtype)
+    elif dtype is torch.bool:
+        tensor = torch.randint(0, 2, shape, generator=gen).bool()
+    else:
+        info = torch.iinfo(dtype)
+        low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+        tensor = torch.randint(low, high, shape, generator=gen, dtype=dtype)
+    if strided:
+        tensor = tensor.transpose(0, -1) if tensor.dim() >= 2 else tensor[::2]
+    return tensor
+
+
+def _random_text(rng: random.Random) -> str:
+    if rng.random() < EDGE_RATES["empty_text"]:
+        return ""
+    return rng.choice(("é✓ text", "日本語", "emoji 🎲", "tab\tand \"quotes\"", "plain"))
 
 
 def make_bundle(rng: random.Random, prefix: str, max_elems: int) -> dict[tuple[str, str], Any]:
-    """One to six fresh tasks, one to four tensor fields of random dtype and shape, one JSON field."""
+    """One to six fresh tasks, one to four tensor fields of random dtype and shape, one JSON field
+    (or, at `EDGE_RATES["empty_bundle"]`, nothing at all)."""
     gen = torch.Generator().manual_seed(rng.getrandbits(62))
+    if rng.random() < EDGE_RATES["empty_bundle"]:
+        return {}
     tasks = [f"{prefix}-t{i}" for i in range(rng.randint(1, 6))]
     fields = [f"f{j}" for j in range(rng.randint(1, 4))]
     big = rng.random() < 0.05  # now and then a bundle large enough to be split and staged
@@ -118,7 +156,8 @@ def make_bundle(rng: random.Random, prefix: str, max_elems: int) -> dict[tuple[s
             "reward": rng.random(),
             "tokens": [rng.randint(0, 50_000) for _ in range(rng.randint(0, 8))],
             "done": rng.random() < 0.5,
-            "note": None if rng.random() < 0.5 else "é✓ text",
+            "note": None if rng.random() < 0.5 else _random_text(rng),
+            "text": _random_text(rng),
         }
     return values
 
@@ -255,7 +294,8 @@ def _put(
         )
     log.bytes_put += nbytes
     log.staged_puts += nbytes > client.max_bytes_per_request
-    pool.add(Bundle(node, list(values), sizes, checksum, nbytes))
+    if values:  # an empty put stores nothing: nothing to fetch or delete later
+        pool.add(Bundle(node, list(values), sizes, checksum, nbytes))
     return elapsed
 
 
@@ -351,13 +391,11 @@ def run_soak(
             if thread.is_alive():
                 failures.append(f"{thread.name} still running past the deadline")
         seconds = time.perf_counter() - started
-        wire_requests = wire_sent = wire_received = 0
-        for c, t0 in zip([shared, *own], traffic_before):
-            moved = c.traffic() - t0
-            wire_requests, wire_sent, wire_received = (
-                wire_requests + moved.requests,
-                wire_sent + moved.bytes_sent,
-                wire_received + moved.bytes_received,
+        moved = sum((c.traffic() - t0 for c, t0 in zip([shared, *own], traffic_before)), Traffic())
+        if moved.same_host_fallbacks:
+            failures.append(
+                f"{moved.same_host_fallbacks} same-host request(s) fell back to HTTP "
+                "(the log says why, once per node and reason)"
             )
 
         for log in logs:
@@ -409,7 +447,14 @@ def run_soak(
         "bytes_fetched": sum(log.bytes_fetched for log in logs),
         "bytes_deleted": sum(log.bytes_deleted for log in logs),
         "staged_puts": sum(log.staged_puts for log in logs),
-        "wire": {"requests": wire_requests, "bytes_sent": wire_sent, "bytes_received": wire_received},
+        "wire": {
+            "requests": moved.requests,
+            "bytes_sent": moved.bytes_sent,
+            "bytes_received": moved.bytes_received,
+            "same_host_requests": moved.same_host_requests,
+            "same_host_bytes": moved.same_host_bytes,
+            "same_host_fallbacks": moved.same_host_fallbacks,
+        },
         "alive_bundles_at_end": len(alive),
         "alive_bytes_at_end": alive_bytes,
         "alive_shards_at_end": alive_shards,
@@ -450,8 +495,9 @@ def format_report(result: dict[str, Any]) -> str:
         f"  payload: put {result['bytes_put'] / mib:.1f} MiB ({result['staged_puts']} staged puts), "
         f"fetched+verified {result['bytes_fetched'] / mib:.1f} MiB, "
         f"deleted {result['bytes_deleted'] / mib:.1f} MiB",
-        f"  wire: {wire['requests']} requests, sent {wire['bytes_sent'] / mib:.1f} MiB, "
-        f"received {wire['bytes_received'] / mib:.1f} MiB",
+        f"  wire: {wire['requests']} HTTP requests, sent {wire['bytes_sent'] / mib:.1f} MiB, "
+        f"received {wire['bytes_received'] / mib:.1f} MiB; {wire['same_host_requests']} same-host "
+        f"requests, {wire['same_host_bytes'] / mib:.1f} MiB, {wire['same_host_fallbacks']} fell back",
         f"  end: {result['alive_bundles_at_end']} bundles alive = {result['alive_bytes_at_end']} bytes; "
         f"workers held {result['stored_bytes_at_end']} bytes; after clearing {result['left_bytes']} bytes",
         "  OK" if result["ok"] else f"  FAILED: {len(result['failures'])} problem(s)",

@@ -263,6 +263,11 @@ class SameHostFallback(DistBatchError):
     """This request cannot take the same-host path; send it over HTTP (the message says why)."""
 
 
+class SameHostError(DistBatchError):
+    """The same-host path failed where it should have worked, and `DISTBATCH_SHM_STRICT=1` asks
+    for an error instead of the quiet fallback to HTTP (the test suite runs so)."""
+
+
 class SameHostAnswerError(DistBatchError):
     """The worker answered with an error: `status` and `body` as an HTTP error would carry."""
 

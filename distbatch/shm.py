@@ -34,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from distbatch.errors import ShmError
-from distbatch.wire.container import Buffer
+from distbatch.wire.container import Buffer, byte_view
 
 __all__ = [
     "ENV_HOST_ID",
+    "ENV_STRICT",
     "ENV_SWITCH",
     "SharedRegion",
     "ShmError",
@@ -48,6 +49,10 @@ __all__ = [
 ]
 
 ENV_SWITCH = "DISTBATCH_SHM"
+# DISTBATCH_SHM_STRICT=1: a same-host request that falls back to HTTP because something failed
+# (not because the deployment chose HTTP) raises `SameHostError` instead. The test suite runs so,
+# so that a fast path quietly lost is a failing test, not a log line.
+ENV_STRICT = "DISTBATCH_SHM_STRICT"
 ENV_HOST_ID = "DISTBATCH_HOST_ID"
 NET_NAMESPACE_PATH = "/proc/self/ns/net"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -76,6 +81,11 @@ def disabled_reason() -> str | None:
     if not hasattr(os, "memfd_create") or not REQUIRED_SEALS or not hasattr(socket, "send_fds"):
         return "this Python has no memfd_create, file seals or send_fds"
     return None
+
+
+def strict() -> bool:
+    """Whether a failed same-host request raises instead of falling back to HTTP (`ENV_STRICT`)."""
+    return os.environ.get(ENV_STRICT, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def host_id() -> str:
@@ -122,7 +132,7 @@ def sealed_memfd(parts: Sequence[Buffer], name: str = "distbatch") -> tuple[int,
     """
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        size = _write_all(lambda views: os.writev(fd, views), [memoryview(p).cast("B") for p in parts])
+        size = _write_all(lambda views: os.writev(fd, views), [byte_view(p) for p in parts])
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
@@ -253,7 +263,7 @@ def send_message(sock: socket.socket, payload: Sequence[Buffer], fds: Sequence[i
     the first `MAX_FDS_PER_MESSAGE` descriptors with its first byte; any more follow in
     one-byte messages of their own (Linux caps descriptors per message).
     """
-    views = [memoryview(p).cast("B") for p in payload]
+    views = [byte_view(p) for p in payload]
     head = _HEAD.pack(sum(v.nbytes for v in views), len(fds))
     first = list(fds[:MAX_FDS_PER_MESSAGE])
     ancillary = [[(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", first))]] if first else []

@@ -282,7 +282,7 @@ def _stream(parts: list[wire.Buffer], as_buffers: bool) -> Iterator[bytes | memo
     sends any buffer without copying it; as `bytes` slices for other WSGI servers (PEP 3333
     asks for bytes), a slice at a time, so the copy is transient and bounded."""
     for part in parts:
-        view = memoryview(part).cast("B")
+        view = wire.byte_view(part)
         if as_buffers:
             yield view
             continue

@@ -25,7 +25,7 @@ from distbatch import ShardClient
 from distbatch.controller import Controller
 from distbatch.controller.server import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
-from distbatch.shm import ENV_SWITCH
+from distbatch.shm import ENV_STRICT, ENV_SWITCH
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,6 +33,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # this host, where clients would otherwise take shared memory; tests of the same-host path
     # (tests/integration/test_shm.py) turn it back on for themselves and the workers they start.
     os.environ[ENV_SWITCH] = "0"
+    # Where a test does take the same-host path, a request that falls back to HTTP because
+    # something failed raises instead (workers inherit it): a lost fast path fails the test.
+    # Tests that provoke a fallback on purpose turn it off (`lenient_same_host`).
+    os.environ[ENV_STRICT] = "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,6 +59,12 @@ def worker_logs_in_one_place(tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DISTBATCH_LOG_DIR", str(tmp_path_factory.mktemp("worker-logs")))
         yield
+
+
+@pytest.fixture
+def lenient_same_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test that makes the same-host path fail on purpose: fall back to HTTP, as users get."""
+    monkeypatch.setenv(ENV_STRICT, "0")
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class DeleteResult:
 @dataclass
 class Traffic:
     """HTTP body bytes and requests this client moved (its view of the network), and the
-    requests and bytes that took the same-host path instead (shared memory, no socket copy)."""
+    requests and bytes that took the same-host path instead (shared memory, no socket copy), and
+    the same-host requests that fell back to HTTP (the worker could not share the answer, or the
+    connection broke: each is logged once per node and kind of reason)."""
 
     requests: int = 0
     bytes_sent: int = 0
@@ -37,20 +39,17 @@ class Traffic:
     same_host_requests: int = 0
     same_host_sent: int = 0
     same_host_received: int = 0
+    same_host_fallbacks: int = 0
 
     @property
     def total(self) -> int:
         return self.bytes_sent + self.bytes_received
 
     def __sub__(self, other: Traffic) -> Traffic:
-        return Traffic(
-            self.requests - other.requests,
-            self.bytes_sent - other.bytes_sent,
-            self.bytes_received - other.bytes_received,
-            self.same_host_requests - other.same_host_requests,
-            self.same_host_sent - other.same_host_sent,
-            self.same_host_received - other.same_host_received,
-        )
+        return Traffic(*(a - b for a, b in zip(astuple(self), astuple(other))))
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     @property
     def same_host_bytes(self) -> int:

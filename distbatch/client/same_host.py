@@ -34,6 +34,7 @@ from distbatch.client.planning import product_body
 from distbatch.errors import (
     HandshakeRefused,
     SameHostAnswerError,
+    SameHostError,
     SameHostFallback,
     ShmError,
     WireFormatError,
@@ -53,6 +54,7 @@ from distbatch.shm import (
     sealed_memfd,
     send_message,
     split_payload,
+    strict,
 )
 from distbatch.wire.container import Buffer
 
@@ -224,6 +226,8 @@ class SameHostPaths:
         if isinstance(old, SameHostChannel) and old is not choice:
             old.close()
         if isinstance(choice, str):
+            if not chosen:
+                _raise_if_strict(node, choice)
             self._log_once(node, choice, chosen)
         else:
             logger.info("distbatch: node %s is on this host: gathers and puts use shared memory", node)
@@ -256,7 +260,10 @@ class SameHostPaths:
         self._log_once(node, f"{reason}; using HTTP until the next handshake")
 
     def fell_back(self, node: str, reason: str) -> None:
-        """One request went over HTTP instead (logged once per node and kind of reason)."""
+        """One request goes over HTTP instead (logged once per node and kind of reason; an error
+        under `DISTBATCH_SHM_STRICT=1`). A connection that broke is not a fallback of this kind:
+        the worker may be gone, and the HTTP request that follows says so."""
+        _raise_if_strict(node, reason)
         self._log_once(node, f"{reason}; this request used HTTP")
 
     def _log_once(self, node: str, reason: str, chosen: bool = False) -> None:
@@ -319,6 +326,12 @@ class SameHostPaths:
             os.close(fd)
         close_all(fds)
         return answer
+
+
+def _raise_if_strict(node: str, reason: str) -> None:
+    """Under `DISTBATCH_SHM_STRICT=1`, a same-host path lost to a failure is an error, not HTTP."""
+    if strict():
+        raise SameHostError(f"distbatch: the same-host path failed for node {node}: {reason}")
 
 
 class RegionResolver:

@@ -219,7 +219,7 @@ class SameHostShardPath:
             try:
                 return await self._put(node, channel, bundle)
             except SameHostFallback as exc:
-                self.paths.fell_back(node, str(exc))
+                self._fell_back(node, str(exc))
             except _CHANNEL_BROKE as exc:
                 self._broke(node, exc)
         return await self.http.put(node, bundle)
@@ -256,7 +256,7 @@ class SameHostShardPath:
             try:
                 bundle = await self._call(node, self.paths.fetch, channel, task_ids, fields, generations)
             except SameHostFallback as exc:
-                self.paths.fell_back(node, str(exc))
+                self._fell_back(node, str(exc))
             except WireFormatError as exc:
                 raise WireFormatError(f"{node}: bad same-host answer: {exc}") from None
             except _CHANNEL_BROKE as exc:
@@ -269,9 +269,15 @@ class SameHostShardPath:
                 return bundle
         return await self.http.fetch(node, task_ids, fields, progress, generations)
 
+    def _fell_back(self, node: str, reason: str) -> None:
+        """The worker could not share this request's answer: counted, said once, sent over HTTP."""
+        self.transport.traffic.same_host_fallbacks += 1
+        self.paths.fell_back(node, reason)
+
     def _broke(self, node: str, exc: BaseException) -> None:
         """A same-host request broke: forget the channel (HTTP carries this request), unless the
         worker simply did not answer within the client's timeout, which HTTP would not mend."""
+        self.transport.traffic.same_host_fallbacks += 1
         self.paths.forget(node, f"the same-host connection failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, TimeoutError):
             timeout = self.transport.policy.timeout

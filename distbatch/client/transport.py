@@ -136,7 +136,7 @@ async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
     instead makes asyncio's transport copy its unsent tail again and again.
     """
     for part in parts:
-        view = memoryview(part).cast("B")
+        view = wire.byte_view(part)
         for start in range(0, view.nbytes, SEND_SLICE_BYTES):
             yield view[start : start + SEND_SLICE_BYTES]
 

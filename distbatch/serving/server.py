@@ -37,6 +37,7 @@ from distbatch.serving.metrics import Values
 from distbatch.serving.parking import ParkedConnections
 from distbatch.serving.turns import Turns
 from distbatch.shm import raise_open_file_limit
+from distbatch.wire.container import byte_view
 
 DEFAULT_MAX_THREADS = 256
 DEFAULT_READ_TIMEOUT = 60.0
@@ -147,7 +148,7 @@ class _SlicedWriter(io.BufferedIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        with memoryview(data) as view, view.cast("B") as flat:
+        with byte_view(data) as flat:
             for start in range(0, flat.nbytes, SEND_SLICE_BYTES):
                 self._sock.sendall(flat[start : start + SEND_SLICE_BYTES])
             return flat.nbytes
@@ -178,7 +179,7 @@ class _CountingReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        with memoryview(buffer) as view, view.cast("B") as flat:
+        with byte_view(buffer) as flat:
             if not self.left:
                 return 0
             with flat[: self.left] as target:
@@ -482,7 +483,7 @@ class _Response:
         wfile = self.handler.wfile
         before = b"" if self.head_sent else self._head()
         self.head_sent = True
-        with memoryview(data) as view, view.cast("B") as flat:
+        with byte_view(data) as flat:
             size = flat.nbytes
             framed = self.chunked and size
             if framed:

@@ -35,7 +35,7 @@ def save_shards(client: ShardClient, endpoints: Sequence[str], directory: Path) 
             name = f"slot{slot}-{k}.safetensors"
             with open(directory / name, "wb") as handle:
                 for part in wire.build_bundle(bundle):
-                    handle.write(memoryview(part).cast("B"))
+                    handle.write(wire.byte_view(part))
             files.append({"slot": slot, "file": name, "tasks": len(ids), "fields": list(fields)})
     index = {"version": FORMAT_VERSION, "workers": len(endpoints), "files": files}
     write_json_atomically(directory / INDEX, index)

@@ -44,6 +44,7 @@ from distbatch.wire.container import (
     Entry,
     RawTensor,
     build_container,
+    byte_view,
     join_parts,
     parse_container,
     parts_size,
@@ -170,7 +171,7 @@ class RawColumn:
         """The rows' bytes as one buffer (joined once if they came in several parts)."""
         parts = [p for p in self.parts if len(p)]
         if len(parts) == 1:
-            return memoryview(parts[0]).cast("B")
+            return byte_view(parts[0])
         if not parts:
             return memoryview(b"")
         return memoryview(join_parts(parts))
@@ -191,8 +192,7 @@ class Bundle:
 
 
 def _table(values: np.ndarray) -> memoryview:
-    array = np.ascontiguousarray(values, dtype="<i8")
-    return array.data.cast("B")
+    return byte_view(np.ascontiguousarray(values, dtype="<i8"))
 
 
 def build_bundle(bundle: Bundle) -> list[Buffer]:

@@ -114,6 +114,24 @@ def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> li
     return parts
 
 
+def byte_view(buf: Buffer | Any) -> memoryview:
+    """A flat byte view (format "B", one dimension) of any buffer, without a copy where the
+    buffer is C-contiguous.
+
+    `memoryview.cast("B")` refuses a view with a zero in its shape (a `(3, 0)` tensor's numpy
+    array) and one that is not C-contiguous; every place that sends, writes or slices a part's
+    bytes goes through here instead, so an empty field never leaves a fast path.
+    """
+    view = memoryview(buf)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if view.nbytes == 0:
+        return memoryview(b"")
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())  # the one copy a strided buffer needs to be flat
+    return view.cast("B")
+
+
 def parts_size(parts: Sequence[Buffer]) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
@@ -171,7 +189,7 @@ def parse_container(buf: Buffer) -> Container:
     the end, bad JSON, unknown dtypes, sizes that do not match shapes,
     overlapping / out-of-range / gapped offsets, non-string metadata.
     """
-    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    view = byte_view(buf)
     header, header_len = _read_header(view)
     data = view[8 + header_len :]
     metadata = header.pop(METADATA_KEY, None)

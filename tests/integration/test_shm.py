@@ -296,6 +296,58 @@ def test_same_host_put_is_stored_without_a_copy_and_reads_back(
         assert torch.equal(value, want) if isinstance(want, torch.Tensor) else value == want
 
 
+ZERO_SIZE_SHAPES = [(0,), (3, 0), (0, 2, 5), (2, 0, 5), (2, 5, 0)]
+
+
+def zero_size_shards(prefix: str) -> dict[tuple[str, str], object]:
+    """Zero in every position of the shape, in every kind of column: fixed-shape columns of
+    zero-size rows, ragged columns mixing empty and big rows (big enough for a shared region),
+    scalars, and dtypes whose rows are not bytes (bf16, bool)."""
+    shards: dict[tuple[str, str], object] = {}
+    for i in range(4):
+        task = f"{prefix}{i}"
+        for k, shape in enumerate(ZERO_SIZE_SHAPES):
+            for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int8):
+                shards[(task, f"z{k}.{str(dtype)[6:]}")] = torch.zeros(shape, dtype=dtype)
+        shards[(task, "ragged")] = torch.arange(300_000) if i % 2 else torch.zeros(0, dtype=torch.int64)
+        # One field, two dtypes (a column per dtype): the field is big enough to be shared, and
+        # its bool layer, all zero-size rows, is a shared column of no runs at all.
+        shards[(task, "mixed")] = torch.ones(300_000) if i % 2 else torch.zeros((2, 0), dtype=torch.bool)
+        shards[(task, "scalar")] = torch.tensor(float(i))
+        shards[(task, "text")] = "" if i % 2 else "é✓"
+    return shards
+
+
+@pytest.mark.parametrize("put_over", ["same host", "HTTP"])
+def test_zero_size_parts_of_any_shape_take_the_same_host_path(
+    tokenless_client: ShardClient, plain_worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch, put_over: str
+) -> None:
+    """A batch with an empty field (an empty response, a task with no image) stays on the fast
+    path both ways: no request falls back to HTTP (the suite runs with DISTBATCH_SHM_STRICT=1,
+    so one that did would raise here too)."""
+    shards = zero_size_shards("z")
+    before = tokenless_client.traffic()
+    if put_over == "HTTP":
+        monkeypatch.setenv(ENV_SWITCH, "0")
+    assert tokenless_client.put(plain_worker.node, shards).stored == len(shards)
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    # Every row; then only the empty rows of a column that lives in a shared region (an answer
+    # whose region column has no run at all).
+    empty_rows = [key for key in shards if key[1] == "ragged" and not shards[key].numel()]
+    for keys in (list(shards), empty_rows):
+        got = tokenless_client.fetch([(plain_worker.node, *key) for key in keys])
+        for key, value in zip(keys, got):
+            want = shards[key]
+            if isinstance(want, torch.Tensor):
+                assert (value.dtype, value.shape) == (want.dtype, want.shape), key
+                assert torch.equal(value, want), key
+            else:
+                assert value == want, key
+    used = tokenless_client.traffic() - before
+    assert used.same_host_fallbacks == 0
+    assert used.same_host_requests == (3 if put_over == "same host" else 2)
+
+
 def test_same_host_put_over_capacity_is_507_and_stores_nothing(
     tokenless_client: ShardClient, start_worker: Callable[..., WorkerProcess]
 ) -> None:
@@ -513,6 +565,7 @@ def test_over_the_workers_shared_bound_puts_and_gathers_use_http(
     start_worker: Callable[..., WorkerProcess],
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    lenient_same_host: None,
 ) -> None:
     # What a container with a small /dev/shm would impose, as a bound the worker enforces.
     worker = start_worker("--shm-max-bytes", str(MIB), env=NO_TOKEN)
@@ -534,6 +587,7 @@ def test_a_region_the_kernel_refuses_means_http_for_that_gather(
     start_worker: Callable[..., WorkerProcess],
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    lenient_same_host: None,
 ) -> None:
     """What a full tmpfs or a memory limit does to a worker making a region, forced here by a
     1 MiB file-size limit on the worker (memfd writes count; Python ignores SIGXFSZ)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bench.soak import bundle_checksum, main, value_nbytes
+from distbatch.shm import ENV_SWITCH
 
 
 def _check_invariants(result: dict, ops: int) -> None:
@@ -27,7 +28,13 @@ def _check_invariants(result: dict, ops: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_short_soak_32_threads_shared_client() -> None:
+@pytest.mark.parametrize("path", ["HTTP", "same host"])
+def test_short_soak_32_threads_shared_client(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths, each checked to be the one taken: the suite turns the same-host path off
+    (conftest), so the "same host" run turns it back on for the soak's client and workers; a
+    request that fell back to HTTP fails the soak (the counters, not the log, say so)."""
+    if path == "same host":
+        monkeypatch.delenv(ENV_SWITCH)
     ops = 600
     result = main(
         ["--workers", "3", "--clients", "32", "--ops", str(ops), "--seed", "7", "--max-seconds", "60"]
@@ -35,6 +42,12 @@ def test_short_soak_32_threads_shared_client() -> None:
     _check_invariants(result, ops)
     assert result["clients"] == 32 and not result["client_per_thread"]
     assert result["staged_puts"] > 0  # some bundles went as staged multi-request puts, under load
+    wire = result["wire"]
+    assert wire["same_host_fallbacks"] == 0
+    if path == "same host":
+        assert wire["same_host_requests"] > ops // 2 and wire["same_host_bytes"] > 0
+    else:
+        assert wire["same_host_requests"] == 0
 
 
 @pytest.mark.timeout(120)
@@ -74,4 +87,10 @@ def test_checksum_sees_every_byte_dtype_and_shape() -> None:
     for variant in variants:
         assert bundle_checksum(variant) != bundle_checksum(base)
     assert value_nbytes(torch.zeros(3, 2, dtype=torch.bfloat16)) == 12
+    # Strided views checksum as their values: a one-element view with stride 2 (which torch calls
+    # contiguous, and which once made the checksum raise) and a transposed one.
+    one = torch.arange(2.0)[::2]
+    assert bundle_checksum({("t", "x"): one}) == bundle_checksum({("t", "x"): torch.zeros(1)})
+    grid = torch.arange(6.0).reshape(2, 3)
+    assert bundle_checksum({("t", "x"): grid.T}) == bundle_checksum({("t", "x"): grid.T.contiguous()})
     assert value_nbytes({"note": "é"}) == len('{"note":"é"}'.encode())

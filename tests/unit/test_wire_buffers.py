@@ -300,3 +300,23 @@ def test_columns_from_a_packed_tensor_or_a_list_are_the_same_bundle() -> None:
     )
 
 
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 2, 5), (2, 0, 5), (2, 5, 0), ()])
+@pytest.mark.parametrize("dtype", [np.float32, np.bool_, np.int8, np.uint16])
+def test_byte_view_flattens_any_buffer_zero_sizes_included(shape: tuple[int, ...], dtype: type) -> None:
+    """`memoryview.cast("B")` refuses a zero in the shape; `byte_view` gives every part's bytes."""
+    array = np.arange(int(np.prod(shape)), dtype=np.int64).astype(dtype).reshape(shape)
+    view = wire.byte_view(array)
+    assert (view.format, view.ndim, view.nbytes) == ("B", 1, array.nbytes)
+    assert bytes(view) == array.tobytes()
+
+
+def test_byte_view_copies_only_what_is_not_contiguous() -> None:
+    array = np.arange(24, dtype=np.int32).reshape(4, 6)
+    flat = wire.byte_view(array)
+    assert np.shares_memory(np.frombuffer(flat, dtype=np.int32), array)
+    strided = array.T
+    assert bytes(wire.byte_view(strided)) == np.ascontiguousarray(strided).tobytes()
+    raw = b"abc"
+    assert wire.byte_view(memoryview(raw)).obj is raw
