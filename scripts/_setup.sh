@@ -1,5 +1,10 @@
 # Shared by scripts/demo and scripts/test: make .venv and install what is needed.
 # Sourced, not run. Leaves $PY pointing at the venv's python.
+#
+# Every package installs at the version pinned in scripts/constraints.txt (the one list, made
+# by `uv pip compile`: see its first lines to make it again), so a fresh clone tests what was
+# tested. uv installs them in seconds where pip takes a minute and a half; without uv (no
+# network for it) pip does the same work with the same pins.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -10,6 +15,25 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PY="$ROOT/.venv/bin/python"
+CONSTRAINTS="$ROOT/scripts/constraints.txt"
+UV_VERSION="0.13.9"
+if [ ! -x .venv/bin/uv ]; then
+  "$PY" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" >/dev/null 2>&1 \
+    || echo "[setup] uv could not be installed: installing with pip (slower)"
+fi
+# uv reads no pip configuration: hand it the local wheel folders pip is told about (where a
+# machine keeps its torch build, say).
+FIND_LINKS=()
+for links in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true); do
+  [ -d "$links" ] && FIND_LINKS+=(--find-links "$links")
+done
+install() {
+  if [ -x .venv/bin/uv ]; then
+    .venv/bin/uv pip install -q --python "$PY" "${FIND_LINKS[@]}" "$@"
+  else
+    "$PY" -m pip install -q --disable-pip-version-check "$@"
+  fi
+}
 # torch, when none is installed: torch==2.13.0 (setup.cfg itself accepts any recent torch).
 # Which build comes is the package index's choice: on PyPI for Linux that is the CUDA build
 # (several GB). DISTBATCH_TORCH_INDEX picks the index, e.g. https://download.pytorch.org/whl/cpu
@@ -18,17 +42,18 @@ TORCH_SPEC="torch==2.13.0"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   if [ -n "${DISTBATCH_TORCH_INDEX:-}" ]; then
     echo "[setup] installing $TORCH_SPEC from $DISTBATCH_TORCH_INDEX"
-    "$PY" -m pip install -q --index-url "$DISTBATCH_TORCH_INDEX" "$TORCH_SPEC"
+    install --index-url "$DISTBATCH_TORCH_INDEX" "$TORCH_SPEC"
   else
     echo "[setup] installing $TORCH_SPEC from your package index (on PyPI for Linux: the CUDA build," \
       "several GB; DISTBATCH_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build)"
-    "$PY" -m pip install -q "$TORCH_SPEC"
+    install "$TORCH_SPEC"
   fi
 fi
 EXTRAS="${DISTBATCH_EXTRAS:-dev}"
 stamp=".venv/.distbatch-installed-$EXTRAS"
-if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "[setup] installing distbatch[$EXTRAS] (editable)"
-  "$PY" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+  || [ "$CONSTRAINTS" -nt "$stamp" ]; then
+  echo "[setup] installing distbatch[$EXTRAS] (editable), pinned by scripts/constraints.txt"
+  install -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   touch "$stamp"
 fi

@@ -11,6 +11,12 @@ The suite has three tiers, each with its own conftest:
 
 Support modules every tier imports (`bundle_support`, `engines_for_tests`, ...) sit beside this
 file; pyproject puts `tests/` on the import path.
+
+`scripts/test` runs the suite on several pytest-xdist workers, with this file's scheduler
+(`pytest_xdist_make_scheduler`): each module is one unit of work, so its module-scoped workers
+and Ray cluster start once; modules that must not run at the same time as each other form one
+unit (`SHARED_GROUPS`); and the longest modules are handed out first (`LONGEST_FIRST`), so the
+run ends when the short ones do.
 """
 
 from __future__ import annotations
@@ -43,7 +49,62 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run the long variants")
 
 
+# Modules that run one after another on one xdist worker: the simulated hosts of each make
+# namespaces, a bridge and its addresses in this machine's own namespace, and shape its links;
+# two at once would share the machine's bridges and skew each other's link timings.
+SHARED_GROUPS = {
+    "simulated-hosts": (
+        "test_cluster.py",
+        "test_cluster_faults.py",
+        "test_cluster_ray.py",
+        "test_cluster_tq.py",
+    ),
+}
+# The modules that take longest (seconds on 4 xdist workers, 2 cores, measured with
+# `--durations=0`): started first, while the rest fill the other workers. Then the system tier,
+# the integration tier, the unit tier.
+LONGEST_FIRST = (
+    "test_transferqueue_backend.py",  # 410 s: tq.init starts TransferQueue's actors and ours
+    "test_cluster_faults.py",  # with the other simulated-hosts modules: 226 s
+    "test_transferqueue_faults.py",  # 125 s
+    "test_ray_cluster.py",  # 122 s: a two-node Ray cluster
+    "test_bench.py",  # 111 s: every peer the bench compares
+    "test_ray.py",  # 92 s
+    "test_call_reliability.py",  # 60 s
+    "test_server_bounds.py",  # 56 s
+    "test_launch_output.py",  # 48 s
+    "test_faults.py",  # 45 s
+    "test_pipeline.py",  # 42 s
+)
+TIER_ORDER = ("system", "integration", "unit")
+
+
+def _start_rank(item: pytest.Item) -> tuple[int, int]:
+    name = item.path.name
+    if name in LONGEST_FIRST:
+        return (0, LONGEST_FIRST.index(name))
+    tier = item.path.parent.name
+    return (1, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's module-at-a-time scheduler, with `SHARED_GROUPS` as single units and the units in
+    collection order (`LONGEST_FIRST` first), not xdist's order by test count."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            name = module.rsplit("/", 1)[-1]
+            return next((group for group, modules in SHARED_GROUPS.items() if name in modules), module)
+
+    config.option.loadscopereorder = False
+    return ModuleUnits(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_start_rank)  # stable: a module's tests keep their order
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="long variant: pass --runslow")

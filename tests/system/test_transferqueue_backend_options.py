@@ -1,0 +1,169 @@
+"""distbatch as a TransferQueue storage backend, what only Distbatch has: its options checked
+before any worker starts, the workers `tq.init` starts and `close` stops, a worker that dies
+mid-run, the fast schema, and registration in another Ray worker through the job's setup hook.
+The differential tests against SimpleStorage are in test_transferqueue_backend.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tq_backend_support import config, ray, rollout, tq, tq_ray_cluster
+
+import distbatch.transferqueue as dtq
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    yield from tq_ray_cluster()
+
+
+BAD_OPTIONS = [
+    ({"workrs": 2}, r"unknown option\(s\) \['workrs'\]"),
+    ({"workers": 0}, "at least 1"),
+    ({"workers": "2"}, "must be int"),
+    ({"same_host": "yes"}, "must be bool"),
+    ({"capacity": "lots"}, "not a size"),
+    ({"endpoints": "127.0.0.1:1"}, "must be a list"),
+    ({"endpoints": ["not an address"]}, "node"),
+    ({"timeout": 0}, "seconds > 0"),
+    ({"fast_schema": 1}, "must be bool"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_OPTIONS)
+def test_bad_options_fail_the_backends_bootstrap_before_any_worker_starts(
+    options: dict[str, Any], message: str
+) -> None:
+    """The storage bootstrap `tq.init` runs for "Distbatch", called as TransferQueue calls it
+    (its config merged over TransferQueue's defaults); each `tq.init` would first start
+    TransferQueue's controller actor, 3-4 s apiece, which the next test shows once."""
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+    from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
+
+    defaults = OmegaConf.load(resources.files("transfer_queue") / "config.yaml")
+    conf = OmegaConf.merge(defaults, config("Distbatch", **options))
+    provider = StorageBootstrapProvider.get_provider("Distbatch")
+    assert provider is dtq.bootstrap
+    before = _distbatch_actors()
+    with pytest.raises(ValueError, match=message):
+        provider(conf)
+    assert _distbatch_actors() == before
+
+
+def test_bad_options_fail_tq_init_before_any_worker_starts() -> None:
+    options, message = BAD_OPTIONS[0]
+    before = _distbatch_actors()
+    try:
+        with pytest.raises(ValueError, match=message):
+            tq.init(config("Distbatch", **options))
+    finally:
+        dtq.close()
+    assert _distbatch_actors() == before
+
+
+def _distbatch_actors() -> int:
+    """Live distbatch worker actors in this Ray cluster (read from Ray's control store)."""
+    from ray._private import state
+
+    return sum(
+        1
+        for actor in state.actors().values()
+        if actor.get("ActorClassName") == "_WorkerActor" and actor.get("State") == "ALIVE"
+    )
+
+
+@pytest.fixture
+def distbatch_backend() -> Iterator[Callable[..., Any]]:
+    """`tq.init` with Distbatch (options as given), closed after the test."""
+
+    def init(**options: Any) -> Any:
+        return tq.init(config("Distbatch", **options))
+
+    try:
+        yield init
+    finally:
+        dtq.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_fast_schema_is_in_place_while_the_backend_is(
+    fast: bool, distbatch_backend: Callable[..., Any]
+) -> None:
+    import transfer_queue.metadata as tq_metadata
+
+    from distbatch.transferqueue import fast_schema
+
+    distbatch_backend(workers=1, fast_schema=fast)
+    ragged = torch.nested.nested_tensor([torch.arange(3), torch.arange(2)], layout=torch.jagged)
+    tq.kv_batch_put(keys=["x", "y"], partition_id="p", fields=TensorDict({"v": ragged}, batch_size=2))
+    in_use = tq_metadata.extract_field_schema
+    assert (in_use is fast_schema.extract_field_schema) is fast
+    got = tq.kv_batch_get(keys=["x", "y"], partition_id="p")["v"]
+    assert [t.tolist() for t in got.unbind()] == [[0, 1, 2], [0, 1]]
+    dtq.close()
+    assert tq_metadata.extract_field_schema is fast_schema.TQ_EXTRACT_FIELD_SCHEMA
+
+
+def test_close_stops_the_workers_tq_init_started(distbatch_backend: Callable[..., Any]) -> None:
+    conf = distbatch_backend(workers=2, capacity="64M")
+    endpoints = list(conf.backend.Distbatch.endpoints)
+    assert len(endpoints) == 2
+    tq.kv_put(key="x", partition_id="p", fields={"v": torch.arange(3)})
+    from distbatch import ShardClient, WorkerUnavailableError
+
+    with ShardClient(timeout=5, retries=0) as client:
+        assert sum(client.stats(node)["shards"] for node in endpoints) == 1
+        assert {client.stats(node)["capacity"] for node in endpoints} == {64 << 20}
+        assert dtq.close() == 2
+        for node in endpoints:
+            with pytest.raises(WorkerUnavailableError):
+                client.health(node)
+    assert dtq.close() == 0  # twice is fine
+
+
+def test_a_worker_gone_mid_run_is_a_clear_error_and_nothing_half_stored(
+    distbatch_backend: Callable[..., Any],
+) -> None:
+    from distbatch import NodeError
+
+    conf = distbatch_backend(workers=1, timeout=5.0)
+    tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields=rollout(2, 3))
+    dtq.STARTED.stop_all()  # the worker holding them is gone
+    with pytest.raises(NodeError):
+        tq.kv_batch_get(keys=["a", "b"], partition_id="p")
+    with pytest.raises(NodeError):
+        tq.kv_batch_put(keys=["c"], partition_id="p", fields=rollout(1, 4))
+    # TransferQueue registered the key before the put failed (as with its own storage), but no
+    # field of it was stored or announced: nothing half-stored to read.
+    try:
+        got = tq.kv_batch_get(keys=["c"], partition_id="p")
+    except ValueError:
+        got = None
+    assert got is None or not list(got.keys())
+    assert conf.backend.Distbatch.endpoints
+
+
+def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[..., Any]) -> None:
+    """A Ray task in another process reaches the backend with no import of its own: the job's
+    `worker_process_setup_hook` imported distbatch.transferqueue there, as verl's workers would."""
+    distbatch_backend(workers=1)
+    tq.kv_batch_put(keys=["r0", "r1"], partition_id="p", fields=rollout(2, 5))
+
+    @ray.remote
+    def read() -> tuple[int, list[int]]:
+        import transfer_queue as remote_tq
+
+        got = remote_tq.kv_batch_get(keys=["r0", "r1"], partition_id="p", select_fields=["input_ids"])
+        return os.getpid(), got.get("input_ids").offsets().tolist()
+
+    expected = tq.kv_batch_get(keys=["r0", "r1"], partition_id="p").get("input_ids").offsets().tolist()
+    pid, offsets = ray.get(read.remote(), timeout=120)
+    assert pid != os.getpid() and offsets == expected
