@@ -4,11 +4,11 @@ The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 
 Layers, bottom up (each imports only those below it; `docs/guide/architecture.md` draws them):
-`errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `shm` and
-`recv_pool`; `client` (moving bytes to and from workers); `batch` (the batch object and its
-metadata); `calls`, `balance`, `samplers`; `controller`; `launch` (workers and groups);
-`dataloader` and `cli` on top. `serving` is the HTTP server the worker (`rpc_server`) and the
-controller's HTTP face share.
+`errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `shm`, `recv_pool`
+and `serving` (the HTTP server the worker, `rpc_server`, and the controller's HTTP face share);
+`client` (moving bytes to and from workers); `batch` and `balance` (the batch object, its
+metadata and its balancing); `calls` and `samplers`; `controller`; `launch` (workers and
+groups); `dataloader`, `cli` and `transferqueue` on top.
 """
 
 from typing import TYPE_CHECKING
@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run t
     from distbatch.launch.group import WorkerGroup
 
 # Imported on first use: these pull in torch or aiohttp, which the worker's data path never needs.
-# Each name maps to the module that defines it; tests/test_public_api.py checks this table
+# Each name maps to the module that defines it; tests/integration/test_public_api.py checks this table
 # against the `if TYPE_CHECKING:` imports above, so the two cannot drift apart.
 _LAZY = {
     "BatchStatus": "distbatch.batch.memory",

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from distbatch.errors import InvalidArgumentError
+
 # Up to this many items, Karmarkar-Karp runs as is; past it (its per-merge Python work grows
 # to seconds at 10^5 items) a vectorised snake split refined by swaps takes over.
 EXACT_MAX_ITEMS = 4096
@@ -56,11 +58,11 @@ class _State:
 
 def _check_lengths(seqlen_list: Sequence[int], k_partitions: int) -> list[int]:
     if not isinstance(k_partitions, int) or isinstance(k_partitions, bool) or k_partitions < 1:
-        raise ValueError(f"k_partitions must be a positive int, got {k_partitions!r}")
+        raise InvalidArgumentError(f"k_partitions must be a positive int, got {k_partitions!r}")
     lengths = list(seqlen_list)
     for value in lengths:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"sequence lengths must be non-negative ints, got {value!r}")
+            raise InvalidArgumentError(f"sequence lengths must be non-negative ints, got {value!r}")
     return lengths
 
 
@@ -77,7 +79,7 @@ def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bo
     lengths = _check_lengths(seqlen_list, k_partitions)
     k = k_partitions
     if equal_size and len(lengths) % k:
-        raise ValueError(f"{len(lengths)} items cannot be split into {k} equal-size partitions")
+        raise InvalidArgumentError(f"{len(lengths)} items cannot be split into {k} equal-size partitions")
     return refine_by_swaps(karmarkar_karp_merges(lengths, k, equal_size), lengths, keep_counts=equal_size)
 
 
@@ -112,11 +114,11 @@ def get_seqlen_balanced_partitions(
     """
     lengths = _check_lengths(seqlen_list, k_partitions)
     if len(lengths) < k_partitions:
-        raise ValueError(f"{len(lengths)} items cannot fill {k_partitions} partitions")
+        raise InvalidArgumentError(f"{len(lengths)} items cannot fill {k_partitions} partitions")
     partitions = karmarkar_karp(lengths, k_partitions, equal_size)
     seen = sorted(i for p in partitions for i in p)
     if seen != list(range(len(lengths))) or any(not p for p in partitions):
-        raise ValueError("balancing produced an invalid partition")  # a bug, not user error
+        raise InvalidArgumentError("balancing produced an invalid partition")  # a bug, not user error
     return partitions
 
 
@@ -209,11 +211,11 @@ def _balanced_many(group_lengths: Sequence[int], k: int) -> list[list[int]]:
     helps. With thousands of small items the result is as even as Karmarkar-Karp's.
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k_partitions must be a positive int, got {k!r}")
+        raise InvalidArgumentError(f"k_partitions must be a positive int, got {k!r}")
     lengths = np.asarray(group_lengths)
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (len(lengths) and lengths.min() < 0):
         _check_lengths(list(group_lengths), k)  # says which value is wrong
-        raise ValueError("sequence lengths must be non-negative ints")
+        raise InvalidArgumentError("sequence lengths must be non-negative ints")
     lengths = lengths.astype(np.int64)
     n = len(lengths)
     order = np.argsort(-lengths, kind="stable")

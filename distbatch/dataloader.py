@@ -69,7 +69,13 @@ import torch.utils.data
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.checks import check_int
 from distbatch.controller.api import ControllerAPI
-from distbatch.errors import ReplayUnavailableError, ServerError, UnknownPartitionError
+from distbatch.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    ReplayUnavailableError,
+    ServerError,
+    UnknownPartitionError,
+)
 from distbatch.ids import validate_id
 
 __all__ = [
@@ -179,14 +185,14 @@ def split_micro_batches(
 
 def _fields(value: Any) -> tuple[str, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"fields must be a list of field names, got {value!r}")
+        raise InvalidArgumentError(f"fields must be a list of field names, got {value!r}")
     names = tuple(value)
     if not names:
-        raise ValueError("fields must name at least one field")
+        raise InvalidArgumentError("fields must name at least one field")
     for name in names:
         validate_id(name, "field")
     if len(set(names)) != len(names):
-        raise ValueError(f"fields repeat a name: {list(names)}")
+        raise InvalidArgumentError(f"fields repeat a name: {list(names)}")
     return names
 
 
@@ -194,14 +200,14 @@ def _sampling_config(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"sampling_config must be a mapping, got {type(value).__name__}")
+        raise InvalidArgumentError(f"sampling_config must be a mapping, got {type(value).__name__}")
     config = dict(value)  # our own copy: the caller's mapping is never mutated nor tracked
     for key in config:
         if not isinstance(key, str) or not key.isidentifier():
-            raise ValueError(f"sampling_config keys must be identifiers, got {key!r}")
+            raise InvalidArgumentError(f"sampling_config keys must be identifiers, got {key!r}")
     reserved = sorted(_RESERVED_CONFIG_KEYS.intersection(config))
     if reserved:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sampling_config must not set {reserved}: the dataset passes these itself "
             "(dp_rank is an argument of StreamingDataset, batch_index counts fetched batches)"
         )
@@ -215,7 +221,7 @@ def _poll_interval(value: Any) -> float:
         or not math.isfinite(value)
         or value < 0
     ):
-        raise ValueError(f"poll_interval must be a finite number of seconds >= 0, got {value!r}")
+        raise InvalidArgumentError(f"poll_interval must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 
 
@@ -227,19 +233,21 @@ def _check_hooks(
 ) -> None:
     """The controller and hooks a dataset is given can do what it will ask of them."""
     if controller is None:
-        raise ValueError("controller is required (a Controller or a RemoteController)")
+        raise InvalidArgumentError("controller is required (a Controller or a RemoteController)")
     if fetch_batch_fn is None and not callable(getattr(controller, "get_meta", None)):
-        raise ValueError(f"controller {controller!r} has no get_meta(); pass a controller or fetch_batch_fn")
+        raise InvalidArgumentError(
+            f"controller {controller!r} has no get_meta(); pass a controller or fetch_batch_fn"
+        )
     if not isinstance(should_check_consumption_status, bool):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"should_check_consumption_status must be a bool, got {should_check_consumption_status!r}"
         )
     if should_check_consumption_status and not callable(getattr(controller, "all_consumed", None)):
-        raise ValueError(f"finite mode needs controller.all_consumed(); {controller!r} has none")
+        raise InvalidArgumentError(f"finite mode needs controller.all_consumed(); {controller!r} has none")
     if fetch_batch_fn is not None and not callable(fetch_batch_fn):
-        raise ValueError(f"fetch_batch_fn must be callable, got {fetch_batch_fn!r}")
+        raise InvalidArgumentError(f"fetch_batch_fn must be callable, got {fetch_batch_fn!r}")
     if process_batch_fn is not None and not callable(process_batch_fn):
-        raise ValueError(f"process_batch_fn must be callable, got {process_batch_fn!r}")
+        raise InvalidArgumentError(f"process_batch_fn must be callable, got {process_batch_fn!r}")
 
 
 class StreamingDataset(torch.utils.data.IterableDataset):
@@ -362,9 +370,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if info is None:
             return 0, 1
         if _process_local(self.controller):
-            raise ValueError(_LOCAL_CONTROLLER_IN_WORKERS)
+            raise InvalidArgumentError(_LOCAL_CONTROLLER_IN_WORKERS)
         if self._buffer and self._buffer_pid != os.getpid():
-            raise ValueError(
+            raise InvalidArgumentError(
                 "this StreamingDataset already holds batches fetched in another process; "
                 "call step() before iterating it in loader workers"
             )
@@ -443,7 +451,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if batch is None:
             return None
         if not isinstance(batch, DistributedBatchMemory):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"fetch_batch_fn must return a DistributedBatchMemory, got {type(batch).__name__}"
             )
         if batch.status is BatchStatus.EMPTY:
@@ -520,19 +528,21 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, dataset: StreamingDataset, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
-            raise ValueError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+            raise InvalidArgumentError(
+                f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}"
+            )
         if kwargs.get("batch_size") is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "StreamingDataLoader batches in the dataset (batch_size / micro_batch_size there); "
                 f"got batch_size={kwargs['batch_size']!r}"
             )
         for name in ("shuffle", "sampler", "batch_sampler", "drop_last"):
             if kwargs.get(name):
-                raise ValueError(f"{name}= does not apply to a streaming dataset")
+                raise InvalidArgumentError(f"{name}= does not apply to a streaming dataset")
         kwargs.pop("batch_size", None)
         num_workers = kwargs.get("num_workers", 0)
         if isinstance(num_workers, int) and num_workers > 0 and _process_local(dataset.controller):
-            raise ValueError(_LOCAL_CONTROLLER_IN_WORKERS)
+            raise InvalidArgumentError(_LOCAL_CONTROLLER_IN_WORKERS)
         super().__init__(dataset, batch_size=None, **kwargs)
 
     def _check_in_process(self, action: str) -> None:

@@ -180,6 +180,29 @@ class InvalidArgumentError(DistBatchError, ValueError):
     """
 
 
+class InvalidTypeError(DistBatchError, TypeError):
+    """An argument of the wrong type (a tensor where a list was wanted, a str where an int was).
+
+    Also a `TypeError`, so `except TypeError` keeps working; raised before anything changes.
+    """
+
+
+class NotFoundError(DistBatchError, KeyError):
+    """A name that is not there (a field of a batch, a key of a mapping); also a `KeyError`."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class OutOfRangeError(DistBatchError, IndexError):
+    """A position past the end (a task index, a chunk number); also an `IndexError`."""
+
+
+class StateError(DistBatchError, RuntimeError):
+    """Called at the wrong time: a closed client, a loader iterated twice, an event loop that
+    cannot be waited on from here; also a `RuntimeError`."""
+
+
 class UnknownPartitionError(DistBatchError, KeyError):
     """No partition of that id (never put nor created, or cleared); `known` lists the partitions there are."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from distbatch.errors import InvalidIdError
+from distbatch.errors import InvalidArgumentError, InvalidIdError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@=+-]{1,200}")
 # Not in the id alphabet, so "task/field" splits unambiguously.
@@ -72,9 +72,9 @@ def validate_node(node: Any) -> str:
     if isinstance(node, str) and node.startswith("http://"):
         node = node[len("http://") :].rstrip("/")
     if not isinstance(node, str) or _NODE_PATTERN.fullmatch(node) is None:
-        raise ValueError(f"invalid node address {shown(node)}: expected 'host:port'")
+        raise InvalidArgumentError(f"invalid node address {shown(node)}: expected 'host:port'")
     if not 1 <= int(node.rpartition(":")[2]) <= 65535:  # 0 is "any port" when binding, not a peer
-        raise ValueError(f"invalid node address {shown(node)}: the port must be 1-65535")
+        raise InvalidArgumentError(f"invalid node address {shown(node)}: the port must be 1-65535")
     return node
 
 

@@ -11,3 +11,8 @@ CALL_ID_HEADER = "X-Distbatch-Call-Id"
 # clients reuse one: less, so no request goes out on a connection the server is closing.
 SERVER_IDLE_SECONDS = 30.0
 CLIENT_KEEPALIVE_SECONDS = SERVER_IDLE_SECONDS / 2
+
+# A server's defaults that the worker's command line offers too (`distbatch.launch.flags`): the
+# threads serving requests at once, and how long a request may take to arrive.
+DEFAULT_MAX_THREADS = 256
+DEFAULT_READ_TIMEOUT = 60.0

@@ -24,6 +24,8 @@ from collections import deque
 
 import numpy as np
 
+from distbatch.errors import InvalidArgumentError
+
 # Bodies below this are plain `bytearray`s: malloc already reuses small blocks.
 MIN_POOLED_BYTES = 1 << 20
 # Mappings are sized in steps of this, so bodies of similar size share them.
@@ -40,9 +42,9 @@ def default_max_idle_bytes() -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{ENV_MAX_IDLE} must be a whole number of bytes, got {text!r}") from None
+        raise InvalidArgumentError(f"{ENV_MAX_IDLE} must be a whole number of bytes, got {text!r}") from None
     if value < 0:
-        raise ValueError(f"{ENV_MAX_IDLE} must be >= 0, got {value}")
+        raise InvalidArgumentError(f"{ENV_MAX_IDLE} must be >= 0, got {value}")
     return value
 
 
@@ -53,7 +55,7 @@ class RecvPool:
         self, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES, idle_seconds: float | None = None
     ) -> None:
         if max_idle_bytes < 0 or (idle_seconds is not None and idle_seconds <= 0):
-            raise ValueError("max_idle_bytes must be >= 0 and idle_seconds > 0")
+            raise InvalidArgumentError("max_idle_bytes must be >= 0 and idle_seconds > 0")
         self.max_idle_bytes = max_idle_bytes
         self.idle_seconds = idle_seconds
         self._idle: deque[tuple[float, mmap.mmap]] = deque()  # (when it went idle, mapping), oldest first

@@ -689,7 +689,9 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             self._no_lengths("no lengths", f"no sample has custom_meta total_lengths, and {exc}")
             return [1] * len(indexes)
         if len(values) != len(indexes):
-            raise ValueError(f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes")
+            raise InvalidArgumentError(
+                f"sample_lengths gave {len(values)} lengths for {len(indexes)} indexes"
+            )
         return [check_int(v, "sample length", 0) for v in values]
 
     def _no_lengths(self, kind: str, why: str) -> None:

@@ -23,7 +23,6 @@ import fcntl
 import json
 import mmap
 import os
-import resource
 import socket
 import struct
 import sys
@@ -34,6 +33,9 @@ from typing import Any
 import numpy as np
 
 from distbatch.errors import ShmError
+
+# Their home is with the servers now; importable from here as before.
+from distbatch.serving.open_files import WANTED_OPEN_FILES, raise_open_file_limit  # noqa: F401
 from distbatch.wire.container import Buffer, byte_view
 
 __all__ = [
@@ -67,8 +69,6 @@ _HEAD = struct.Struct("<QI")
 _IOV_MAX = 1024
 # Rows inside a region start on this boundary, so any dtype's view of them is aligned.
 REGION_ALIGNMENT = 64
-# Descriptors this process may hold: each mapped region holds one (Python's mmap keeps a dup).
-WANTED_OPEN_FILES = 65536
 
 
 def disabled_reason() -> str | None:
@@ -107,21 +107,6 @@ def host_id() -> str:
     except OSError:
         return boot
     return f"{boot}/{namespace}"
-
-
-def raise_open_file_limit() -> int:
-    """Lift this process's soft limit on open descriptors towards `WANTED_OPEN_FILES` (never past
-    the hard limit): every mapped region holds one, and 1024 is a common default. Returns the
-    soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANTED_OPEN_FILES, hard)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-        except (ValueError, OSError):
-            pass
-    return WANTED_OPEN_FILES if soft == resource.RLIM_INFINITY else soft
 
 
 def sealed_memfd(parts: Sequence[Buffer], name: str = "distbatch") -> tuple[int, int]:

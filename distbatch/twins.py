@@ -32,6 +32,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+from distbatch.errors import StateError
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -129,4 +131,4 @@ def run_blocking(body: Coroutine[Any, Any, R]) -> R:
     except StopIteration as done:
         return done.value
     body.close()
-    raise RuntimeError("a twin body suspended under BLOCKING: it awaited something other than its Twin")
+    raise StateError("a twin body suspended under BLOCKING: it awaited something other than its Twin")

@@ -17,7 +17,7 @@ from distbatch.launch.flags import (
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STAGE_TTL,
 )
-from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+from distbatch.protocol import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
 __all__ = ["UNBOUND", "ServerConfig"]
 

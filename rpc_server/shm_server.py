@@ -35,6 +35,7 @@ from distbatch.errors import ShmError
 from distbatch.gc_pause import paused_gc
 from distbatch.ids import validate_id
 from distbatch.protocol import SERVER_IDLE_SECONDS
+from distbatch.serving.open_files import raise_open_file_limit
 from distbatch.shm import (
     SharedRegion,
     abstract_address,
@@ -42,7 +43,6 @@ from distbatch.shm import (
     host_id,
     json_payload,
     peer_credentials,
-    raise_open_file_limit,
     recv_message,
     send_message,
     split_payload,

@@ -17,7 +17,7 @@ import torch
 from distbatch import wire
 from distbatch.batch.meta import BatchMeta, FieldMeta, pick
 from distbatch.batch.ragged import RaggedViews, compact_tensor, nested_column
-from distbatch.errors import WireFormatError
+from distbatch.errors import InvalidArgumentError, WireFormatError
 from distbatch.ids import validate_id
 from distbatch.wire.shapes import RowShapes
 
@@ -29,11 +29,11 @@ def checked_values(name: str, values: Sequence[Any]) -> list[Any]:
     values = list(values)
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if any(tensors) and not all(tensors):
-        raise ValueError(f"field {name!r} mixes tensors and non-tensor values")
+        raise InvalidArgumentError(f"field {name!r} mixes tensors and non-tensor values")
     if values and tensors[0]:
         dtypes = {v.dtype for v in values}
         if len(dtypes) > 1:
-            raise ValueError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+            raise InvalidArgumentError(f"field {name!r} mixes dtypes {sorted(map(str, dtypes))}")
     return values
 
 
@@ -56,13 +56,13 @@ def to_column(name: str, value: Any) -> Column:
         if value.is_nested:
             return nested_column(name, value)
         if value.dim() == 0:
-            raise ValueError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
+            raise InvalidArgumentError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
         return value
     if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
         return to_column(name, torch.from_numpy(value))
     if isinstance(value, (list, tuple)):
         return normalize_column(name, value)
-    raise ValueError(
+    raise InvalidArgumentError(
         f"field {name!r}: expected a tensor or a list of per-task values, got {type(value).__name__}"
     )
 
@@ -79,7 +79,7 @@ def columns_from_dict(data: Mapping[str, Any]) -> tuple[dict[str, Column], int |
         if count is None:
             count, first = n, name
         elif n != count:
-            raise ValueError(f"field {name!r} has {n} entries but field {first!r} has {count}")
+            raise InvalidArgumentError(f"field {name!r} has {n} entries but field {first!r} has {count}")
         columns[name] = col
     return columns, count
 
@@ -91,7 +91,9 @@ def fields_of_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, list[An
     names = list(samples[0])
     for i, sample in enumerate(samples):
         if set(sample) != set(names):
-            raise ValueError(f"sample {i} has fields {sorted(sample)}, sample 0 has {sorted(names)}")
+            raise InvalidArgumentError(
+                f"sample {i} has fields {sorted(sample)}, sample 0 has {sorted(names)}"
+            )
     return {n: [s[n] for s in samples] for n in names}
 
 
@@ -119,7 +121,7 @@ def concat_columns(name: str, cols: Sequence[Column]) -> Column:
         tails = {tuple(c.shape[1:]) for c in cols}  # type: ignore[union-attr]
         dtypes = {c.dtype for c in cols}  # type: ignore[union-attr]
         if len(dtypes) > 1:
-            raise ValueError(f"field {name!r} has different dtypes across batches: {dtypes}")
+            raise InvalidArgumentError(f"field {name!r} has different dtypes across batches: {dtypes}")
         if len(tails) == 1:
             return torch.cat(list(cols))  # type: ignore[arg-type]
     return checked_values(name, [v for c in cols for v in column_items(c)])
@@ -146,7 +148,7 @@ def column_lengths(name: str, col: Column) -> list[int]:
     if isinstance(col, RaggedViews):
         return col.lengths.tolist()
     if col and not isinstance(col[0], torch.Tensor):
-        raise ValueError(f"field {name!r} holds JSON values; lengths need a tensor field")
+        raise InvalidArgumentError(f"field {name!r} holds JSON values; lengths need a tensor field")
     return [v.shape[0] if v.dim() else 1 for v in col]
 
 
@@ -187,7 +189,7 @@ def empty_column(fm: FieldMeta) -> Column:
 def empty_packed(name: str, fm: FieldMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """`packed()` of a field over zero tasks: no values (of its dtype and trailing dims) and `[0]`."""
     if fm.dtype is None:
-        raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+        raise InvalidArgumentError(f"field {name!r} holds JSON values; packed() needs a tensor field")
     tail = fm.shapes.packable() or ()
     values = torch.empty((0, *tail), dtype=wire.torch_dtype(fm.dtype))
     return values, torch.zeros(1, dtype=torch.int32)
@@ -212,7 +214,7 @@ def cu_seqlens(lengths: np.ndarray) -> torch.Tensor:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] > np.iinfo(np.int32).max:
-        raise ValueError(f"{int(offsets[-1])} packed rows do not fit int32 cu_seqlens")
+        raise InvalidArgumentError(f"{int(offsets[-1])} packed rows do not fit int32 cu_seqlens")
     return torch.from_numpy(offsets.astype(np.int32))
 
 
@@ -222,7 +224,7 @@ def pack_rows(name: str, flat: torch.Tensor, shapes: RowShapes) -> tuple[torch.T
         return flat.reshape(shapes.n), cu_seqlens(np.ones(shapes.n, dtype=np.int64))  # 0-d: one each
     tail = shapes.packable()
     if tail is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"field {name!r}: tasks differ in rank or trailing dimensions, so their values cannot be "
             "concatenated along dim 0; index the field for a list of per-task tensors instead"
         )
@@ -239,7 +241,7 @@ def pack_column(name: str, col: Column) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(col, RaggedViews):
         return col.values.contiguous(), cu_seqlens(col.lengths)
     if not col or not isinstance(col[0], torch.Tensor):
-        raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+        raise InvalidArgumentError(f"field {name!r} holds JSON values; packed() needs a tensor field")
     shapes = RowShapes.from_list([tuple(v.shape) for v in col])
     flat = torch.cat([v.reshape(-1) for v in col])
     return pack_rows(name, flat, shapes)

@@ -24,7 +24,7 @@ from distbatch.batch.meta import BatchMeta, pick
 from distbatch.batch.ragged import RaggedViews
 from distbatch.client.planning import Product, cut_points
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import WireFormatError
+from distbatch.errors import InvalidArgumentError, WireFormatError
 from distbatch.gc_pause import paused_gc
 from distbatch.twins import Twin
 from distbatch.wire.shapes import RowShapes
@@ -146,14 +146,14 @@ class Gathered:
 
     def packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.json is not None:
-            raise ValueError(f"field {name!r} holds JSON values; packed() needs a tensor field")
+            raise InvalidArgumentError(f"field {name!r} holds JSON values; packed() needs a tensor field")
         return pack_rows(name, self.flat(), self.tensor_shapes)
 
     @property
     def tensor_shapes(self) -> RowShapes:
         """Every task's shape (a JSON field has none)."""
         if self.shapes is None:
-            raise ValueError("a JSON field has no shapes")
+            raise InvalidArgumentError("a JSON field has no shapes")
         return self.shapes
 
 

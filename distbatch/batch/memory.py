@@ -51,7 +51,16 @@ from distbatch.client.default import default_client
 from distbatch.client.planning import DeleteProduct
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import BatchStatusError, ClearError, MetaFormatError, NodeError
+from distbatch.errors import (
+    BatchStatusError,
+    ClearError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    MetaFormatError,
+    NodeError,
+    NotFoundError,
+    OutOfRangeError,
+)
 from distbatch.ids import shown, validate_id, validate_node
 from distbatch.twins import AWAITED, BLOCKING, Twin, run_blocking
 
@@ -65,12 +74,12 @@ class BatchStatus(enum.Enum):
 def _check_task_ids(task_ids: Iterable[Any], count: int) -> list[str]:
     ids = [validate_id(t, "task_id") for t in task_ids]
     if len(ids) != count:
-        raise ValueError(f"{len(ids)} task ids given for {count} tasks")
+        raise InvalidArgumentError(f"{len(ids)} task ids given for {count} tasks")
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
         for dup in ids:
             if dup in seen:
-                raise ValueError(f"duplicate task id {dup!r}")
+                raise InvalidArgumentError(f"duplicate task id {dup!r}")
             seen.add(dup)
     return ids
 
@@ -225,7 +234,7 @@ class DistributedBatchMemory:
 
     def _require_field(self, name: str) -> None:
         if name not in self.fields:
-            raise KeyError(f"no field {shown(name)} in batch; fields: {self.fields}")
+            raise NotFoundError(f"no field {shown(name)} in batch; fields: {self.fields}")
 
     def _column(self, name: str) -> Column:
         self._require_field(name)
@@ -244,7 +253,7 @@ class DistributedBatchMemory:
     def _row(self, index: int) -> dict[str, Any]:
         n = len(self)
         if not -n <= index < n:
-            raise IndexError(f"task index {index} out of range for {n} tasks")
+            raise OutOfRangeError(f"task index {index} out of range for {n} tasks")
         index %= n
         if self._remote is None:
             return {name: col[index] for name, col in (self._data or {}).items()}
@@ -268,12 +277,12 @@ class DistributedBatchMemory:
         validate_id(name, "field")
         col = to_column(name, value)
         if column_len(col) != len(self):
-            raise ValueError(f"field {name!r} has {column_len(col)} entries for {len(self)} tasks")
+            raise InvalidArgumentError(f"field {name!r} has {column_len(col)} entries for {len(self)} tasks")
         self._data = {**(self._data or {}), name: col}
 
     def __delitem__(self, name: str) -> None:
         if not isinstance(name, str):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"del batch[{shown(name)}]: del removes a field, by name; to drop tasks, keep the "
                 "others: batch = batch[mask] (a bool tensor), or batch[[indexes to keep]]"
             )
@@ -372,9 +381,9 @@ class DistributedBatchMemory:
         self._require_field(field)
         fm = self._field_meta(field)
         if fm.dtype is None:
-            raise ValueError(f"field {field!r} holds JSON values; nested() needs a tensor field")
+            raise InvalidArgumentError(f"field {field!r} holds JSON values; nested() needs a tensor field")
         if not fm.ragged and fm.shapes.shape == ():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field {field!r} holds one scalar per task: batch[{field!r}] already is a tensor of "
                 "shape [n]; a jagged nested tensor needs at least one dimension per task"
             )
@@ -487,7 +496,7 @@ class DistributedBatchMemory:
         """
         ops.check_chunk_count(n)
         if not isinstance(group_size, int) or group_size < 1 or len(self) % group_size:
-            raise ValueError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
+            raise InvalidArgumentError(f"{len(self)} tasks cannot be cut into groups of {group_size}")
         if not len(self):
             if lengths is not None or length_field is not None:  # bad ones fail on an empty batch too
                 self._balance_lengths(length_field, lengths)
@@ -499,7 +508,7 @@ class DistributedBatchMemory:
         """The per-task lengths `chunk_balanced` balances (see there)."""
         if lengths is not None:
             if length_field is not None:
-                raise ValueError("pass lengths= or length_field=, not both")
+                raise InvalidArgumentError("pass lengths= or length_field=, not both")
             return ops.check_lengths(lengths, len(self))
         if length_field is not None:
             self._require_field(length_field)
@@ -535,7 +544,9 @@ class DistributedBatchMemory:
         if self.status is BatchStatus.EMPTY and other.status is BatchStatus.EMPTY:
             clash = [f for f in other.fields if f in self.fields]
             if clash and not overwrite:
-                raise ValueError(f"fields {clash} are in both batches; pass overwrite=True to replace them")
+                raise InvalidArgumentError(
+                    f"fields {clash} are in both batches; pass overwrite=True to replace them"
+                )
             return self._make_empty({**self._schema, **other._schema})
         if other.status is BatchStatus.EMPTY:
             return self._take(np.arange(len(self)))
@@ -549,7 +560,9 @@ class DistributedBatchMemory:
         rows = ops.union_rows(self._task_ids, other._task_ids)
         clash = [f for f in other.fields if f in self.fields]
         if clash and not overwrite:
-            raise ValueError(f"fields {clash} are in both batches; pass overwrite=True to replace them")
+            raise InvalidArgumentError(
+                f"fields {clash} are in both batches; pass overwrite=True to replace them"
+            )
         order = self.fields + [f for f in other.fields if f not in self.fields]
         if self._remote is not None and other._remote is not None:
             return self._make_remote(self._remote.union(other._remote, rows, order))
@@ -578,7 +591,9 @@ class DistributedBatchMemory:
         names = parts[0].fields
         for i, b in enumerate(parts[1:], start=1):
             if set(b.fields) != set(names):
-                raise ValueError(f"batch {i} has fields {sorted(b.fields)}, batch 0 has {sorted(names)}")
+                raise InvalidArgumentError(
+                    f"batch {i} has fields {sorted(b.fields)}, batch 0 has {sorted(names)}"
+                )
         task_ids = [t for b in parts for t in b._task_ids]
         _check_task_ids(task_ids, len(task_ids))
         remotes = [b._remote for b in parts if b._remote is not None]

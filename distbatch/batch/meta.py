@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from distbatch.errors import InvalidIdError, MetaFormatError, ShapeError
+from distbatch.errors import InvalidArgumentError, InvalidIdError, MetaFormatError, ShapeError
 from distbatch.ids import ShardKey, ShardRef, validate_id, validate_node
 from distbatch.wire.bundle import validate_id_list
 from distbatch.wire.container import ITEMSIZE
@@ -219,7 +219,7 @@ class BatchMeta:
     def length_array(self, field_name: str) -> np.ndarray:
         fm = self.fields[field_name]
         if not fm.is_tensor:
-            raise ValueError(f"field {field_name!r} holds JSON values; lengths need a tensor field")
+            raise InvalidArgumentError(f"field {field_name!r} holds JSON values; lengths need a tensor field")
         return fm.shapes.first_dims()
 
     def total_bytes(self) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from distbatch.balance import balanced_group_partitions
+from distbatch.errors import InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 
 def task_indices(key: Any, n: int) -> list[int]:
@@ -23,21 +24,21 @@ def task_indices(key: Any, n: int) -> list[int]:
     if isinstance(key, torch.Tensor):
         key = key.tolist()
     if not isinstance(key, (range, list, tuple)):
-        raise TypeError(f"cannot index a batch with {type(key).__name__}")
+        raise InvalidTypeError(f"cannot index a batch with {type(key).__name__}")
     items = list(key)
     if items and all(isinstance(v, bool) for v in items):
         if len(items) != n:
-            raise IndexError(f"boolean mask has {len(items)} entries for {n} tasks")
+            raise OutOfRangeError(f"boolean mask has {len(items)} entries for {n} tasks")
         return [i for i, keep in enumerate(items) if keep]
     out = []
     for v in items:
         if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"batch indexes must be ints, got {v!r}")
+            raise InvalidTypeError(f"batch indexes must be ints, got {v!r}")
         if not -n <= v < n:
-            raise IndexError(f"task index {v} out of range for {n} tasks")
+            raise OutOfRangeError(f"task index {v} out of range for {n} tasks")
         out.append(v % n)
     if len(set(out)) != len(out):
-        raise ValueError("indexes repeat a task; a batch holds each task once")
+        raise InvalidArgumentError("indexes repeat a task; a batch holds each task once")
     return out
 
 
@@ -49,7 +50,7 @@ def length_field(tensor_fields: Sequence[str], ragged: Sequence[str] = ()) -> st
     if ragged:
         return ragged[0]
     if not tensor_fields:
-        raise ValueError("no tensor field to take lengths from; pass length_field or lengths")
+        raise InvalidArgumentError("no tensor field to take lengths from; pass length_field or lengths")
     return tensor_fields[0]
 
 
@@ -59,18 +60,20 @@ def check_lengths(values: Any, count: int, what: str = "lengths") -> np.ndarray:
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
     if array.dtype.kind not in "iub" and not (array.size == 0 and array.dtype.kind == "f"):
-        raise ValueError(f"{what} must be integers (one length per task), got {array.dtype} values")
+        raise InvalidArgumentError(f"{what} must be integers (one length per task), got {array.dtype} values")
     if array.ndim != 1 or len(array) != count:
-        raise ValueError(f"{what} must hold one length per task: {count}, got shape {list(array.shape)}")
+        raise InvalidArgumentError(
+            f"{what} must hold one length per task: {count}, got shape {list(array.shape)}"
+        )
     array = array.astype(np.int64)
     if count and int(array.min()) < 0:
-        raise ValueError(f"{what} must be non-negative, got {int(array.min())}")
+        raise InvalidArgumentError(f"{what} must be non-negative, got {int(array.min())}")
     return array
 
 
 def check_chunk_count(n: Any) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"chunk count must be a positive int, got {n!r}")
+        raise InvalidArgumentError(f"chunk count must be a positive int, got {n!r}")
 
 
 def chunk_rows(count: int, n: int) -> list[np.ndarray]:
@@ -102,6 +105,8 @@ def union_rows(mine: list[str], theirs: list[str]) -> np.ndarray | None:
     if set(mine) != set(theirs):
         missing = sorted(set(mine) - set(theirs))[:5]
         extra = sorted(set(theirs) - set(mine))[:5]
-        raise ValueError(f"union needs the same task ids: missing in other {missing}, extra {extra}")
+        raise InvalidArgumentError(
+            f"union needs the same task ids: missing in other {missing}, extra {extra}"
+        )
     position = dict(zip(theirs, range(len(theirs))))
     return np.fromiter(map(position.__getitem__, mine), dtype=np.int64, count=len(mine))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from distbatch import wire
+from distbatch.errors import InvalidArgumentError
 from distbatch.gc_pause import paused_gc
 
 
@@ -86,7 +87,7 @@ def nested_column(name: str, value: torch.Tensor) -> RaggedViews:
     """A jagged nested tensor as a ragged column, its tasks `value.unbind()`: its `values()` as the
     packed tensor, no copy (one gather when it has holes, as `torch.nested.narrow` leaves)."""
     if (problem := nested_problem(value)) is not None:
-        raise ValueError(f"field {name!r}: {problem}")
+        raise InvalidArgumentError(f"field {name!r}: {problem}")
     # torch's stubs type a jagged nested tensor as a plain Tensor, which has no offsets or lengths
     values, offsets, holes = value.values(), value.offsets(), value.lengths()  # type: ignore[attr-defined]
     bounds = offsets.detach().cpu().numpy().astype(np.int64, copy=False)

@@ -20,6 +20,7 @@ from distbatch.batch.gather import Gathered
 from distbatch.batch.meta import BatchMeta, pick
 from distbatch.client.planning import DeleteProduct
 from distbatch.client.shard_client import ShardClient
+from distbatch.errors import InvalidArgumentError
 
 
 class FieldCache:
@@ -126,7 +127,7 @@ class RemoteColumns:
         for name in names:
             dtypes = {m.fields[name].dtype for m in metas}
             if len(dtypes) > 1:
-                raise ValueError(f"field {name!r} has different dtypes across batches: {dtypes}")
+                raise InvalidArgumentError(f"field {name!r} has different dtypes across batches: {dtypes}")
         meta = BatchMeta.concat([m.select_fields(names) for m in metas])
         return RemoteColumns(meta, parts[0].client, FieldCache.concat([p.cache for p in parts], names))
 

@@ -9,8 +9,8 @@ as exceptions (`responses`), the HTTP and same-host shard paths behind one inter
 request planning shared with the batch (`planning`), result values (`results`) and the
 process-wide client (`default`). May import `distbatch.wire`, `distbatch.ids`,
 `distbatch.errors`, `distbatch.auth`, `distbatch.protocol`, `distbatch.recv_pool`,
-`distbatch.shm` and `distbatch.twins`; never the batch, the controller or the launchers,
-which build on it.
+`distbatch.shm`, `distbatch.serving.open_files` (the descriptor limit) and `distbatch.twins`;
+never the batch, the controller or the launchers, which build on it.
 """
 
 from distbatch.client.default import default_client, set_default_client

@@ -16,7 +16,7 @@ from distbatch.client.planning import DeleteProduct, tasks_by_fields
 from distbatch.client.responses import merge_errors
 from distbatch.client.results import DeleteResult
 from distbatch.client.transport import HttpTransport
-from distbatch.errors import InvalidIdError, NodeError
+from distbatch.errors import InvalidArgumentError, InvalidIdError, NodeError
 from distbatch.ids import ShardKey, validate_id, validate_key
 
 Outcomes = dict[str, DeleteResult | NodeError]
@@ -28,9 +28,9 @@ def check_delete_args(
 ) -> tuple[list[str] | None, list[ShardKey] | None, list[str] | None]:
     """`delete`'s arguments checked: exactly one of task ids (with fields, maybe) or keys."""
     if (task_ids is None) == (keys is None):
-        raise ValueError("give exactly one of task_ids or keys")
+        raise InvalidArgumentError("give exactly one of task_ids or keys")
     if fields is not None and task_ids is None:
-        raise ValueError("fields goes with task_ids")
+        raise InvalidArgumentError("fields goes with task_ids")
     for name, ids in (("task_ids", task_ids), ("fields", fields)):
         if isinstance(ids, str):
             raise InvalidIdError(f"{name} must be a list of ids, not one string")
@@ -83,7 +83,7 @@ class Deleter:
             items = list(keys)
             bodies = [{"keys": items[i : i + step]} for i in range(0, len(items), step)]
         else:
-            raise ValueError("give exactly one of task_ids or keys")
+            raise InvalidArgumentError("give exactly one of task_ids or keys")
         total = DeleteResult(0, 0)
         for body in bodies:
             reply = await self.transport.request(node, "POST", "/v1/shards/delete", json_body=body)

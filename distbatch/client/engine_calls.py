@@ -25,6 +25,7 @@ from distbatch.errors import (
     CallTimeoutError,
     CapacityError,
     EngineError,
+    InvalidArgumentError,
     RequestError,
     WorkerUnavailableError,
 )
@@ -48,7 +49,9 @@ def check_liveness_timeout(value: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"liveness_timeout must be a positive number of seconds or None, got {value!r}")
+        raise InvalidArgumentError(
+            f"liveness_timeout must be a positive number of seconds or None, got {value!r}"
+        )
     return float(value)
 
 

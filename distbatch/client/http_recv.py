@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from distbatch.errors import ResponseError
+from distbatch.errors import InvalidArgumentError, ResponseError
 
 T = TypeVar("T")
 
@@ -204,7 +204,7 @@ async def request_into_buffer(
     """
     for name, value in headers.items():
         if any(c in f"{name}{value}" for c in "\r\n"):
-            raise ValueError(f"header {name!r} holds a line break")
+            raise InvalidArgumentError(f"header {name!r} holds a line break")
     loop = asyncio.get_running_loop()
     if connect_timeout is None:
         connect_timeout = asyncio.timeout(None)

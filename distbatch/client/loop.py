@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from distbatch.client.same_host import SameHostPaths
+from distbatch.errors import StateError
 from distbatch.protocol import CLIENT_KEEPALIVE_SECONDS
 
 T = TypeVar("T")
@@ -50,7 +51,7 @@ class LoopThread:
         """
         if threading.current_thread() is self.thread:
             coro.close()
-            raise RuntimeError(
+            raise StateError(
                 "sync ShardClient methods cannot run on the client's own loop; await the a* variant"
             )
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -61,14 +62,14 @@ class LoopThread:
                 concurrent.futures.wait([future], timeout=self.wait_interval)
                 if not future.done() and not self.thread.is_alive():  # the loop stopped under us
                     future.cancel()
-                    raise RuntimeError(CLOSED_IN_FLIGHT)
+                    raise StateError(CLOSED_IN_FLIGHT)
         except BaseException:
             future.cancel()  # KeyboardInterrupt and the like: stop the work, free its connections
             raise
         try:
             return future.result()
         except concurrent.futures.CancelledError:
-            raise RuntimeError(CLOSED_IN_FLIGHT) from None
+            raise StateError(CLOSED_IN_FLIGHT) from None
 
     async def await_from(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro`, run on this loop, from any event loop (this one included)."""
@@ -80,7 +81,7 @@ class LoopThread:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our caller is being cancelled
-            raise RuntimeError(CLOSED_IN_FLIGHT) from None
+            raise StateError(CLOSED_IN_FLIGHT) from None
 
     async def _shutdown(
         self, sessions: Sequence[aiohttp.ClientSession | None], background: set[asyncio.Task[Any]]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from distbatch import wire
+from distbatch.errors import InvalidArgumentError
 from distbatch.ids import ShardKey, ShardRef, validate_key, validate_node
 
 Product = tuple[str, list[str], list[str], list[int] | None]
@@ -47,7 +48,7 @@ def slice_bundle(bundle: wire.Bundle, start: int, stop: int) -> wire.Bundle:
         else:
             lo, hi = (int(i) for i in np.searchsorted(column.rows, [start, stop]))
             if not np.all(np.diff(column.rows) > 0):
-                raise ValueError("a partial column's rows must be ascending to be split")
+                raise InvalidArgumentError("a partial column's rows must be ascending to be split")
             rows = column.rows[lo:hi] - start
         if hi == lo:
             continue
@@ -134,7 +135,7 @@ def _generations(value: Any, count: int) -> list[int] | None:
         return None
     out = np.asarray(value, dtype=np.int64).reshape(-1).tolist()
     if len(out) != count:
-        raise ValueError(f"{len(out)} generations for {count} tasks")
+        raise InvalidArgumentError(f"{len(out)} generations for {count} tasks")
     return out
 
 

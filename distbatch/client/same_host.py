@@ -40,6 +40,7 @@ from distbatch.errors import (
     WireFormatError,
 )
 from distbatch.protocol import CLIENT_KEEPALIVE_SECONDS
+from distbatch.serving.open_files import raise_open_file_limit
 from distbatch.shm import (
     ENV_SWITCH,
     abstract_address,
@@ -49,7 +50,6 @@ from distbatch.shm import (
     json_payload,
     map_for_reading,
     peer_credentials,
-    raise_open_file_limit,
     recv_message,
     sealed_memfd,
     send_message,

@@ -29,6 +29,7 @@ from distbatch.client.results import DeleteResult, PutResult, Traffic
 from distbatch.client.same_host import SameHostPaths
 from distbatch.client.shard_paths import HttpShardPath, SameHostShardPath
 from distbatch.client.transport import HttpTransport, RequestPolicy
+from distbatch.errors import InvalidArgumentError
 from distbatch.ids import ShardRef, validate_id, validate_key, validate_node
 from distbatch.recv_pool import RecvPool, default_max_idle_bytes
 from distbatch.twins import awaiting, blocking, done, first_result
@@ -100,9 +101,9 @@ class ShardClient:
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         if min(max_connections, max_connections_per_node, max_keys_per_request, max_bytes_per_request) < 1:
-            raise ValueError("connection and request limits must be >= 1")
+            raise InvalidArgumentError("connection and request limits must be >= 1")
         if timeout <= 0 or connect_timeout <= 0 or retries < 0:
-            raise ValueError("timeouts must be > 0 and retries >= 0")
+            raise InvalidArgumentError("timeouts must be > 0 and retries >= 0")
         self.token = token if token is not None else token_from_env()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -122,7 +123,7 @@ class ShardClient:
         )
         weakref.finalize(self, self._runtimes.close)  # a client dropped unclosed stops its thread
         if stall_timeout is not None and not stall_timeout > 0:
-            raise ValueError("stall_timeout must be > 0 or None")
+            raise InvalidArgumentError("stall_timeout must be > 0 or None")
         self.stall_timeout = stall_timeout
         policy = RequestPolicy(
             self.token, timeout, connect_timeout, retries, backoff, backoff_max, stall_timeout
@@ -348,7 +349,7 @@ class ShardClient:
         sends again itself (`RemoteController.get_meta`, deduplicated by its request id).
         """
         if not path.startswith("/"):
-            raise ValueError("path must start with '/'")
+            raise InvalidArgumentError("path must start with '/'")
         return self._transport.request(
             validate_node(node),
             method,

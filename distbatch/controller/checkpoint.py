@@ -50,7 +50,7 @@ def partitions_from_state(state: Mapping[str, Any]) -> dict[str, Partition]:
         raise InvalidArgumentError(f"expected a controller checkpoint of version {CHECKPOINT_VERSION}")
     try:
         if not isinstance(state["partitions"], Mapping):
-            raise ValueError("'partitions' must be an object")
+            raise InvalidArgumentError("'partitions' must be an object")
         return {pid: _partition_from_state(pid, raw) for pid, raw in state["partitions"].items()}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"invalid controller checkpoint: {exc}") from None
@@ -71,15 +71,15 @@ def _partition_from_state(pid: str, raw: Mapping[str, Any]) -> Partition:
     for name, indexes in raw["consumed"].items():
         consumed = {_count(i) for i in indexes}
         if not consumed <= p.task_of.keys():
-            raise ValueError(f"consumer {name!r} consumed unknown task indexes")
+            raise InvalidArgumentError(f"consumer {name!r} consumed unknown task indexes")
         p.consumed[validate_id(name, "task_name")] = consumed
     expected = raw.get("expected_fields", [])
     if not isinstance(expected, list):
-        raise ValueError("'expected_fields' must be a list")
+        raise InvalidArgumentError("'expected_fields' must be a list")
     p.expected = {validate_id(f, "field") for f in expected}
     for i, meta in raw.get("custom_meta", []):
         if _count(i) not in p.task_of:
-            raise ValueError(f"custom_meta names unknown task index {i}")
+            raise InvalidArgumentError(f"custom_meta names unknown task index {i}")
         p.custom_meta[i] = custom_meta_object(meta, p.task_of[i])
     return p
 
@@ -88,29 +88,29 @@ def _load_tasks(p: Partition, tasks: Any) -> None:
     for i, t in tasks:
         i = _count(i)
         if i in p.task_of or validate_id(t, "task_id") in p.index_of:
-            raise ValueError(f"task index {i} or task id {t!r} is listed twice")
+            raise InvalidArgumentError(f"task index {i} or task id {t!r} is listed twice")
         p.task_of[i] = t
         p.index_of[t] = i
     if p.task_of and p.next_index <= max(p.task_of):
-        raise ValueError(f"next_index {p.next_index} is not past every task index")
+        raise InvalidArgumentError(f"next_index {p.next_index} is not past every task index")
 
 
 def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
     dtype = col["dtype"]
     if dtype is not None and dtype not in ITEMSIZE:
-        raise ValueError(f"field {name!r} has unknown dtype {dtype!r}")
+        raise InvalidArgumentError(f"field {name!r} has unknown dtype {dtype!r}")
     column = p.columns.setdefault(validate_id(name, "field"), Column(dtype))
     ragged = col.get("ragged", False)  # absent in checkpoints from before kinds were kept
     if not isinstance(ragged, bool):
-        raise ValueError(f"field {name!r}: 'ragged' must be true or false")
+        raise InvalidArgumentError(f"field {name!r}: 'ragged' must be true or false")
     column.ragged = ragged
     for row in col["rows"]:
         # [index, node, shape] or, since generations are kept, [index, node, shape, generation]
         if not isinstance(row, list) or len(row) not in (3, 4):
-            raise ValueError(f"field {name!r}: a row must be [index, node, shape(, generation)]")
+            raise InvalidArgumentError(f"field {name!r}: a row must be [index, node, shape(, generation)]")
         i, n, shape = row[:3]
         if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
-            raise ValueError(f"field {name!r} names unknown task index {i} or node {n}")
+            raise InvalidArgumentError(f"field {name!r} names unknown task index {i} or node {n}")
         column.node[i] = n
         column.shape[i] = tuple(_count(d) for d in shape)
         if len(row) == 4 and _count(row[3]):

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from distbatch.serving.server import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+from distbatch.errors import InvalidArgumentError, InvalidTypeError
+from distbatch.protocol import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
 __all__ = [
     "DEFAULT_MAX_JSON_BYTES",
@@ -94,7 +95,7 @@ class _RefusingParser(argparse.ArgumentParser):
     """A parser whose every usage error is a `ValueError`: no usage printed, no exit."""
 
     def error(self, message: str) -> NoReturn:
-        raise ValueError(f"bad worker flag: {message}")
+        raise InvalidArgumentError(f"bad worker flag: {message}")
 
 
 def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
@@ -268,11 +269,11 @@ def check_flag_values(args: argparse.Namespace) -> None:
     """ValueError for a parsed value no worker runs with (argparse only checks types)."""
     check_rank(args.rank, args.world_size, "--rank", "--world-size")
     if args.engine_kwargs and not args.engine:
-        raise ValueError("--engine-kwargs needs --engine: they are the engine factory's arguments")
+        raise InvalidArgumentError("--engine-kwargs needs --engine: they are the engine factory's arguments")
     if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
-        raise ValueError("--max-idle-seconds must be > 0")
+        raise InvalidArgumentError("--max-idle-seconds must be > 0")
     if args.shm_max_bytes is not None and args.shm_max_bytes < 0:
-        raise ValueError("--shm-max-bytes must be >= 0")
+        raise InvalidArgumentError("--shm-max-bytes must be >= 0")
     for flag, value in (
         ("--stage-ttl", args.stage_ttl),
         ("--read-timeout", args.read_timeout),
@@ -280,15 +281,15 @@ def check_flag_values(args: argparse.Namespace) -> None:
         ("--max-response-bytes", args.max_response_bytes),
     ):
         if not value > 0:
-            raise ValueError(f"{flag} must be > 0")
+            raise InvalidArgumentError(f"{flag} must be > 0")
 
 
 def check_rank(rank: Any, world_size: Any, rank_name: str = "rank", size_name: str = "world_size") -> None:
     """ValueError unless `world_size` >= 1 and 0 <= `rank` < `world_size` (both int)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"{size_name} must be an integer >= 1, got {world_size!r}")
+        raise InvalidArgumentError(f"{size_name} must be an integer >= 1, got {world_size!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"{rank_name} must be an integer in [0, {world_size}), got {rank!r}")
+        raise InvalidArgumentError(f"{rank_name} must be an integer in [0, {world_size}), got {rank!r}")
 
 
 def _json_problem(value: Any, where: str, depth: int = 0) -> tuple[type[Exception], str] | None:
@@ -331,16 +332,18 @@ def check_engine_kwargs(kwargs: Any) -> dict[str, Any]:
     the rest, each naming the offending key.
     """
     if not isinstance(kwargs, Mapping):
-        raise TypeError(f"engine_kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
+        raise InvalidTypeError(
+            f"engine_kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}"
+        )
     for key, value in kwargs.items():
         if not isinstance(key, str):
-            raise TypeError(f"engine_kwargs key {key!r} is not a string")
+            raise InvalidTypeError(f"engine_kwargs key {key!r} is not a string")
         if not key.isidentifier():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"engine_kwargs key {key!r} is not a Python identifier, so not a keyword argument"
             )
         if key == "context":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "engine_kwargs key 'context' is taken: the worker passes its WorkerContext as it"
             )
         problem = _json_problem(value, f"engine_kwargs[{key!r}]")
@@ -349,11 +352,11 @@ def check_engine_kwargs(kwargs: Any) -> dict[str, Any]:
     plain = dict(kwargs)
     text = _dump(plain)
     if json.loads(text) != plain:  # a subclass that encodes as something else
-        raise ValueError(f"engine_kwargs do not survive a JSON round trip unchanged: {text[:200]}")
+        raise InvalidArgumentError(f"engine_kwargs do not survive a JSON round trip unchanged: {text[:200]}")
     size = len(text.encode())
     if size > MAX_ENGINE_KWARGS_BYTES:
         biggest = max(plain, key=lambda k: len(_dump(plain[k])))
-        raise ValueError(
+        raise InvalidArgumentError(
             f"engine_kwargs are {size} bytes as JSON, over the {human_size(MAX_ENGINE_KWARGS_BYTES)} bound"
             f" (the biggest is {biggest!r}): pass a path to a file the engine loads instead"
         )
@@ -416,9 +419,9 @@ def parse_flags(flags: Sequence[str], *, unset: Iterable[str] = ()) -> argparse.
     try:
         args, unknown = parser.parse_known_args(list(flags))
     except argparse.ArgumentError as exc:
-        raise ValueError(f"bad worker flag: {exc}") from None
+        raise InvalidArgumentError(f"bad worker flag: {exc}") from None
     if unknown:
-        raise ValueError(_unknown_flags(parser, unknown))
+        raise InvalidArgumentError(_unknown_flags(parser, unknown))
     return args
 
 
@@ -445,7 +448,7 @@ def check_launcher_flags(flags: Sequence[str], decided: Mapping[str, str]) -> ar
     args = parse_flags(flags, unset=decided)
     for name, why in decided.items():
         if getattr(args, name) is not UNSET:
-            raise ValueError(f"--{name.replace('_', '-')} {why}")
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} {why}")
     parser = build_parser()
     for name in decided:  # the launcher passes its own values; the defaults stand in for the checks
         setattr(args, name, parser.get_default(name))

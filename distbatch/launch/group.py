@@ -17,7 +17,7 @@ from distbatch.calls import decode_value, encode_call
 from distbatch.client.default import default_client
 from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, check_liveness_timeout
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import CallTimeoutError, WorkerUnavailableError
+from distbatch.errors import CallTimeoutError, InvalidArgumentError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import (
     GROUP_OPTIONS,
@@ -49,7 +49,9 @@ def _engine_kwargs_flags(engine: str | None, engine_kwargs: Mapping[str, Any] | 
     """`--engine-kwargs JSON` for a group's workers ([] for none), checked before anything starts."""
     text = engine_kwargs_json(engine_kwargs)
     if text is not None and not engine:
-        raise ValueError("engine_kwargs are the engine's constructor arguments: name the engine too")
+        raise InvalidArgumentError(
+            "engine_kwargs are the engine's constructor arguments: name the engine too"
+        )
     return ["--engine-kwargs", text] if text else []
 
 
@@ -75,7 +77,7 @@ class WorkerGroup:
     ) -> None:
         self.nodes = [validate_node(n) for n in nodes]
         if not self.nodes:
-            raise ValueError("a worker group needs at least one node")
+            raise InvalidArgumentError("a worker group needs at least one node")
         self.processes = list(processes)
         self.stoppers = list(stoppers)
         self.call_timeout = call_timeout
@@ -214,7 +216,7 @@ class WorkerGroup:
         refused), whatever order the addresses come in. `shutdown()` leaves them running.
         """
         if engine is None and engine_kwargs is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "engine_kwargs reach an engine that connect builds: pass engine= too (a worker "
                 "started with --engine built its engine at start, from its own --engine-kwargs)"
             )
@@ -290,7 +292,7 @@ class WorkerGroup:
             return self.nodes[worker]
         node = validate_node(worker)
         if node not in self.nodes:
-            raise ValueError(f"{node} is not in this group")
+            raise InvalidArgumentError(f"{node} is not in this group")
         return node
 
     @property
@@ -367,7 +369,7 @@ class WorkerGroup:
         are abandoned and their workers drop their results.
         """
         if len(chunks) != len(self.nodes):
-            raise ValueError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
+            raise InvalidArgumentError(f"{len(chunks)} chunks for {len(self.nodes)} workers")
         calls = [(node, method, encode_call([chunk], kwargs)) for node, chunk in zip(self.nodes, chunks)]
         return self._calls(calls, call_timeout)
 

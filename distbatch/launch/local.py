@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from distbatch.errors import WorkerUnavailableError
+from distbatch.errors import InvalidArgumentError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import check_rank
 
@@ -334,18 +334,18 @@ def spawn_workers(
     of the failed worker's log and naming the directory, which is kept.
     """
     if count < 1:
-        raise ValueError(f"worker count must be >= 1, got {count}")
+        raise InvalidArgumentError(f"worker count must be >= 1, got {count}")
     world_size = count if world_size is None else world_size
     check_rank(first_rank, world_size, "first_rank")
     check_rank(first_rank + count - 1, world_size, "the last worker's rank")
     port = _given_port(args)
     if count > 1 and port not in (None, "0"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{count} workers cannot all listen on port {port}: leave --port out, and each picks a free one"
         )
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * count
     if len(envs) != count:
-        raise ValueError(f"{len(envs)} env mappings for {count} workers")
+        raise InvalidArgumentError(f"{len(envs)} env mappings for {count} workers")
     logs = log_dir if isinstance(log_dir, WorkerLogs) else WorkerLogs.open(log_dir)
     own = ["--exit-with-parent", str(os.getpid())] if exit_with_parent else []
     base = [python, "-m", "rpc_server", "--host", host, "--port", "0"]

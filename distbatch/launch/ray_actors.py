@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from distbatch.errors import WorkerUnavailableError
+from distbatch.errors import InvalidArgumentError, StateError, WorkerUnavailableError
 from distbatch.launch.flags import GROUP_OPTIONS, check_launcher_flags
 from distbatch.launch.local import LOG_DIR_PREFIX, WorkerLogs, spawn_worker
 
@@ -134,7 +134,7 @@ class _WorkerActor:
         except WorkerUnavailableError as exc:
             # Ray pickles a creation error to the driver, and this one's constructor does not
             # round-trip (the driver would get an UnserializableException): send its text.
-            raise RuntimeError(str(exc)) from None
+            raise StateError(str(exc)) from None
 
     def node(self) -> str:
         return self.worker.node
@@ -275,14 +275,14 @@ def _checked_placement(
 ) -> list[Mapping[str, str]]:
     """Refuse a bad count, strategy or per-worker list before Ray is touched; the per-worker envs."""
     if n < 1:
-        raise ValueError(f"worker count must be >= 1, got {n}")
+        raise InvalidArgumentError(f"worker count must be >= 1, got {n}")
     if placement not in STRATEGIES:
-        raise ValueError(f"placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
+        raise InvalidArgumentError(f"placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
     envs = list(env) if isinstance(env, Sequence) else [env or {}] * n
     if len(envs) != n:
-        raise ValueError(f"{len(envs)} env mappings for {n} workers")
+        raise InvalidArgumentError(f"{len(envs)} env mappings for {n} workers")
     if node_ids is not None and len(node_ids) != n:
-        raise ValueError(f"{len(node_ids)} node ids for {n} workers")
+        raise InvalidArgumentError(f"{len(node_ids)} node ids for {n} workers")
     return envs
 
 
@@ -302,7 +302,7 @@ def _strategies(
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
         unknown = sorted(set(node_ids) - alive)
         if unknown:
-            raise ValueError(f"no live Ray node with id {unknown[0]!r} (live: {sorted(alive)})")
+            raise InvalidArgumentError(f"no live Ray node with id {unknown[0]!r} (live: {sorted(alive)})")
         return None, [NodeAffinitySchedulingStrategy(node_id, soft=False) for node_id in node_ids]
     group = placement_group([dict(bundle) for _ in range(n)], strategy=STRATEGIES[placement])
     return group, [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)]

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from distbatch.errors import InvalidArgumentError
+
 # How long `close()` waits for the parking thread to close what it holds.
 CLOSE_JOIN_SECONDS = 5.0
 
@@ -51,7 +53,7 @@ class ParkedConnections:
         self, resume: Callable[[socket.socket, Any], None], idle_timeout: float, max_parked: int
     ) -> None:
         if not idle_timeout > 0 or max_parked < 1:
-            raise ValueError("idle_timeout must be > 0 and max_parked >= 1")
+            raise InvalidArgumentError("idle_timeout must be > 0 and max_parked >= 1")
         self._resume = resume
         self._idle_timeout = idle_timeout
         self._max_parked = max_parked

@@ -31,16 +31,14 @@ from flask import Flask
 from werkzeug.exceptions import InternalServerError
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from distbatch.errors import ServerBindError
-from distbatch.protocol import SERVER_IDLE_SECONDS
+from distbatch.errors import InvalidArgumentError, ServerBindError, StateError
+from distbatch.protocol import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT, SERVER_IDLE_SECONDS
 from distbatch.serving.metrics import Values
+from distbatch.serving.open_files import raise_open_file_limit
 from distbatch.serving.parking import ParkedConnections
 from distbatch.serving.turns import Turns
-from distbatch.shm import raise_open_file_limit
 from distbatch.wire.container import byte_view
 
-DEFAULT_MAX_THREADS = 256
-DEFAULT_READ_TIMEOUT = 60.0
 # How long a kept-alive connection may wait for its next request before the server closes it
 # (clients stop reusing one sooner: `protocol.CLIENT_KEEPALIVE_SECONDS`).
 DEFAULT_IDLE_TIMEOUT = SERVER_IDLE_SECONDS
@@ -62,7 +60,9 @@ def check_port(port: object) -> int:
     """`port` if a server can listen on it: an int from 0 (any free port) to 65535, else
     `ValueError` naming it (the socket layer would take 70000 as 4464, modulo 65536)."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ValueError(f"port {port!r} is not a port to listen on: use 0 to 65535 (0 picks a free one)")
+        raise InvalidArgumentError(
+            f"port {port!r} is not a port to listen on: use 0 to 65535 (0 picks a free one)"
+        )
     return port
 
 
@@ -506,7 +506,7 @@ class _Response:
         """The status line and headers; decides whether the connection stays open."""
         handler = self.handler
         if self.status is None:
-            raise RuntimeError("the app wrote before start_response")
+            raise StateError("the app wrote before start_response")
         code_text, _, reason = self.status.partition(" ")
         code = int(code_text)
         handler.log_request(code)
@@ -833,11 +833,11 @@ class HttpServer:
     ) -> None:
         check_port(port)
         if not max_threads >= 1 or not read_timeout > 0 or reserve_threads < 0 or not idle_timeout > 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "max_threads must be >= 1, read_timeout and idle_timeout > 0, reserve_threads >= 0"
             )
         if request_turns and min(request_turns.values()) < 1:
-            raise ValueError("request_turns must allow at least 1 request of each kind at once")
+            raise InvalidArgumentError("request_turns must allow at least 1 request of each kind at once")
         self.max_threads = max_threads
         self.read_timeout = read_timeout
         # Werkzeug logs every request at INFO; keep the hot path quiet.

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from distbatch.errors import InvalidArgumentError
+
 
 class _Waiter:
     __slots__ = ("wake", "granted")
@@ -26,7 +28,7 @@ class Turns:
 
     def __init__(self, count: int) -> None:
         if count < 1:
-            raise ValueError("a Turns needs at least 1 turn")
+            raise InvalidArgumentError("a Turns needs at least 1 turn")
         self._free = count
         self._closed = False
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ from typing import Any
 from distbatch import wire
 from distbatch.atomic import write_json_atomically
 from distbatch.client.shard_client import ShardClient
+from distbatch.errors import InvalidArgumentError
 from distbatch.transferqueue.layout import TASK_PREFIX
 
 CHECKPOINT_DIR = "distbatch"
@@ -46,12 +47,14 @@ def load_shards(client: ShardClient, endpoints: Sequence[str], directory: Path) 
     """Put every file `save_shards` wrote back on the worker in its slot; returns the tasks put."""
     index = json.loads((directory / INDEX).read_text())
     if not isinstance(index, dict) or index.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{directory / INDEX}: not a Distbatch checkpoint index (version {FORMAT_VERSION})")
+        raise InvalidArgumentError(
+            f"{directory / INDEX}: not a Distbatch checkpoint index (version {FORMAT_VERSION})"
+        )
     tasks = 0
     for entry in index["files"]:
         name, slot = entry.get("file"), entry.get("slot")
         if not isinstance(name, str) or Path(name).name != name or type(slot) is not int or slot < 0:
-            raise ValueError(f"{directory / INDEX}: bad entry {entry!r}")
+            raise InvalidArgumentError(f"{directory / INDEX}: bad entry {entry!r}")
         bundle = wire.parse_bundle(bytearray((directory / name).read_bytes()))
         client.put_bundle(endpoints[slot % len(endpoints)], bundle)
         tasks += len(bundle.task_ids)

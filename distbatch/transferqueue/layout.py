@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from distbatch.batch.gather import Gathered
 from distbatch.batch.ragged import jagged_nested
-from distbatch.errors import WireFormatError
+from distbatch.errors import InvalidArgumentError, WireFormatError
 
 # Task ids of the samples TransferQueue stores with us: its global index, which is unique
 # among live samples (a cleared sample's index is reused, so a clear really deletes).
@@ -56,18 +56,18 @@ def field_schema(data: TensorDict) -> dict[str, dict[str, Any]]:
         name, value = str(key), data.get(key)
         if not isinstance(value, torch.Tensor):
             if len(value) != size:
-                raise ValueError(f"field {name!r} has {len(value)} values for {size} samples")
+                raise InvalidArgumentError(f"field {name!r} has {len(value)} values for {size} samples")
             schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
             continue
         if not value.is_nested:
             if value.shape[0] != size:
-                raise ValueError(f"field {name!r} has {value.shape[0]} rows for {size} samples")
+                raise InvalidArgumentError(f"field {name!r} has {value.shape[0]} rows for {size} samples")
             shape = torch.Size([1]) if value.dim() == 1 else value.shape[1:]
             schema[name] = {"dtype": value.dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
             continue
         lengths = _jagged_lengths(value)
         if len(lengths) != size:
-            raise ValueError(f"field {name!r} has {len(lengths)} samples, the batch {size}")
+            raise InvalidArgumentError(f"field {name!r} has {len(lengths)} samples, the batch {size}")
         tail = tuple(value.values().shape[1:])
         shapes = [(length, *tail) for length in lengths]
         schema[name] = {

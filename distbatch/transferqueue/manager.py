@@ -40,7 +40,13 @@ from distbatch.batch.memory import DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import ClearError, NodeError, WorkerUnavailableError
+from distbatch.errors import (
+    ClearError,
+    InvalidArgumentError,
+    NodeError,
+    NotFoundError,
+    WorkerUnavailableError,
+)
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
@@ -78,7 +84,7 @@ class DistbatchStorageManager(StorageManager):
     def __init__(self, controller_info: Any, config: DictConfig, zmq_context: Any = None) -> None:
         options = BackendOptions.from_config(plain_config(config))
         if not options.endpoints:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "backend.Distbatch has no endpoints: tq.init starts the workers and writes them there; "
                 "import distbatch.transferqueue before tq.init (it registers the bootstrap)"
             )
@@ -104,7 +110,7 @@ class DistbatchStorageManager(StorageManager):
         if size == 0 or not len(data.keys()):
             return
         if data.batch_size[0] != size:
-            raise ValueError(f"{data.batch_size[0]} rows of data for {size} samples")
+            raise InvalidArgumentError(f"{data.batch_size[0]} rows of data for {size} samples")
         global_indexes = list(metadata.global_indexes)
         ids = task_ids(global_indexes)
         batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
@@ -242,7 +248,7 @@ def _batch_meta(metadata: TQBatchMeta, names: list[str], endpoints: Sequence[str
         slots = np.fromiter((where.get(name, -1) for where in locations), dtype=np.int64, count=n)
         if (slots < 0).any():
             gi = metadata.global_indexes[int(np.flatnonzero(slots < 0)[0])]
-            raise KeyError(f"sample {gi} has no Distbatch location for field {name!r}")
+            raise NotFoundError(f"sample {gi} has no Distbatch location for field {name!r}")
         node_index = (slots % len(endpoints)).astype(np.int32)
         schema = metadata.field_schema.get(name, {})
         dtype = (

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distbatch.errors import InvalidArgumentError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import byte_size
 
@@ -48,7 +49,7 @@ class BackendOptions:
         raw = dict(section or {})
         unknown = sorted(set(raw) - set(_CHECKS))
         if unknown:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"unknown option(s) {unknown} under backend.Distbatch; accepted: {sorted(_CHECKS)}"
             )
         values = {name: _CHECKS[name](raw[name]) for name in raw if raw[name] is not None}
@@ -69,14 +70,16 @@ class BackendOptions:
 
 def _endpoints(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not hasattr(value, "__iter__"):
-        raise ValueError(f'backend.Distbatch.endpoints must be a list of "host:port", got {value!r}')
+        raise InvalidArgumentError(
+            f'backend.Distbatch.endpoints must be a list of "host:port", got {value!r}'
+        )
     return tuple(validate_node(_plain(v, str, "endpoints")) for v in value)
 
 
 def _workers(value: Any) -> int:
     count = _plain(value, int, "workers")
     if count < 1:
-        raise ValueError(f"backend.Distbatch.workers must be at least 1, got {count}")
+        raise InvalidArgumentError(f"backend.Distbatch.workers must be at least 1, got {count}")
     return count
 
 
@@ -85,22 +88,26 @@ def _capacity(value: Any) -> int:
         try:
             return byte_size(value)
         except Exception:
-            raise ValueError(f"backend.Distbatch.capacity: {value!r} is not a size (e.g. 8G, 512M)") from None
+            raise InvalidArgumentError(
+                f"backend.Distbatch.capacity: {value!r} is not a size (e.g. 8G, 512M)"
+            ) from None
     size = _plain(value, int, "capacity")
     if size < 0:
-        raise ValueError("backend.Distbatch.capacity must be >= 0")
+        raise InvalidArgumentError("backend.Distbatch.capacity must be >= 0")
     return size
 
 
 def _timeout(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"backend.Distbatch.timeout must be a number of seconds > 0, got {value!r}")
+        raise InvalidArgumentError(
+            f"backend.Distbatch.timeout must be a number of seconds > 0, got {value!r}"
+        )
     return float(value)
 
 
 def _plain(value: Any, kind: type, name: str) -> Any:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise ValueError(f"backend.Distbatch.{name} must be {kind.__name__}, got {value!r}")
+        raise InvalidArgumentError(f"backend.Distbatch.{name} must be {kind.__name__}, got {value!r}")
     return value
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
-from distbatch import DistributedBatchMemory, InvalidIdError
+from distbatch import DistributedBatchMemory, InvalidIdError, errors
 from distbatch.ids import validate_id, validate_key, validate_node
 
 
@@ -42,3 +45,71 @@ def test_del_of_a_task_index_says_how_to_drop_tasks() -> None:
     assert kept["x"].tolist() == [0, 2]
     del batch["x"]
     assert batch.fields == []
+
+
+# ----------------------------------------------------------------------------- one error policy
+
+BARE = {"ValueError", "TypeError", "KeyError", "RuntimeError", "IndexError"}
+PACKAGE = Path(__file__).resolve().parents[2] / "distbatch"
+
+
+def bare_raises(source: str, where: str) -> list[str]:
+    """`raise ValueError(...)` and the like in `source`: builtins raised as they are, which
+    `except DistBatchError` would not catch."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            called = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(called, ast.Name) and called.id in BARE:
+                found.append(f"{where}:{node.lineno}: raise {called.id}")
+    return found
+
+
+def test_the_package_raises_no_bare_builtin_error() -> None:
+    """Every error of ours is a `DistBatchError` and also the builtin users catch today
+    (`InvalidArgumentError` is a `ValueError`, `InvalidTypeError` a `TypeError`, ...)."""
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for hit in bare_raises(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert not found, "bare builtin errors (raise a distbatch.errors class instead):\n" + "\n".join(found)
+
+
+def test_the_walk_sees_bare_raises_and_lets_ours_and_re_raises_pass() -> None:
+    source = (
+        "def f(x):\n"
+        "    if x: raise ValueError('a')\n"
+        "    try: g()\n"
+        "    except OSError: raise\n"
+        "    raise KeyError\n"
+        "def h(): raise InvalidArgumentError('b')\n"
+    )
+    assert sorted(bare_raises(source, "m")) == ["m:2: raise ValueError", "m:5: raise KeyError"]
+
+
+@pytest.mark.parametrize(
+    ("error", "builtin"),
+    [
+        (errors.InvalidArgumentError, ValueError),
+        (errors.InvalidTypeError, TypeError),
+        (errors.NotFoundError, KeyError),
+        (errors.OutOfRangeError, IndexError),
+        (errors.StateError, RuntimeError),
+    ],
+)
+def test_each_error_is_ours_and_the_builtin_users_catch(
+    error: type[Exception], builtin: type[Exception]
+) -> None:
+    with pytest.raises(builtin) as caught:
+        raise error("what went wrong")
+    assert isinstance(caught.value, errors.DistBatchError)
+    assert str(caught.value) == "what went wrong"  # a KeyError's message is not quoted
+
+
+def test_a_wrong_argument_is_caught_as_ours_and_as_the_builtin() -> None:
+    batch = DistributedBatchMemory.from_dict({"x": torch.zeros(2, 1)})
+    for call, builtin in ((lambda: batch["nope"], KeyError), (lambda: batch.chunk(0), ValueError)):
+        with pytest.raises(builtin) as caught:
+            call()
+        assert isinstance(caught.value, errors.DistBatchError)

@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = "rpc_server"
@@ -241,3 +243,128 @@ def test_the_worker_imports_only_what_the_worker_needs_of_the_library() -> None:
                         continue
                     offenders.append(f"{_where(path, node)}: {name}")
     assert not offenders, "the worker imports library modules it must not:\n" + "\n".join(offenders)
+
+
+# ----------------------------------------------------------------------------- the written map
+# docs/guide/architecture.md draws the layers as a diagram: a row label (the layer's name, maybe
+# over two lines), then the modules in it, named relative to `distbatch` (a package stands for
+# its modules). The page must draw what LAYERS enforces, and name only what exists.
+ARCHITECTURE = ROOT / "docs" / "guide" / "architecture.md"
+LABEL_WIDTH = 16
+
+
+def _drawn_names(text: str) -> list[str]:
+    """The module names in a row's text: parenthesised notes and `code` taken out."""
+    text = re.sub(r"`[^`]*`", " ", text)
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", " ", text)
+    return [word for word in text.split() if re.fullmatch(r"[a-z_]+(\.[a-z_]+)*", word)]
+
+
+def _drawn_layers() -> list[tuple[str, list[str]]]:
+    """(label, module names) of each layer drawn, top to bottom; the worker's row ends it."""
+    block = ARCHITECTURE.read_text().split("## Layers: who imports whom", 1)[1].split("```")[1]
+    layers: list[tuple[str, list[str]]] = []
+    labels: list[str] = []
+    rows: list[str] = []
+    for line in [*block.splitlines(), ""]:
+        if line.startswith(" rpc_server"):
+            break
+        if line.strip() and set(line.strip()) != {"│"}:
+            labels.append(line[:LABEL_WIDTH].strip())
+            rows.append(line[LABEL_WIDTH:])
+        elif rows:
+            layers.append((" ".join(label for label in labels if label), _drawn_names(" ".join(rows))))
+            labels, rows = [], []
+    return layers
+
+
+def test_the_page_draws_the_layers_test_layout_enforces() -> None:
+    drawn = _drawn_layers()
+    assert [label for label, _ in drawn] == [name for name, _ in reversed(LAYERS)]
+    modules = set(_import_graph("distbatch", top_level_only=True)) - {"distbatch"}
+    for label, names in drawn:
+        for name in names:
+            module = f"distbatch.{name}"
+            assert module in modules, f"the page draws {name!r} in {label!r}: no such module"
+            rank = _layer(module)
+            assert rank is not None and LAYERS[rank][0] == label, (
+                f"the page draws {name!r} in {label!r}; test_layout puts it in "
+                f"{LAYERS[rank][0] if rank is not None else 'no layer'!r}"
+            )
+    drawn_names = [f"distbatch.{name}" for _, names in drawn for name in names]
+    packages = {m for m in modules if any(other.startswith(m + ".") for other in modules)}
+    undrawn = sorted(m for m in modules - packages if not _within(m, tuple(drawn_names)))
+    assert not undrawn, f"modules the page does not draw: {undrawn}"
+
+
+def test_every_module_the_page_names_exists() -> None:
+    """Dotted names in `code` on the page (`distbatch.x.y`, `rpc_server.x`) are modules, or names
+    defined in one."""
+    import importlib
+
+    named = set(re.findall(r"`((?:distbatch|rpc_server)(?:\.[A-Za-z_]+)+)`", ARCHITECTURE.read_text()))
+    assert named
+    missing = []
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            path = ROOT.joinpath(*parts[:cut])
+            if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+                module = importlib.import_module(".".join(parts[:cut]))
+                target: Any = module
+                try:
+                    for attribute in parts[cut:]:
+                        target = getattr(target, attribute)
+                except AttributeError:
+                    missing.append(dotted)
+                break
+        else:
+            missing.append(dotted)
+    assert not missing, f"the page names what does not exist: {missing}"
+
+
+def test_the_drawing_check_reads_rows_as_drawn() -> None:
+    """The parser takes names out of notes and code, and a label over two lines (no false pass)."""
+    assert _drawn_names("calls (engine-call envelopes: a batch)  cli (`distbatch ls`)  wire.bundle") == [
+        "calls",
+        "cli",
+        "wire.bundle",
+    ]
+    nested = "transferqueue (the backend: bootstrap, options (checked)) x.y"
+    assert _drawn_names(nested) == ["transferqueue", "x.y"]
+
+
+def _stated_imports(package: str) -> tuple[set[str], bool] | None:
+    """What a package's docstring says it may import of distbatch ("May import `a`, `b` ...; "),
+    and whether it adds "and below"; None when it says nothing."""
+    doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text())) or ""
+    match = re.search(r"May import (.*?)(?:;|$)", " ".join(doc.split()))
+    if not match:
+        return None
+    return set(re.findall(r"`(distbatch(?:\.\w+)+)`", match.group(1))), "and below" in match.group(1)
+
+
+STATING_PACKAGES = ("wire", "serving", "client", "batch", "controller", "launch")
+
+
+def test_each_package_imports_what_its_docstring_says() -> None:
+    graph = _import_graph("distbatch", top_level_only=False)
+    wrong = []
+    for short in STATING_PACKAGES:
+        package = f"distbatch.{short}"
+        stated = _stated_imports(package)
+        assert stated is not None, f"{package}'s docstring says nothing of what it may import"
+        names, and_below = stated
+        ceiling = max(_layer(name) or 0 for name in names)
+        for module, targets in graph.items():
+            if not _within(module, (package,)):
+                continue
+            for target, where in targets.items():
+                if _within(target, (package,)) or target == "distbatch":
+                    continue
+                rank = _layer(target)
+                below = and_below and rank is not None and rank <= ceiling
+                if not (_within(target, tuple(names)) or below):
+                    wrong.append(f"{where}: {module} imports {target}, not allowed by {package}'s docstring")
+    assert not wrong, "\n".join(wrong)
