@@ -49,9 +49,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run the long variants")
 
 
-# Modules that run one after another on one xdist worker: the simulated hosts of each make
-# namespaces, a bridge and its addresses in this machine's own namespace, and shape its links;
-# two at once would share the machine's bridges and skew each other's link timings.
+# Modules that run one after another on one xdist worker, each group in its own:
+# - the simulated hosts of each module make namespaces, a bridge and its addresses in this
+#   machine's own namespace, and shape its links; two at once would share the machine's
+#   bridges and skew each other's link timings;
+# - each Ray module starts a Ray cluster of its own (a dozen processes, an actor process per
+#   worker): on 2 cores, more than two at once starve each other and everything else. Two
+#   chains of about equal length (seconds alone: 311 in all).
 SHARED_GROUPS = {
     "simulated-hosts": (
         "test_cluster.py",
@@ -59,22 +63,33 @@ SHARED_GROUPS = {
         "test_cluster_ray.py",
         "test_cluster_tq.py",
     ),
+    "ray-a": ("test_bench.py", "test_transferqueue_faults.py", "test_ray.py"),
+    "ray-b": (
+        "test_transferqueue_backend.py",
+        "test_transferqueue_backend_options.py",
+        "test_ray_cluster.py",
+        "test_transferqueue_example.py",
+    ),
 }
-# The modules that take longest (seconds on 4 xdist workers, 2 cores, measured with
-# `--durations=0`): started first, while the rest fill the other workers. Then the system tier,
-# the integration tier, the unit tier.
+# The longest modules and groups (seconds alone, `--durations=0`), handed out first while the
+# rest fill the other workers; then the system tier, the integration tier, the unit tier.
 LONGEST_FIRST = (
-    "test_transferqueue_backend.py",  # 410 s: tq.init starts TransferQueue's actors and ours
-    "test_cluster_faults.py",  # with the other simulated-hosts modules: 226 s
-    "test_transferqueue_faults.py",  # 125 s
-    "test_ray_cluster.py",  # 122 s: a two-node Ray cluster
-    "test_bench.py",  # 111 s: every peer the bench compares
-    "test_ray.py",  # 92 s
-    "test_call_reliability.py",  # 60 s
-    "test_server_bounds.py",  # 56 s
-    "test_launch_output.py",  # 48 s
-    "test_faults.py",  # 45 s
-    "test_pipeline.py",  # 42 s
+    "test_transferqueue_backend.py",  # ray-b: 55 + 47 + 40 + 13
+    "test_bench.py",  # ray-a: 67 + 45 + 40
+    "test_cluster_faults.py",  # simulated hosts: about 120 in all
+    "test_transferqueue_backend_options.py",
+    "test_transferqueue_faults.py",
+    "test_ray_cluster.py",
+    "test_ray.py",
+    "test_transferqueue_example.py",
+    "test_cluster_tq.py",
+    "test_cluster_ray.py",
+    "test_cluster.py",
+    "test_call_reliability.py",  # 60 s on 4 busy workers
+    "test_server_bounds.py",  # 56
+    "test_launch_output.py",  # 48
+    "test_faults.py",  # 45
+    "test_pipeline.py",  # 42
 )
 TIER_ORDER = ("system", "integration", "unit")
 
