@@ -29,7 +29,10 @@ for links in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/
 done
 install() {
   if [ -x .venv/bin/uv ]; then
-    .venv/bin/uv pip install -q --python "$PY" "${FIND_LINKS[@]}" "$@"
+    # --compile-bytecode: pip writes .pyc files at install, uv only when asked. Without them every
+    # process compiles torch's and Ray's sources again on import (torch: 2 s of CPU more, in each
+    # worker the tests start), wherever PYTHONDONTWRITEBYTECODE is set.
+    .venv/bin/uv pip install -q --compile-bytecode --python "$PY" "${FIND_LINKS[@]}" "$@"
   else
     "$PY" -m pip install -q --disable-pip-version-check "$@"
   fi

@@ -9,6 +9,7 @@ import json
 import math
 import random
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,16 @@ LENS = [3, 8, 3, 5, 9, 5]  # ragged, but tasks 0/2 and 3/5 share a length
 
 
 # --------------------------------------------------------------------------- server observation
+
+
+def remote(node: str, task_ids: Sequence[str], **columns: Any) -> DistributedBatchMemory:
+    """A REMOTE batch whose shards were really pushed to `node` (columns as `from_dict` takes)."""
+    return DistributedBatchMemory.from_dict(columns, task_ids=list(task_ids)).to_remote(node)
+
+
+def shards_on(client: ShardClient, node: str) -> int:
+    """How many shards `node` holds (its `/v1/stats`)."""
+    return int(client.stats(node)["shards"])
 
 
 def _metrics(node: str) -> dict[str, float]:

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,23 @@ def import_ray() -> ModuleType:
     if os.environ.get("DISTBATCH_REQUIRE_RAY") == "1":
         return importlib.import_module("ray")
     return pytest.importorskip("ray")
+
+
+def local_ray_for_module(num_cpus: int, **kwargs: Any) -> Iterator[None]:
+    """A new local Ray cluster for one test module, shut down after it (the module's autouse
+    fixture yields from here); fails the module if Ray is up already (a module before it did not
+    shut it down). `kwargs` go to `init_local_ray` (a `runtime_env`, say)."""
+    import ray
+
+    from distbatch.launch.ray_actors import init_local_ray
+
+    if ray.is_initialized():
+        pytest.fail("ray was initialised before this module")
+    init_local_ray(num_cpus=num_cpus, configure_logging=False, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def ray_workers(group: WorkerGroup) -> RayWorkers:

@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from ray_support import import_ray
-
-from distbatch.launch.ray_actors import init_local_ray
+from ray_support import import_ray, local_ray_for_module
 
 ray = import_ray()
 if os.environ.get("DISTBATCH_REQUIRE_TQ") == "1":
@@ -34,11 +32,7 @@ def tq_ray_cluster() -> Iterator[None]:
     """A local Ray cluster for one module (its autouse fixture yields from here). Every Ray
     worker of this job imports distbatch.transferqueue first (Ray's job-level setup hook), as a
     verl job would set it: the backend is registered wherever TransferQueue runs."""
-    if ray.is_initialized():
-        pytest.fail("ray was initialised before this module")
-    init_local_ray(num_cpus=RAY_CPUS, configure_logging=False, runtime_env=SETUP_HOOK)
-    yield
-    ray.shutdown()
+    yield from local_ray_for_module(RAY_CPUS, runtime_env=SETUP_HOOK)
 
 
 def config(backend: str, **options: Any) -> dict[str, Any]:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rpc_server.store.shard_store import ShardStore
+from typing import Protocol
 
 logger = logging.getLogger("rpc_server")
 
@@ -71,6 +68,15 @@ class StageSweeper:
             thread.join(timeout=5)
 
 
+class Evicting(Protocol):
+    """What the idle sweeper needs of a store (`ShardStore` is one): it names no store class, so
+    the store, which starts sweepers, and the sweepers import one way only."""
+
+    max_idle_seconds: float | None
+
+    def evict_idle(self) -> tuple[int, int]: ...
+
+
 class IdleSweeper:
     """A daemon thread that calls `store.evict_idle()` every `interval` seconds until `stop()`.
 
@@ -78,7 +84,7 @@ class IdleSweeper:
     otherwise hold the worker's memory forever. Each sweep that evicts logs a WARNING.
     """
 
-    def __init__(self, store: ShardStore, interval: float | None = None) -> None:
+    def __init__(self, store: Evicting, interval: float | None = None) -> None:
         if store.max_idle_seconds is None:
             raise ValueError("the store has no max_idle_seconds: nothing to sweep")
         self.store = store

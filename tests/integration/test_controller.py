@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from batch_support import remote, shards_on
 
 from distbatch import BatchMeta, BatchStatusError, DistBatchError, FieldMeta, ShardClient
 from distbatch.batch import BatchStatus, DistributedBatchMemory
@@ -35,10 +36,6 @@ def prefix() -> str:
 def tokens(lengths: Sequence[int]) -> list[torch.Tensor]:
     return [torch.arange(n, dtype=torch.int64) for n in lengths]
 
-
-def remote(node: str, task_ids: Sequence[str], **columns: Any) -> DistributedBatchMemory:
-    """A REMOTE batch whose shards were really pushed to `node`."""
-    return DistributedBatchMemory.from_dict(columns, task_ids=list(task_ids)).to_remote(node)
 
 
 def group_batch(
@@ -63,9 +60,6 @@ def assert_whole_groups(batch: DistributedBatchMemory, n: int) -> list[str]:
     assert all(c == n for c in counts.values()), counts
     return sorted(counts)
 
-
-def shards_on(client: ShardClient, node: str) -> int:
-    return client.stats(node)["shards"]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import requests
 import torch
+from batch_support import remote, shards_on
 
-from distbatch import DistributedBatchMemory, ForgottenNode, InvalidArgumentError, ShardClient
+from distbatch import ForgottenNode, InvalidArgumentError, ShardClient
 from distbatch.batch import BatchStatus
 from distbatch.controller import Controller
 from distbatch.controller.remote import RemoteController
@@ -29,10 +30,6 @@ from distbatch.launch import WorkerProcess
 HTTP = requests.Session()
 HTTP.trust_env = False
 
-
-def remote(node: str, task_ids: Sequence[str], **columns: Any) -> DistributedBatchMemory:
-    """A REMOTE batch whose shards were really pushed to `node`."""
-    return DistributedBatchMemory.from_dict(columns, task_ids=list(task_ids)).to_remote(node)
 
 
 def ids(name: str, count: int) -> list[str]:
@@ -143,9 +140,6 @@ def test_forget_node_drops_a_dead_workers_tasks_from_every_partition(
     assert ctl.partitions() == ["r"]
     assert ctl.clear_partition("r") == 2 and shards_on(quick, live.node) == 0
 
-
-def shards_on(client: ShardClient, node: str) -> int:
-    return client.stats(node)["shards"]
 
 
 def test_forget_node_never_contacts_the_node(fresh_workers: list[WorkerProcess], quick: ShardClient) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from batch_support import remote
 
 from distbatch import AuthError, BatchStatusError, RequestError, ShardClient, WorkerUnavailableError
 from distbatch.batch import BatchStatus, DistributedBatchMemory
@@ -38,9 +39,6 @@ HTTP.trust_env = False
 def prefix() -> str:
     return uuid.uuid4().hex[:8]
 
-
-def remote(node: str, task_ids: Sequence[str], **columns: Any) -> DistributedBatchMemory:
-    return DistributedBatchMemory.from_dict(columns, task_ids=list(task_ids)).to_remote(node)
 
 
 def groups(node: str, ids: Sequence[str], lengths: Sequence[int], n: int = 2) -> DistributedBatchMemory:

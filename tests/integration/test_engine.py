@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from batch_support import shards_on
 from engines_for_tests import ENGINES_ENV
 
 from distbatch import (
@@ -75,9 +76,6 @@ def push(node: str, module_client: ShardClient, n: int = 4) -> DistributedBatchM
     )
     return local.to_remote(node, module_client)
 
-
-def shards_on(module_client: ShardClient, node: str) -> int:
-    return module_client.stats(node)["shards"]
 
 
 # --------------------------------------------------------------------------- results

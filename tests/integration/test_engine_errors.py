@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from batch_support import shards_on
 from engines_for_tests import ENGINES_ENV
 
 from distbatch import (
@@ -77,9 +78,6 @@ def batch(node: str, no_retry_client: ShardClient) -> Iterator[DistributedBatchM
     yield remote
     remote.clear()
 
-
-def shards_on(no_retry_client: ShardClient, node: str) -> int:
-    return no_retry_client.stats(node)["shards"]
 
 
 # --------------------------------------------------------------------------- results that cannot be stored

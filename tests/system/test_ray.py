@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ray_support import host, import_ray, ray_workers, run_pipeline_on_ray_and_locally, wait_for_free_cpus
+from ray_support import (
+    host,
+    import_ray,
+    local_ray_for_module,
+    ray_workers,
+    run_pipeline_on_ray_and_locally,
+    wait_for_free_cpus,
+)
 
 ray = import_ray()
 
@@ -27,7 +34,6 @@ from distbatch import (  # noqa: E402
     WorkerGroup,
     WorkerUnavailableError,
 )
-from distbatch.launch.ray_actors import init_local_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -37,11 +43,7 @@ ECHO = "engines_for_tests:EchoEngine"
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        pytest.fail("ray was initialised before this module")
-    init_local_ray(num_cpus=2, configure_logging=False)
-    yield
-    ray.shutdown()
+    yield from local_ray_for_module(2)
 
 
 KWARGS = {"launcher": "ray", "sizes": [1, 2]}

@@ -28,12 +28,11 @@ from typing import Any
 
 import pytest
 import torch
-from ray_support import import_ray
+from ray_support import import_ray, local_ray_for_module
 from thread_support import run_in_thread
 
 from distbatch import ShardClient, WorkerUnavailableError
 from distbatch.launch import WorkerProcess, spawn_workers
-from distbatch.launch.ray_actors import init_local_ray
 from distbatch.shm import ENV_SWITCH
 
 ray = import_ray()
@@ -60,11 +59,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        pytest.fail("ray was initialised before this module")
-    init_local_ray(num_cpus=RAY_CPUS, configure_logging=False, runtime_env=SETUP_HOOK)
-    yield
-    ray.shutdown()
+    yield from local_ray_for_module(RAY_CPUS, runtime_env=SETUP_HOOK)
 
 
 @ray.remote

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = "rpc_server"
 
@@ -68,13 +70,22 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _import_graph(package: str, *, top_level_only: bool) -> dict[str, dict[str, str]]:
-    """For each module of `package`, the package's modules it imports, each with where."""
+def _import_graph(
+    package: str, *, top_level_only: bool, type_checking: bool = False
+) -> dict[str, dict[str, str]]:
+    """For each module of `package`, the package's modules it imports, each with where (the
+    imports that run; with `type_checking`, every import statement, those only a type checker
+    reads included)."""
     paths = {_module_name(p): p for p in _modules(package)}
     graph: dict[str, dict[str, str]] = {name: {} for name in paths}
     for name, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
-        for node in _runtime_imports(tree, top_level_only=top_level_only):
+        nodes = (
+            [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            if type_checking
+            else _runtime_imports(tree, top_level_only=top_level_only)
+        )
+        for node in nodes:
             targets = _imported(node)
             if isinstance(node, ast.ImportFrom) and all(t in paths for t in targets[1:]) and len(targets) > 1:
                 targets = targets[1:]  # `from pkg import sub`: the submodules, not pkg's own __init__
@@ -149,6 +160,14 @@ def test_rpc_server_has_no_circle_even_through_function_level_imports() -> None:
     `create_app`, so neither may import `app` back (they take `rpc_server.context`)."""
     cycle = _cycle(_import_graph(SERVER, top_level_only=False))
     assert cycle is None, "import circle in rpc_server: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("package", ["distbatch", SERVER])
+def test_no_circle_even_through_imports_only_a_type_checker_reads(package: str) -> None:
+    """A circle hidden behind `if TYPE_CHECKING:` is still two modules that need each other;
+    a Protocol names what one needs of the other instead."""
+    cycle = _cycle(_import_graph(package, top_level_only=False, type_checking=True))
+    assert cycle is None, f"import circle in {package}: " + " -> ".join(cycle or [])
 
 
 def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
