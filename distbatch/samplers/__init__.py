@@ -82,6 +82,19 @@ from distbatch.samplers.rank_aware import RankAwareSampler
 from distbatch.samplers.seqlen_balanced import SeqlenBalancedSampler
 from distbatch.samplers.sequential import SequentialSampler
 
+# The public path, as before the package: what reprs, pickles and error messages name.
+for _public in (
+    BaseSampler,
+    GRPOGroupNSampler,
+    LengthSource,
+    RankAwareSampler,
+    SeqlenBalancedSampler,
+    SequentialSampler,
+    probe_safe,
+):
+    _public.__module__ = __name__
+del _public
+
 __all__ = [
     "BaseSampler",
     "GRPOGroupNSampler",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,28 +102,50 @@ def client_program() -> list[tuple[str, Any]]:
     return [("client get", got), ("client indexes", sorted(meta.global_indexes))]
 
 
+@dataclass
+class Run:
+    """One backend's session: the program's answers, then its checkpoint: what a get gave before
+    saving, what the new session read back, and where it was saved."""
+
+    answers: list[tuple[str, Any]]
+    saved: Any
+    restored: list[tuple[str, Any]]
+    directory: Path
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[tuple[str, Any]]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Each backend once: the program, then a checkpoint saved at the end of that session and
+    loaded in a new one (a new `tq.init`: new workers at new addresses for Distbatch). Two
+    `tq.init`s a backend, each starting TransferQueue's actors and ours."""
     out = {}
     for backend in BACKENDS:
+        directory = tmp_path_factory.mktemp(backend)
         tq.init(config(backend))
         try:
-            out[backend] = program()
+            answers = program()
+            saved = save_checkpoint(directory)
         finally:
             dtq.close()
+        tq.init(config(backend))
+        try:
+            restored = load_checkpoint(directory)
+        finally:
+            dtq.close()
+        out[backend] = Run(answers, saved, restored, directory)
     return out
 
 
-def test_every_call_answers_as_with_simple_storage(runs: dict[str, list[tuple[str, Any]]]) -> None:
-    reference, ours = runs["SimpleStorage"], runs["Distbatch"]
+def test_every_call_answers_as_with_simple_storage(runs: dict[str, Run]) -> None:
+    reference, ours = runs["SimpleStorage"].answers, runs["Distbatch"].answers
     assert [label for label, _ in ours] == [label for label, _ in reference]
     differ = [label for (label, a), (_, b) in zip(reference, ours) if not same(a, b)]
     assert not differ, f"Distbatch answered differently from SimpleStorage at: {differ}"
 
 
-def test_the_comparison_can_fail(runs: dict[str, list[tuple[str, Any]]]) -> None:
+def test_the_comparison_can_fail(runs: dict[str, Run]) -> None:
     """`same` tells layouts, dtypes and values apart (so the differential test means something)."""
-    got = dict(runs["Distbatch"])["get all"]
+    got = dict(runs["Distbatch"].answers)["get all"]
     assert same(got, got)
     assert not same(got, got.exclude("reward"))
     changed = got.clone()
@@ -133,38 +156,35 @@ def test_the_comparison_can_fail(runs: dict[str, list[tuple[str, Any]]]) -> None
     assert not same(got.get("logprobs"), got.get("logprobs").to(torch.float32))
 
 
-def checkpoint_program(backend: str, directory: Path) -> list[tuple[str, Any]]:
-    """Save a checkpoint, restart (a new `tq.init`: new workers at new addresses for Distbatch),
-    load it: the keys, tags and data are back."""
-    keys = [f"c{i}" for i in range(5)]
-    tq.init(config(backend))
-    try:
-        tq.kv_batch_put(
-            keys=keys, partition_id="ckpt", fields=rollout(5, 7), tags=[{"i": i} for i in range(5)]
-        )
-        advantage = TensorDict({"advantage": torch.arange(3.0)}, batch_size=[3])
-        tq.kv_batch_put(keys=keys[:3], partition_id="ckpt", fields=advantage)
-        before = tq.kv_batch_get(keys=keys, partition_id="ckpt")
-        tq.save_checkpoint(directory)
-    finally:
-        dtq.close()
-    tq.init(config(backend))
-    try:
-        tq.load_checkpoint(directory)
-        after = tq.kv_batch_get(keys=keys, partition_id="ckpt")
-        extra = tq.kv_batch_get(keys=keys[:3], partition_id="ckpt", select_fields=["advantage"])
-        listed = tq.kv_list(partition_id="ckpt")
-        tq.kv_clear(keys=keys, partition_id="ckpt")
-    finally:
-        dtq.close()
-    assert same(before, after), backend
+CHECKPOINTED = [f"c{i}" for i in range(5)]
+
+
+def save_checkpoint(directory: Path) -> Any:
+    """Keys with tags and a field a later stage added, saved; what a get gave before saving."""
+    tq.kv_batch_put(
+        keys=CHECKPOINTED, partition_id="ckpt", fields=rollout(5, 7), tags=[{"i": i} for i in range(5)]
+    )
+    advantage = TensorDict({"advantage": torch.arange(3.0)}, batch_size=[3])
+    tq.kv_batch_put(keys=CHECKPOINTED[:3], partition_id="ckpt", fields=advantage)
+    before = tq.kv_batch_get(keys=CHECKPOINTED, partition_id="ckpt")
+    tq.save_checkpoint(directory)
+    return before
+
+
+def load_checkpoint(directory: Path) -> list[tuple[str, Any]]:
+    """In a new session: the checkpoint loaded, then what the keys, tags and data read back as."""
+    tq.load_checkpoint(directory)
+    after = tq.kv_batch_get(keys=CHECKPOINTED, partition_id="ckpt")
+    extra = tq.kv_batch_get(keys=CHECKPOINTED[:3], partition_id="ckpt", select_fields=["advantage"])
+    listed = tq.kv_list(partition_id="ckpt")
+    tq.kv_clear(keys=CHECKPOINTED, partition_id="ckpt")
     return [("restored", after), ("restored later field", extra), ("restored list", listed)]
 
 
-def test_checkpoints_round_trip_as_with_simple_storage(tmp_path: Path) -> None:
-    answers = {backend: checkpoint_program(backend, tmp_path / backend) for backend in BACKENDS}
-    differ = [
-        label for (label, a), (_, b) in zip(answers["SimpleStorage"], answers["Distbatch"]) if not same(a, b)
-    ]
+def test_checkpoints_round_trip_as_with_simple_storage(runs: dict[str, Run]) -> None:
+    for backend, run in runs.items():
+        assert same(run.saved, dict(run.restored)["restored"]), backend
+    reference, ours = runs["SimpleStorage"].restored, runs["Distbatch"].restored
+    differ = [label for (label, a), (_, b) in zip(reference, ours) if not same(a, b)]
     assert not differ, f"Distbatch answered differently from SimpleStorage at: {differ}"
-    assert (tmp_path / "Distbatch" / "distbatch" / "index.json").exists()
+    assert (runs["Distbatch"].directory / "distbatch" / "index.json").exists()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sampler_support import PID, TASK, r
 
-from distbatch import samplers
+from distbatch import errors, samplers
 from distbatch.samplers import (
     GRPOGroupNSampler,
     RankAwareSampler,
@@ -36,7 +36,7 @@ class StoredLengths(MetaPartition):
 
     def sample_lengths(self, indexes: Sequence[int], field: str) -> list[int]:
         if field != "input_ids":
-            raise samplers.InvalidArgumentError(f"partition has no tensor field {field!r} for lengths")
+            raise errors.InvalidArgumentError(f"partition has no tensor field {field!r} for lengths")
         return [10 * (i + 1) for i in indexes]
 
 
