@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sampler_support import PID, TASK, r
 
-from distbatch import errors, samplers
+from distbatch import errors
 from distbatch.samplers import (
     GRPOGroupNSampler,
     RankAwareSampler,
