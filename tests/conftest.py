@@ -43,6 +43,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # something failed raises instead (workers inherit it): a lost fast path fails the test.
     # Tests that provoke a fallback on purpose turn it off (`lenient_same_host`).
     os.environ[ENV_STRICT] = "1"
+    # Ray runs its worker processes (every actor: our workers, TransferQueue's) at nice 15, so on
+    # a busy machine the Ray modules, the run's critical path, got the CPU last; here they run at
+    # the priority of the test that started them (see `chains_come_first`).
+    os.environ["RAY_worker_niceness"] = "0"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

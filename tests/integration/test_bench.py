@@ -102,6 +102,8 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
 def test_transferqueue_backends_put_and_get_the_same_batches(
     tmp_path: Path, backend: str, same_host: bool
 ) -> None:
+    """The bench's TransferQueue rows, each backend on each path. Long (10-15 s alone each): every
+    run starts Ray, TransferQueue's actors and, for Distbatch, our workers, as the bench does."""
     reason = transferqueue.available()
     if reason:
         pytest.skip(reason)
@@ -121,6 +123,8 @@ def test_transferqueue_backends_put_and_get_the_same_batches(
 
 
 def test_ray_object_store_times_the_ragged_and_padded_dense_batch() -> None:
+    """The bench's Ray baseline runs and times both batches. Long on a busy machine (20 s alone):
+    it starts a Ray cluster of its own, as the bench does, and puts and gets through it."""
     import_ray()
     times = baselines.ray_roundtrips("tiny", 0, 1, ("ragged", "dense"))
     assert set(times) == {"ragged", "dense"} and all(len(t) == 1 for t in times.values())

@@ -30,7 +30,10 @@ WORKER_HOSTS = 2  # + host 0: the head and the controller
 def test_ray_gets_the_grpo_chunks_across_hosts_and_leaves_nothing(tmp_path: Path) -> None:
     """Two worker hosts: each consumer gets its balanced chunk (half of it from the other host)
     with `ray.get`, equal to distbatch's own chunk; then no namespace, link, Ray process or Ray
-    temp dir is left."""
+    temp dir is left.
+
+    Long (half a minute alone): a Ray cluster across three namespaces starts first, and the
+    chunks cross links shaped to 100 Mbit/s."""
     remove_stale_ray("dtr")
     prefix = f"dtr{os.getpid()}"
     args = parse_args(

@@ -33,7 +33,11 @@ WORKER_HOSTS = 2  # + host 0: the Ray head, TransferQueue's controller and the b
 def test_transferqueue_moves_the_grpo_chunks_across_hosts_and_leaves_nothing(tmp_path: Path) -> None:
     """Two worker hosts, a storage unit on each: the producers' puts cross the links (a task's
     unit is its index mod 2), each consumer gets its balanced chunk, equal to distbatch's own;
-    the keys are cleared; then no namespace, link, Ray process or Ray temp dir is left."""
+    the keys are cleared; then no namespace, link, Ray process or Ray temp dir is left.
+
+    Long (about a minute alone, more on a busy machine): a Ray cluster across three namespaces,
+    TransferQueue's controller and storage units start before a byte moves, and every transfer
+    crosses links shaped to 100 Mbit/s."""
     remove_stale_ray("dbt")
     prefix = f"dbt{os.getpid()}"
     args = parse_args(

@@ -101,7 +101,8 @@ def path() -> str:
 @pytest.fixture
 def setup(path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
     """A producer actor, as many workers as it takes for its home worker and this process's to
-    differ (homes go by process id), and `tq.init` over them; all stopped after the test."""
+    differ (homes go by process id), and `tq.init` over them; all stopped after the test. The
+    slow part of each test (5-10 s alone): the actor's process and TransferQueue's start."""
     if path == "same_host":
         if shutil.which("ss") is None:
             pytest.skip("needs `ss` to see a Unix socket's queue")
