@@ -41,7 +41,9 @@ def test_transferqueue_moves_the_grpo_chunks_across_hosts_and_leaves_nothing(tmp
     remove_stale_ray("dbt")
     prefix = f"dbt{os.getpid()}"
     args = parse_args(
-        ["--prompts=16", "--n=4", "--mean-len=256", "--repeats=1", f"--prefix={prefix}", f"--out={tmp_path}"]
+        # Tokens long enough (2 MB in all) that data, not the time-bound control traffic of Ray's
+        # and TransferQueue's actors, decides the byte counts below, however slow the machine.
+        ["--prompts=16", "--n=4", "--mean-len=2048", "--repeats=1", f"--prefix={prefix}", f"--out={tmp_path}"]
     )
     result = run_hosts(WORKER_HOSTS, args, tmp_path / "logs")
 
