@@ -329,6 +329,8 @@ class Engine:
 
 
 def test_engine_next_to_the_controller_script_imports_in_workers(tmp_path: Path) -> None:
+    """Long (10-35 s): a controller script runs in a process of its own and starts workers that import
+    its engine."""
     # `cd / && python /path/job.py` with package `myrl` next to job.py: the worker (cwd /) used to
     # fail with "No module named 'myrl'", reported only as an exit code.
     project = tmp_path / "project"

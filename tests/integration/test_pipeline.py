@@ -132,7 +132,9 @@ def test_the_docs_show_what_the_demo_prints_now(grpo: ModuleType, monkeypatch: p
     """README.md and the engines guide paste the demo's output (scripts/demo: --compare, default
     sizes). Its byte counts are deterministic, so step 0's line of each mode must be what a run
     prints today (they went stale once: 56.8 kB, 0.88%, after the controller's traffic grew).
-    As the demo runs: same-host gathers over shared memory (the suite turns them off)."""
+    As the demo runs: same-host gathers over shared memory (the suite turns them off).
+
+    Long (20-90 s): it runs the demo itself, both modes, to compare its output with the docs."""
     monkeypatch.delenv("DISTBATCH_SHM")
     args = grpo.parse_args(["--steps", "1"])
     for centralised in (False, True):
@@ -149,6 +151,7 @@ def test_the_docs_show_what_the_demo_prints_now(grpo: ModuleType, monkeypatch: p
 
 
 def test_script_runs_and_prints_the_summary() -> None:
+    """Long (15-75 s): the main job's script runs end to end in a process of its own, workers and all."""
     result = subprocess.run(
         [
             sys.executable,
@@ -183,7 +186,10 @@ def test_the_main_job_over_shared_memory_gives_the_same_steps(
 ) -> None:
     """Workers on one host gather from each other through shared memory (the suite runs with
     `DISTBATCH_SHM=0`; here it is on): same tasks, tokens, balance and loss as over HTTP, and
-    the controller still moves metadata only."""
+    the controller still moves metadata only.
+
+    Long (10-40 s): the main job runs twice, over shared memory and over HTTP, to compare every
+    step."""
     monkeypatch.delenv("DISTBATCH_SHM")
     over_shm = grpo.run_pipeline(grpo.parse_args(TINY), centralised=False, quiet=True)
     over_http, _ = reports

@@ -63,6 +63,7 @@ def test_both_packages_ship_py_typed() -> None:
 
 
 def test_a_type_checker_sees_the_real_classes(tmp_path: Path) -> None:
+    """Long (15-115 s): it runs mypy over a probe that imports the package, from a cold cache."""
     mypy = shutil.which("mypy", path=str(Path(sys.executable).parent))
     if mypy is None:
         pytest.skip("mypy is not installed (it comes with the [dev] extra)")

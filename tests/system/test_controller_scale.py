@@ -26,6 +26,8 @@ from distbatch.controller.server import ControllerServer
 def test_256_consumers_in_4_groups_get_every_task_exactly_once(
     serve: Callable[..., ControllerServer],
 ) -> None:
+    """Long (10-90 s): 256 consumers polling one served controller while a producer streams is the
+    scale the test is about."""
     server = serve(Controller())
     scenario = control_plane.Scenario(
         consumers=256,

@@ -153,7 +153,10 @@ def test_a_worker_gone_mid_run_is_a_clear_error_and_nothing_half_stored(
 
 def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[..., Any]) -> None:
     """A Ray task in another process reaches the backend with no import of its own: the job's
-    `worker_process_setup_hook` imported distbatch.transferqueue there, as verl's workers would."""
+    `worker_process_setup_hook` imported distbatch.transferqueue there, as verl's workers would.
+
+    Long (10-45 s): a `tq.init` and a Ray task in a new worker process, which imports torch and
+    TransferQueue first."""
     distbatch_backend(workers=1)
     tq.kv_batch_put(keys=["r0", "r1"], partition_id="p", fields=rollout(2, 5))
 
