@@ -270,18 +270,19 @@ class SameHostShardPath:
         return await self.http.fetch(node, task_ids, fields, progress, generations)
 
     def _fell_back(self, node: str, reason: str) -> None:
-        """The worker could not share this request's answer: counted, said once, sent over HTTP."""
-        self.transport.traffic.same_host_fallbacks += 1
+        """The worker could not share this request's answer: said once (an error under strict
+        mode, which sends nothing over HTTP), counted, sent over HTTP."""
         self.paths.fell_back(node, reason)
+        self.transport.traffic.same_host_fallbacks += 1
 
     def _broke(self, node: str, exc: BaseException) -> None:
         """A same-host request broke: forget the channel (HTTP carries this request), unless the
         worker simply did not answer within the client's timeout, which HTTP would not mend."""
-        self.transport.traffic.same_host_fallbacks += 1
         self.paths.forget(node, f"the same-host connection failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, TimeoutError):
             timeout = self.transport.policy.timeout
             raise WorkerUnavailableError(node, f"no same-host answer within {timeout:g} s") from None
+        self.transport.traffic.same_host_fallbacks += 1  # only a request HTTP then carries
 
     async def _call(self, node: str, method: Callable[..., T], *args: Any) -> T:
         """Run a blocking same-host request in a thread under the node's connection slot; an

@@ -123,7 +123,7 @@ def byte_view(buf: Buffer | Any) -> memoryview:
     bytes goes through here instead, so an empty field never leaves a fast path.
     """
     view = memoryview(buf)
-    if view.ndim == 1 and view.format == "B":
+    if view.ndim == 1 and view.format == "B" and view.c_contiguous:
         return view
     if view.nbytes == 0:
         return memoryview(b"")

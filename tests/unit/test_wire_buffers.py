@@ -320,3 +320,10 @@ def test_byte_view_copies_only_what_is_not_contiguous() -> None:
     assert bytes(wire.byte_view(strided)) == np.ascontiguousarray(strided).tobytes()
     raw = b"abc"
     assert wire.byte_view(memoryview(raw)).obj is raw
+
+
+def test_byte_view_of_a_strided_byte_view_is_contiguous() -> None:
+    """A 1-D byte view that skips bytes is made flat too (a socket send refuses a strided one)."""
+    every_other = memoryview(bytes(range(10)))[::2]
+    flat = wire.byte_view(every_other)
+    assert flat.c_contiguous and bytes(flat) == bytes(range(0, 10, 2))
