@@ -10,7 +10,8 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
   (shared memory next to Ray's same-node put/get and a memcpy);
 - `scaling` (1k-100k tasks), `control_plane` (hundreds of ranks polling one controller),
   `soak` (load, every byte checked);
-- simulated hosts (network namespaces): `cluster` (bringing them up and down, shaping links),
-  `cluster_job` (the main job across them), `cluster_tcp` (plain TCP on the same links),
-  `cluster_ray` (Ray's object store there), `cluster_tq` (TransferQueue's SimpleStorage there).
+- `cluster`, a package: the jobs run on simulated hosts (network namespaces, brought up and down
+  and their links shaped by `simcluster`, beside `bench/` at the repo root): `cluster.job` (the
+  main job across them), `cluster.tcp` (plain TCP on the same links), `cluster.ray_peer` (Ray's
+  object store there), `cluster.tq_peer` (TransferQueue's SimpleStorage there).
 """

@@ -38,7 +38,7 @@ from bench import baselines, control_plane, same_host, scaling, transferqueue
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
-from distbatch.shm import ENV_SWITCH
+from distbatch.transport.shm import ENV_SWITCH
 
 ROOT = Path(__file__).resolve().parents[1]
 TQ_MIN_REPEATS = 5  # repeats of each TransferQueue row at least (see bench_peers)

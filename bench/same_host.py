@@ -29,7 +29,7 @@ from tqdm import tqdm
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
-from distbatch.shm import disabled_reason
+from distbatch.transport.shm import disabled_reason
 
 KINDS = ("ragged", "dense")
 

@@ -4,11 +4,12 @@ The controller holds metadata; tensors stay on the workers that produced them
 and are gathered straight from those workers, lazily, over HTTP.
 
 Layers, bottom up (each imports only those below it; `docs/guide/architecture.md` draws them):
-`errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `shm`, `recv_pool`
-and `serving` (the HTTP server the worker, `rpc_server`, and the controller's HTTP face share);
-`client` (moving bytes to and from workers); `batch` and `balance` (the batch object, its
-metadata and its balancing); `calls` and `samplers`; `controller`; `launch` (workers and
-groups); `dataloader`, `cli` and `transferqueue` on top.
+`errors`, `ids`, `protocol`, `auth` and small helpers; `wire` (the bytes); `transport`
+(same-host regions, recycled receive buffers) and `serving` (the HTTP server the worker,
+`rpc_server`, and the controller's HTTP face share); `client` (moving bytes to and from
+workers); `batch` (the batch object, its metadata, its balancing and engine-call envelopes);
+`samplers`; `controller`; `launch` (workers and groups); `dataloader`, `cli` and
+`transferqueue` on top.
 """
 
 from typing import TYPE_CHECKING
@@ -44,8 +45,9 @@ from distbatch.ids import ShardKey, ShardRef
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run time, `_LAZY`)
-    from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+    from distbatch.batch.memory import DistributedBatchMemory
     from distbatch.batch.meta import BatchMeta, FieldMeta
+    from distbatch.batch.states import BatchStatus
     from distbatch.client.default import default_client, set_default_client
     from distbatch.client.results import DeleteResult, PutResult
     from distbatch.client.shard_client import ShardClient
@@ -61,7 +63,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the real classes (at run t
 # Each name maps to the module that defines it; tests/integration/test_public_api.py checks this table
 # against the `if TYPE_CHECKING:` imports above, so the two cannot drift apart.
 _LAZY = {
-    "BatchStatus": "distbatch.batch.memory",
+    "BatchStatus": "distbatch.batch.states",
     "DistributedBatchMemory": "distbatch.batch.memory",
     "BatchMeta": "distbatch.batch.meta",
     "FieldMeta": "distbatch.batch.meta",

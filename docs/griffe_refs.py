@@ -2,7 +2,7 @@
 
 Our docstrings follow the Sphinx convention: ``double backticks`` are literal code,
 `single backticks` name another object (`WorkerGroup`, `Controller.get_meta`,
-`distbatch.recv_pool`). mkdocstrings only links ``[title][identifier]``, so this extension
+`distbatch.transport.recv_pool`). mkdocstrings only links ``[title][identifier]``, so this extension
 resolves each single-backticked name from the docstring's scope (the object, its parents,
 its module's imports, then the top-level names of distbatch and rpc_server) and rewrites it
 as an optional autorefs link: a link where the target is on a page, plain code elsewhere.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from flask import current_app
 
-from distbatch.recv_pool import RecvPool
+from distbatch.transport.recv_pool import RecvPool
 from rpc_server.config import ServerConfig
 from rpc_server.metrics import Metrics
 from rpc_server.store.shard_store import ShardStore
@@ -68,7 +68,7 @@ class ServerState:
     def shared_memory(self) -> dict[str, Any]:
         """What `GET /v1/shm` answers: how to reach the same-host endpoint (started on first
         use), or why there is none."""
-        from distbatch.shm import disabled_reason
+        from distbatch.transport.shm import disabled_reason
         from rpc_server.shm_server import SharedMemoryService
 
         with self._shm_lock:

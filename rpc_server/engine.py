@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from distbatch.batch.calls import decode_call, encode_value
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.batch.ragged import column_problem
-from distbatch.calls import decode_call, encode_value
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import WireFormatError

@@ -17,8 +17,9 @@ from distbatch import wire
 from distbatch.gc_pause import paused_gc
 from distbatch.ids import ShardKey, validate_id, validate_key
 from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
+from distbatch.serving.handler import SENDS_BUFFERS
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from distbatch.serving.server import SENDS_BUFFERS, connection_gauges
+from distbatch.serving.server import connection_gauges
 from rpc_server.checks import (
     check_field_count,
     check_put,

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 from flask import Flask
 
-from distbatch.serving.server import (
-    DEFAULT_MAX_THREADS,
-    DEFAULT_READ_TIMEOUT,
-    HEALTH_REQUESTS,
-    RESERVE_THREADS,
-    WILDCARD_HOSTS,
-    HttpServer,
-    advertised_host,
-    format_node,
-)
+from distbatch.protocol import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
+from distbatch.serving.addresses import WILDCARD_HOSTS, advertised_host, format_node
+from distbatch.serving.server import HEALTH_REQUESTS, RESERVE_THREADS, HttpServer
 from rpc_server.config import ServerConfig
 
 __all__ = [

@@ -6,7 +6,7 @@ worker's. The socket is abstract (no file; gone with the worker) and its name ra
 connection is served only if its peer runs as the worker's user (`SO_PEERCRED`) and its
 first message carries the secret, and the token when one is set.
 
-Requests are length-prefixed messages (`distbatch.shm`): a JSON header, maybe bytes, maybe
+Requests are length-prefixed messages (`distbatch.transport.shm`): a JSON header, maybe bytes, maybe
 descriptors. Nothing is unpickled or evaluated; every id and bound is checked as over HTTP.
 
 - `fetch` (task ids x fields): the bundle's skeleton (`wire.build_bundle`): small columns
@@ -36,7 +36,7 @@ from distbatch.gc_pause import paused_gc
 from distbatch.ids import validate_id
 from distbatch.protocol import SERVER_IDLE_SECONDS
 from distbatch.serving.open_files import raise_open_file_limit
-from distbatch.shm import (
+from distbatch.transport.shm import (
     SharedRegion,
     abstract_address,
     close_all,

@@ -1,4 +1,4 @@
-"""What the tests on simulated hosts (bench/cluster.py) share: the environment a process in a host
+"""What the tests on simulated hosts (`simcluster`) share: the environment a process in a host
 runs with, per-run resource prefixes and the removal of what killed runs left, workers started in
 a host, and scripts in a host spoken to by lines (tests/system/test_cluster*.py).
 """
@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from bench.cluster import Cluster, down, leftovers, stop_process
 from distbatch.launch.local import log_tail, read_first_line
-from distbatch.shm import ENV_SWITCH
+from distbatch.transport.shm import ENV_SWITCH
+from simcluster import Cluster, down, leftovers, stop_namespaces, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_TIMEOUT = 120.0  # seconds for any one subprocess step
@@ -66,8 +66,6 @@ def fresh_cluster(hosts: int, rate: str, tag: str) -> Iterator[Cluster]:
 def remove_stale_ray(stem: str) -> None:
     """Stop the processes in, then take down, the clusters `<stem><pid>` that earlier runs of a Ray
     test left when killed (their pid is gone): Ray's processes outlive their test."""
-    from bench.cluster_ray import stop_namespaces
-
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     for pid in set(re.findall(rf"^{stem}(\d+)h\d+", listing, re.MULTILINE)):
         if not Path(f"/proc/{pid}").exists():

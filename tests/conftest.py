@@ -31,7 +31,7 @@ from distbatch import ShardClient
 from distbatch.controller import Controller
 from distbatch.controller.server import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
-from distbatch.shm import ENV_STRICT, ENV_SWITCH
+from distbatch.transport.shm import ENV_STRICT, ENV_SWITCH
 
 
 def pytest_configure(config: pytest.Config) -> None:

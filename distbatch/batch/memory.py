@@ -5,15 +5,13 @@ indexing a field gathers just that column from those workers, concurrently,
 and caches it. Slicing, chunking, balancing, union and concat of a REMOTE
 batch move no data: they rearrange metadata.
 
-The batch checks its arguments and takes the LOCAL or the REMOTE path; the work is done
-beside it: `columns` (a LOCAL batch's data), `remote` (a REMOTE batch's metadata and cache),
-`gather` (fetching fields), `ops` (which rows a rearrangement takes).
+The batch checks its arguments and asks its state (`states`: EMPTY, LOCAL or REMOTE), which
+answers with `columns` (a LOCAL batch's data), `remote` (a REMOTE batch's metadata and cache)
+and `gather` (fetching fields); `ops` says which rows a rearrangement takes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import json
 import uuid
 import warnings
@@ -27,48 +25,39 @@ from distbatch import wire
 from distbatch.batch import ops
 from distbatch.batch.columns import (
     Column,
-    column_for_pickle,
     column_len,
-    column_lengths,
     columns_from_dict,
-    concat_columns,
-    empty_column,
-    empty_packed,
     export_bundle,
     fields_of_samples,
-    merge_columns,
-    pack_column,
-    schema_of,
-    take_columns,
     to_column,
     to_device,
 )
-from distbatch.batch.gather import Gathered, fetch, plan_fetch
-from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.batch.ragged import nested_of_packed
-from distbatch.batch.remote import FieldCache, RemoteColumns
+from distbatch.batch.remote import RemoteColumns
+from distbatch.batch.states import (
+    BatchState,
+    BatchStatus,
+    EmptyState,
+    LocalState,
+    local_state,
+    remote_state,
+    unpickled_state,
+)
 from distbatch.client.default import default_client
-from distbatch.client.planning import DeleteProduct
-from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import (
     BatchStatusError,
-    ClearError,
     InvalidArgumentError,
     InvalidTypeError,
     MetaFormatError,
-    NodeError,
     NotFoundError,
     OutOfRangeError,
 )
 from distbatch.ids import shown, validate_id, validate_node
 from distbatch.twins import AWAITED, BLOCKING, Twin, run_blocking
 
-
-class BatchStatus(enum.Enum):
-    LOCAL = "LOCAL"
-    REMOTE = "REMOTE"
-    EMPTY = "EMPTY"
+__all__ = ["BatchStatus", "DistributedBatchMemory", "new_task_ids"]
 
 
 def _check_task_ids(task_ids: Iterable[Any], count: int) -> list[str]:
@@ -102,40 +91,20 @@ class DistributedBatchMemory:
     progress_min_bytes: ClassVar[int] = 64 << 20
 
     def __init__(self) -> None:
-        self._task_ids: list[str] = []
-        self._data: dict[str, Column] | None = None  # LOCAL
-        self._remote: RemoteColumns | None = None  # REMOTE
-        # EMPTY: the fields it keeps (dtype, kind, shape over zero tasks), so an empty slice or
-        # chunk still has them; {} for a batch that never had any.
-        self._schema: dict[str, FieldMeta] = {}
+        # What the batch holds and how it answers, by status (`distbatch.batch.states`).
+        self._state: BatchState = EmptyState()
 
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def _make_local(cls, task_ids: list[str], data: dict[str, Column]) -> DistributedBatchMemory:
+    def _of(cls, state: BatchState) -> DistributedBatchMemory:
         batch = cls()
-        if task_ids:
-            batch._task_ids = task_ids
-            batch._data = data
-        else:
-            batch._schema = schema_of(data)
-        return batch
-
-    @classmethod
-    def _make_remote(cls, remote: RemoteColumns) -> DistributedBatchMemory:
-        batch = cls()
-        if len(remote.meta):
-            batch._task_ids = list(remote.meta.task_ids)
-            batch._remote = remote
-        else:
-            batch._schema = dict(remote.meta.fields)
+        batch._state = state
         return batch
 
     @classmethod
     def _make_empty(cls, schema: Mapping[str, FieldMeta]) -> DistributedBatchMemory:
-        batch = cls()
-        batch._schema = dict(schema)
-        return batch
+        return cls._of(EmptyState(schema))
 
     @classmethod
     def from_dict(
@@ -151,7 +120,7 @@ class DistributedBatchMemory:
         if count is None:
             count = len(task_ids) if task_ids is not None else 0
         ids = new_task_ids(count) if task_ids is None else _check_task_ids(task_ids, count)
-        return cls._make_local(ids, columns)
+        return cls._of(local_state(ids, columns))
 
     @classmethod
     def from_list(
@@ -163,7 +132,7 @@ class DistributedBatchMemory:
     @classmethod
     def from_meta(cls, meta: BatchMeta, client: ShardClient | None = None) -> DistributedBatchMemory:
         """A REMOTE batch over existing shards; `client` defaults to the process-wide one."""
-        return cls._make_remote(RemoteColumns(meta, client))
+        return cls._of(remote_state(RemoteColumns(meta, client)))
 
     @classmethod
     def from_json(cls, text: str | bytes, client: ShardClient | None = None) -> DistributedBatchMemory:
@@ -185,19 +154,15 @@ class DistributedBatchMemory:
 
     @property
     def status(self) -> BatchStatus:
-        if not self._task_ids:
-            return BatchStatus.EMPTY
-        return BatchStatus.REMOTE if self._remote is not None else BatchStatus.LOCAL
+        return self._state.status
 
     @property
     def task_ids(self) -> list[str]:
-        return list(self._task_ids)
+        return list(self._state.task_ids)
 
     @property
     def fields(self) -> list[str]:
-        if self._remote is not None:
-            return list(self._remote.meta.fields)
-        return list(self._data if self._data is not None else self._schema)
+        return self._state.fields()
 
     def keys(self) -> list[str]:
         return self.fields
@@ -205,14 +170,14 @@ class DistributedBatchMemory:
     @property
     def meta(self) -> BatchMeta | None:
         """Where every shard lives (REMOTE); None for LOCAL and EMPTY batches."""
-        return self._remote.meta if self._remote is not None else None
+        return self._state.meta
 
     @property
     def client(self) -> ShardClient:
-        return (self._remote.client if self._remote is not None else None) or default_client()
+        return self._state.client or default_client()
 
     def __len__(self) -> int:
-        return len(self._task_ids)
+        return len(self._state.task_ids)
 
     def __contains__(self, name: object) -> bool:
         return name in self.fields
@@ -220,7 +185,8 @@ class DistributedBatchMemory:
     def __repr__(self) -> str:
         status = self.status.value
         fields = ", ".join(self.fields)
-        extra = f", nodes={len(self._remote.meta.nodes)}" if self._remote is not None else ""
+        meta = self._state.meta
+        extra = f", nodes={len(meta.nodes)}" if meta is not None else ""
         return f"DistributedBatchMemory(status={status}, tasks={len(self)}, fields=[{fields}]{extra})"
 
     # ------------------------------------------------------------------ indexing
@@ -238,47 +204,30 @@ class DistributedBatchMemory:
 
     def _column(self, name: str) -> Column:
         self._require_field(name)
-        if not self._task_ids:
-            return empty_column(self._schema[name])
-        col = (self._data or {})[name] if self._remote is None else self._cached(name).column(name)
+        col = self._state.column(name, self.progress_min_bytes)
         return col if isinstance(col, torch.Tensor) else list(col)
-
-    def _cached(self, name: str) -> FieldCache:
-        """A REMOTE batch's cache, holding field `name` (gathered now if it did not)."""
-        cache = self._remote.cache  # type: ignore[union-attr]
-        with cache.lock:  # threads that want the field gather it once
-            run_blocking(_fetch(BLOCKING, self._remote, [name], self.progress_min_bytes))
-        return cache
 
     def _row(self, index: int) -> dict[str, Any]:
         n = len(self)
         if not -n <= index < n:
             raise OutOfRangeError(f"task index {index} out of range for {n} tasks")
-        index %= n
-        if self._remote is None:
-            return {name: col[index] for name, col in (self._data or {}).items()}
-        missing = self._remote.cache.missing(self.fields)
-        one = RemoteColumns(self._remote.meta.take([index]), self._remote.client) if missing else None
-        fetched = run_blocking(_gather(BLOCKING, one, missing, self.progress_min_bytes)) if one else {}
-        return self._remote.row(index, {name: gathered.column()[0] for name, gathered in fetched.items()})
+        return self._state.row(index % n, self.progress_min_bytes)
 
     def _take(self, indices: Sequence[int] | np.ndarray) -> DistributedBatchMemory:
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         if not len(rows):
             return self._make_empty(self.schema_meta().fields)
-        if self._remote is not None:
-            return self._make_remote(self._remote.take(rows))
-        return self._make_local(pick(self._task_ids, rows), take_columns(self._data or {}, rows))
+        return self._of(self._state.take(rows))
 
     def __setitem__(self, name: str, value: Any) -> None:
         """Set field `name` of a LOCAL batch to a column, as `from_dict` takes one (a tensor with
         one row per task, a list of per-task values, or a jagged nested tensor)."""
-        self._require_local("set a field")
+        local = self._require_local("set a field")
         validate_id(name, "field")
         col = to_column(name, value)
         if column_len(col) != len(self):
             raise InvalidArgumentError(f"field {name!r} has {column_len(col)} entries for {len(self)} tasks")
-        self._data = {**(self._data or {}), name: col}
+        self._state = local.with_column(name, col)
 
     def __delitem__(self, name: str) -> None:
         if not isinstance(name, str):
@@ -286,32 +235,29 @@ class DistributedBatchMemory:
                 f"del batch[{shown(name)}]: del removes a field, by name; to drop tasks, keep the "
                 "others: batch = batch[mask] (a bool tensor), or batch[[indexes to keep]]"
             )
-        self._require_local("delete a field")
+        local = self._require_local("delete a field")
         self._require_field(name)
-        del self._data[name]  # type: ignore[union-attr]
+        self._state = local.without(name)
 
     def select_fields(self, names: Iterable[str]) -> DistributedBatchMemory:
         """A batch with only `names` (no data moves; nothing is deleted on the workers)."""
         names = list(names)
         for name in names:
             self._require_field(name)
-        if self._remote is not None:
-            return self._make_remote(self._remote.select(names))
-        if not self._task_ids:
-            return self._make_empty({n: self._schema[n] for n in names})
-        return self._make_local(list(self._task_ids), {n: (self._data or {})[n] for n in names})
+        return self._of(self._state.select(names))
 
-    def _require_local(self, action: str) -> None:
-        status = self.status
-        if status is BatchStatus.REMOTE:
+    def _require_local(self, action: str) -> LocalState:
+        """The LOCAL state, or `BatchStatusError` saying why `action` needs one."""
+        if isinstance(self._state, LocalState):
+            return self._state
+        if self.status is BatchStatus.REMOTE:
             raise BatchStatusError(
                 f"cannot {action} on a REMOTE batch: call to_local() first, or union() a batch "
                 "that carries the new field"
             )
-        if status is BatchStatus.EMPTY:
-            raise BatchStatusError(
-                f"cannot {action} on an EMPTY batch: build one with DistributedBatchMemory.from_dict()"
-            )
+        raise BatchStatusError(
+            f"cannot {action} on an EMPTY batch: build one with DistributedBatchMemory.from_dict()"
+        )
 
     # ------------------------------------------------------------------ moving data
 
@@ -321,20 +267,16 @@ class DistributedBatchMemory:
         names = self.fields if fields is None else list(fields)
         for name in names:
             self._require_field(name)
-        await _fetch(AWAITED, self._remote, names, self.progress_min_bytes)
+        await self._state.fetch(AWAITED, names, self.progress_min_bytes)
         return self
 
     async def _to_local(self, twin: Twin) -> DistributedBatchMemory:
-        if self._remote is None:
-            return self
-        await _fetch(twin, self._remote, self.fields, self.progress_min_bytes)
-        return self._make_local(list(self._task_ids), self._remote.cache.columns(self.fields))
+        state = await self._state.to_local(twin, self.progress_min_bytes)
+        return self if state is self._state else self._of(state)
 
     def to_local(self) -> DistributedBatchMemory:
         """A LOCAL batch with every field, gathering what is not cached yet (LOCAL/EMPTY: self)."""
-        if self._remote is None:
-            return self
-        with self._remote.cache.lock:  # threads that want the fields gather them once
+        with self._state.reading():  # threads that want the fields gather them once
             return run_blocking(self._to_local(BLOCKING))
 
     async def ato_local(self) -> DistributedBatchMemory:
@@ -356,11 +298,7 @@ class DistributedBatchMemory:
 
     def _packed(self, field: str) -> tuple[torch.Tensor, torch.Tensor]:
         self._require_field(field)
-        if not self._task_ids:
-            return empty_packed(field, self._schema[field])
-        if self._remote is None:
-            return pack_column(field, (self._data or {})[field])
-        return self._cached(field).packed(field)
+        return self._state.packed(field, self.progress_min_bytes)
 
     def nested(self, field: str, device: torch.device | str | None = None) -> torch.Tensor:
         """`field` as a jagged nested tensor (`layout=torch.jagged`, TransferQueue's convention):
@@ -391,11 +329,7 @@ class DistributedBatchMemory:
 
     def _field_meta(self, name: str) -> FieldMeta:
         """Field `name`'s schema: its dtype, its kind and (per task, or over zero tasks) its shape."""
-        if self._remote is not None:
-            return self._remote.meta.fields[name]
-        if self._data is not None and self._task_ids:
-            return schema_of({name: self._data[name]})[name]
-        return self._schema[name]
+        return self._state.field_meta(name)
 
     def get_data(self) -> dict[str, Column]:
         """Every field as a column (gathered first if REMOTE)."""
@@ -409,29 +343,21 @@ class DistributedBatchMemory:
         with one `cat`. `copy=True` makes sure no column shares memory with the batch's
         tensors (for a store that keeps the bundle): one copy per column at most.
         """
-        self._require_local("export shards")
-        return export_bundle(self._task_ids, self._data or {}, validate_node(node), copy)
+        local = self._require_local("export shards")
+        return export_bundle(list(local.task_ids), local.data, validate_node(node), copy)
 
     def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
         """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them."""
         if self.status is BatchStatus.EMPTY:
-            return self._make_empty(self._schema)
-        if self._remote is not None:
+            return self._of(self._state.take(np.zeros(0, dtype=np.int64)))
+        if self.status is BatchStatus.REMOTE:
             raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
         bundle, meta = self.export_bundle(node)
         result = (client or default_client()).put_bundle(meta.nodes[0], bundle)
-        return self._make_remote(RemoteColumns(meta.stored_by(result.generation), client))
+        return self._of(remote_state(RemoteColumns(meta.stored_by(result.generation), client)))
 
     async def _clear(self, twin: Twin) -> int:
-        if self._remote is None:
-            return 0
-        plan = self._remote.delete_plan()
-        try:
-            client = self.client
-            outcome = await twin.call(client.delete_products_each, client.adelete_products_each, plan)
-        finally:
-            self._remote.cache.clear()  # even a partial clear may have deleted cached shards
-        return _cleared(plan, outcome)
+        return await self._state.clear(twin)
 
     def clear(self) -> int:
         """Delete every shard this batch names on the nodes that hold them; idempotent.
@@ -461,11 +387,7 @@ class DistributedBatchMemory:
         """
         name = field or self._default_length_field()
         self._require_field(name)
-        if not self._task_ids:
-            return []
-        if self._remote is not None:
-            return self._remote.meta.lengths(name)
-        return column_lengths(name, (self._data or {})[name])
+        return self._state.lengths(name)
 
     def _default_length_field(self) -> str:
         schema = self.schema_meta().fields
@@ -500,7 +422,7 @@ class DistributedBatchMemory:
         if not len(self):
             if lengths is not None or length_field is not None:  # bad ones fail on an empty batch too
                 self._balance_lengths(length_field, lengths)
-            return [self._make_empty(self._schema) for _ in range(n)]
+            return [self._take([]) for _ in range(n)]
         task_lengths = self._balance_lengths(length_field, lengths)
         return [self._take(rows) for rows in ops.balanced_rows(task_lengths, n, group_size)]
 
@@ -547,7 +469,7 @@ class DistributedBatchMemory:
                 raise InvalidArgumentError(
                     f"fields {clash} are in both batches; pass overwrite=True to replace them"
                 )
-            return self._make_empty({**self._schema, **other._schema})
+            return self._make_empty({**self.schema_meta().fields, **other.schema_meta().fields})
         if other.status is BatchStatus.EMPTY:
             return self._take(np.arange(len(self)))
         if self.status is BatchStatus.EMPTY:
@@ -557,25 +479,21 @@ class DistributedBatchMemory:
                 f"cannot union a {self.status.value} batch with a {other.status.value} one: "
                 "call to_local() on the REMOTE one or to_remote(node) on the LOCAL one"
             )
-        rows = ops.union_rows(self._task_ids, other._task_ids)
+        rows = ops.union_rows(self._state.task_ids, other._state.task_ids)
         clash = [f for f in other.fields if f in self.fields]
         if clash and not overwrite:
             raise InvalidArgumentError(
                 f"fields {clash} are in both batches; pass overwrite=True to replace them"
             )
         order = self.fields + [f for f in other.fields if f not in self.fields]
-        if self._remote is not None and other._remote is not None:
-            return self._make_remote(self._remote.union(other._remote, rows, order))
-        data = merge_columns(self._data or {}, other._data or {}, rows, order)
-        return self._make_local(list(self._task_ids), data)
+        return self._of(self._state.union(other._state, rows, order))  # type: ignore[attr-defined]
 
     def union_(self, other: DistributedBatchMemory, overwrite: bool = False) -> DistributedBatchMemory:
         """`union` in place; on any error the batch is left unchanged."""
         result = self.union(other, overwrite=overwrite)
         # A blocking read that is gathering into this batch's cache finishes first.
-        with self._remote.cache.lock if self._remote is not None else contextlib.nullcontext():
-            self._task_ids, self._data, self._remote = result._task_ids, result._data, result._remote
-            self._schema = result._schema
+        with self._state.reading():
+            self._state = result._state
         return self
 
     @staticmethod
@@ -583,7 +501,7 @@ class DistributedBatchMemory:
         """Tasks of `batches` one after another: same fields, same status, no repeated task id."""
         parts = [b for b in batches if b.status is not BatchStatus.EMPTY]
         if not parts:  # empty batches of one schema: that schema
-            return DistributedBatchMemory._make_empty(batches[0]._schema if batches else {})
+            return DistributedBatchMemory._make_empty(batches[0].schema_meta().fields if batches else {})
         if len({b.status for b in parts}) > 1:
             raise BatchStatusError(
                 "cannot concat LOCAL and REMOTE batches: to_local() or to_remote(node) them first"
@@ -594,24 +512,17 @@ class DistributedBatchMemory:
                 raise InvalidArgumentError(
                     f"batch {i} has fields {sorted(b.fields)}, batch 0 has {sorted(names)}"
                 )
-        task_ids = [t for b in parts for t in b._task_ids]
+        task_ids = [t for b in parts for t in b._state.task_ids]
         _check_task_ids(task_ids, len(task_ids))
-        remotes = [b._remote for b in parts if b._remote is not None]
-        if remotes:
-            return DistributedBatchMemory._make_remote(RemoteColumns.concat(remotes, names))
-        data = {name: concat_columns(name, [b._data[name] for b in parts]) for name in names}  # type: ignore[index]
-        return DistributedBatchMemory._make_local(task_ids, data)
+        states: Any = [b._state for b in parts]  # all LocalState or all RemoteState
+        return DistributedBatchMemory._of(type(states[0]).concat(states, names, task_ids))
 
     # ------------------------------------------------------------------ serialization
 
     def schema_meta(self) -> BatchMeta:
         """The batch's fields (dtype, kind: fixed-shape or ragged, shape) as metadata over zero
         tasks: what an empty slice keeps, and what `to_json` and engine calls carry of an EMPTY batch."""
-        if self._remote is not None:
-            return self._remote.meta.take(np.zeros(0, dtype=np.int64))
-        if self._data is not None and self._task_ids:
-            return BatchMeta([], [], schema_of(self._data))
-        return BatchMeta([], [], dict(self._schema))
+        return self._state.schema_meta()
 
     def to_json(self) -> str:
         """Metadata of a REMOTE (or EMPTY) batch as JSON; never carries data."""
@@ -619,68 +530,13 @@ class DistributedBatchMemory:
             raise BatchStatusError(
                 "to_json carries metadata only: to_remote(node) first, or pickle a LOCAL batch"
             )
-        if self._remote is None:
-            empty: dict[str, Any] = {"status": "EMPTY"}
-            if self._schema:
-                empty["meta"] = self.schema_meta().to_dict()
-            return json.dumps(empty, separators=(",", ":"))
-        return json.dumps({"status": "REMOTE", "meta": self._remote.meta.to_dict()}, separators=(",", ":"))
+        pickled = self._state.pickled()
+        if "meta" in pickled:
+            pickled["meta"] = pickled["meta"].to_dict()
+        return json.dumps(pickled, separators=(",", ":"))
 
     def __getstate__(self) -> dict[str, Any]:
-        status = self.status
-        if status is BatchStatus.REMOTE:
-            # The metadata object itself: numpy arrays pickle as bytes, far faster than JSON lists.
-            return {"status": "REMOTE", "meta": self.meta}
-        if status is BatchStatus.LOCAL:
-            data = {name: column_for_pickle(col) for name, col in (self._data or {}).items()}
-            return {"status": "LOCAL", "task_ids": self._task_ids, "data": data}
-        return {"status": "EMPTY", "meta": self.schema_meta()} if self._schema else {"status": "EMPTY"}
+        return self._state.pickled()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-        if state["status"] == "EMPTY" and isinstance(state.get("meta"), BatchMeta):
-            self._schema = dict(state["meta"].fields)
-        elif state["status"] == "REMOTE":
-            meta = state["meta"]
-            if not isinstance(meta, BatchMeta):  # pickled by an earlier version: the dict form
-                meta = BatchMeta.from_dict(meta)
-            self._task_ids, self._remote = list(meta.task_ids), RemoteColumns(meta, None)
-        elif state["status"] == "LOCAL":
-            self._task_ids, self._data = list(state["task_ids"]), dict(state["data"])
-
-
-# What a REMOTE batch's gathers ask the workers for, and what comes of a clear.
-
-
-async def _fetch(
-    twin: Twin, remote: RemoteColumns | None, names: Sequence[str], progress_min_bytes: int
-) -> None:
-    """Gather the fields of `names` that `remote`'s cache lacks into it (None: nothing to do)."""
-    if remote is None:
-        return
-    missing = remote.cache.missing(names)
-    if missing:
-        remote.cache.store(await _gather(twin, remote, missing, progress_min_bytes))
-
-
-async def _gather(
-    twin: Twin, remote: RemoteColumns, names: Sequence[str], progress_min_bytes: int
-) -> dict[str, Gathered]:
-    """Fetch whole fields of `remote` from the workers, nodes concurrently."""
-    client = remote.client or default_client()
-    plan = plan_fetch(remote.meta, names, client)
-    if plan is None:
-        return {}
-    return await fetch(twin, client, plan, progress_min_bytes)
-
-
-def _cleared(
-    plan: dict[str, list[DeleteProduct]], outcome: dict[str, DeleteResult | NodeError]
-) -> int:
-    """The count a clear deleted, or `ClearError` naming the nodes that failed."""
-    deleted = {n: r.deleted for n, r in outcome.items() if isinstance(r, DeleteResult)}
-    failed = {n: r for n, r in outcome.items() if isinstance(r, NodeError)}
-    if failed:
-        undeleted = {n: sum(len(ids) * len(names) for ids, names, _ in plan[n]) for n in failed}
-        raise ClearError(failed, sum(deleted.values()), undeleted, deleted_by_node=deleted)
-    return sum(deleted.values())
+        self._state = unpickled_state(state)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distbatch.balance import balanced_group_partitions
+from distbatch.batch.balance import balanced_group_partitions
 from distbatch.errors import InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 

@@ -8,8 +8,8 @@ as exceptions (`responses`), the HTTP and same-host shard paths behind one inter
 `http_recv`), gathers (`fetches`), deletes (`deletes`), engine calls (`engine_calls`),
 request planning shared with the batch (`planning`), result values (`results`) and the
 process-wide client (`default`). May import `distbatch.wire`, `distbatch.ids`,
-`distbatch.errors`, `distbatch.auth`, `distbatch.protocol`, `distbatch.recv_pool`,
-`distbatch.shm`, `distbatch.serving.open_files` (the descriptor limit) and `distbatch.twins`;
+`distbatch.errors`, `distbatch.auth`, `distbatch.protocol`, `distbatch.transport` (`shm`,
+`recv_pool`), `distbatch.serving.open_files` (the descriptor limit) and `distbatch.twins`;
 never the batch, the controller or the launchers, which build on it.
 """
 

@@ -41,7 +41,7 @@ _ABANDON_WAIT = 0.5  # how long a failing call waits for its abandon notices bef
 _KEPT_NOTHING = (EngineError, RequestError, AuthError, CapacityError)
 
 EncodedCall = tuple[str, str, bytes]
-"""`(node, method, body)`: one engine call, its arguments encoded (see `distbatch.calls`)."""
+"""`(node, method, body)`: one engine call, its arguments encoded (see `distbatch.batch.calls`)."""
 
 
 def check_liveness_timeout(value: float | None) -> float | None:

@@ -41,7 +41,7 @@ from distbatch.errors import (
 )
 from distbatch.protocol import CLIENT_KEEPALIVE_SECONDS
 from distbatch.serving.open_files import raise_open_file_limit
-from distbatch.shm import (
+from distbatch.transport.shm import (
     ENV_SWITCH,
     abstract_address,
     close_all,

@@ -31,7 +31,7 @@ from distbatch.client.shard_paths import HttpShardPath, SameHostShardPath
 from distbatch.client.transport import HttpTransport, RequestPolicy
 from distbatch.errors import InvalidArgumentError
 from distbatch.ids import ShardRef, validate_id, validate_key, validate_node
-from distbatch.recv_pool import RecvPool, default_max_idle_bytes
+from distbatch.transport.recv_pool import RecvPool, default_max_idle_bytes
 from distbatch.twins import awaiting, blocking, done, first_result
 
 # A gather or put with no byte moving for this long has stalled (the liveness timeout's default).
@@ -64,8 +64,8 @@ class ShardClient:
         retries: extra attempts after a connection error, timeout or 5xx.
         backoff: the first pause between attempts, in seconds; it doubles each time.
         backoff_max: the longest pause between attempts, in seconds.
-        recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.recv_pool`), so a
-            gather writes into memory that is already mapped in; default
+        recv_pool_bytes: idle receive buffers kept for reuse (see `distbatch.transport.recv_pool`),
+            so a gather writes into memory that is already mapped in; default
             `DISTBATCH_RECV_POOL_BYTES` or 256 MiB; 0 turns reuse off.
         same_host: False keeps this client on HTTP even to workers on its host.
         stall_timeout: a gather that receives no byte for this many seconds, or a put whose
@@ -215,7 +215,7 @@ class ShardClient:
         *,
         liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> Coroutine[Any, Any, Any]:
-        """POST an encoded engine call (see `distbatch.calls`) and return the decoded JSON reply."""
+        """POST an encoded engine call (see `distbatch.batch.calls`) and return the decoded JSON reply."""
         calls = self._call_many_verb([(node, method, body)], timeout, liveness_timeout=liveness_timeout)
         return first_result(calls)
 

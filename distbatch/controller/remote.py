@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from distbatch.atomic import write_json_atomically
+from distbatch.batch.calls import decode_value, encode_value
 from distbatch.batch.memory import DistributedBatchMemory
-from distbatch.calls import decode_value, encode_value
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
 from distbatch.controller.arguments import refuse_local_batch, refuse_one_string

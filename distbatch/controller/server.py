@@ -19,8 +19,8 @@ from typing import Any
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
 from distbatch.auth import bearer_ok, token_from_env
+from distbatch.batch.calls import decode_value, encode_value
 from distbatch.batch.memory import DistributedBatchMemory
-from distbatch.calls import decode_value, encode_value
 from distbatch.controller.core import Controller
 from distbatch.controller.http_errors import MAX_WAIT_SECONDS, VALIDATED
 from distbatch.errors import (
@@ -31,9 +31,10 @@ from distbatch.errors import (
 )
 from distbatch.serving.errors import error_response as _error
 from distbatch.serving.errors import register_json_errors
+from distbatch.serving.handler import GIVE_TURN_BACK
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.metrics import Metrics, record_requests
-from distbatch.serving.server import GIVE_TURN_BACK, HttpServer, connection_gauges
+from distbatch.serving.server import HttpServer, connection_gauges
 
 logger = logging.getLogger("distbatch.controller")
 

@@ -4,7 +4,7 @@ Owns worker processes and their lifetimes: `local` starts `python -m rpc_server`
 this machine and stops them reliably, `ray_actors` runs the same workers as Ray actors (it
 imports `ray`; import it only when Ray is wanted), `group` is `WorkerGroup` over either, and
 `flags` is the worker's command line, checked here before anything starts. May import
-`distbatch.client`, `distbatch.calls` and below; never the controller.
+`distbatch.client`, `distbatch.batch.calls` and below; never the controller.
 """
 
 from distbatch.launch.local import (

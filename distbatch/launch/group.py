@@ -13,7 +13,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from distbatch.calls import decode_value, encode_call
+from distbatch.batch.calls import decode_value, encode_call
 from distbatch.client.default import default_client
 from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, check_liveness_timeout
 from distbatch.client.shard_client import ShardClient

@@ -69,7 +69,7 @@ Samplers are not thread-safe by themselves: the controller calls them under
 its lock.
 """
 
-from distbatch.balance import get_seqlen_balanced_partitions, karmarkar_karp
+from distbatch.batch.balance import get_seqlen_balanced_partitions, karmarkar_karp
 from distbatch.samplers.base import (
     DEFAULT_MAX_CACHED_BATCHES,
     STATE_VERSION,

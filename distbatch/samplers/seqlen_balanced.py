@@ -6,7 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from distbatch.balance import balanced_group_partitions
+from distbatch.batch.balance import balanced_group_partitions
 from distbatch.checks import check_int
 from distbatch.errors import InvalidArgumentError
 from distbatch.samplers.base import (

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from distbatch.shm import SharedRegion, aligned_offsets
+from distbatch.transport.shm import SharedRegion, aligned_offsets
 from rpc_server.errors import SharedMemoryUnavailable
 from rpc_server.store.segments import Buffer, Segment, SegmentTable, run_bounds
 

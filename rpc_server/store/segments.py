@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from distbatch.shm import SharedRegion
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import RawColumn
 from distbatch.wire.shapes import RowShapes, unique_ints
 from rpc_server.store.index import ShardIndex

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from distbatch.ids import ShardKey
-from distbatch.shm import SharedRegion
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, RawColumn
 from rpc_server.errors import (
     MissingShardsError,

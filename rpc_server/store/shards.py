@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from distbatch.shm import SharedRegion
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, column_field
 from distbatch.wire.shapes import unique_ints
 from rpc_server.store.index import ShardIndex

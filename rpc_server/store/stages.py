@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from distbatch.shm import SharedRegion
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle
 
 logger = logging.getLogger("rpc_server")

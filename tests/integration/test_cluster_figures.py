@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cluster_job import markdown_table
+from bench.cluster.job import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide"

@@ -202,7 +202,7 @@ def test_long_polls_hold_no_turn_and_quick_polls_reuse_their_connection(
     they wait without a turn, so a quick poll is still answered at once; and a rank's quick
     polls go out on one kept-alive connection, which waits parked between them."""
     from distbatch.controller.server import POLLS_AT_ONCE
-    from distbatch.serving.server import PARK_AFTER_SECONDS
+    from distbatch.serving.handler import PARK_AFTER_SECONDS
 
     server = serve(Controller())
     with ShardClient(timeout=30) as waiting_client, ShardClient(timeout=30) as polling_client:

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from distbatch import DistributedBatchMemory, ShardClient
 from distbatch.launch import WorkerProcess
-from distbatch.shm import ENV_HOST_ID, ENV_SWITCH
+from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 from distbatch.wire.host_copy import CHUNK_BYTES, PinnedRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -31,7 +31,7 @@ from distbatch import (
 )
 from distbatch.auth import token_from_env
 from distbatch.batch import BatchStatus
-from distbatch.calls import encode_call
+from distbatch.batch.calls import encode_call
 from distbatch.launch import WorkerProcess
 
 ENV = ENGINES_ENV

@@ -24,7 +24,7 @@ from engines_for_tests import ECHO, ENGINES_ENV
 from process_support import children
 
 from distbatch import ShardClient, WorkerGroup
-from distbatch.calls import encode_call
+from distbatch.batch.calls import encode_call
 from distbatch.errors import EngineError, RequestError, WorkerUnavailableError
 from distbatch.launch import WorkerProcess, read_first_line, spawn_workers
 from distbatch.launch.flags import MAX_ENGINE_KWARGS_BYTES

@@ -18,7 +18,9 @@ from flask import Flask, Response, request
 
 from distbatch import ShardClient, wire
 from distbatch.launch import WorkerProcess
-from distbatch.serving.server import DRAIN_MAX_BYTES, GIVE_TURN_BACK, HttpServer
+from distbatch.serving.handler import GIVE_TURN_BACK
+from distbatch.serving.response import DRAIN_MAX_BYTES
+from distbatch.serving.server import HttpServer
 
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}
 

@@ -23,7 +23,7 @@ import requests
 from process_support import children
 
 from distbatch import WorkerGroup
-from distbatch.calls import encode_call
+from distbatch.batch.calls import encode_call
 from distbatch.errors import WorkerUnavailableError
 from distbatch.launch import read_first_line, spawn_workers
 

@@ -106,6 +106,5 @@ def test_module_paths_users_imported_before_the_restructure_still_work() -> None
         ("distbatch.controller", "Controller"),
         ("distbatch.client", "ShardClient"),
         ("distbatch.batch", "DistributedBatchMemory"),
-        ("distbatch.shm", "disabled_reason"),
     ]:
         assert getattr(importlib.import_module(module), name) is not None

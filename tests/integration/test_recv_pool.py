@@ -13,7 +13,7 @@ import torch
 
 from distbatch import DistributedBatchMemory, ShardClient
 from distbatch.launch import WorkerProcess
-from distbatch.recv_pool import ENV_MAX_IDLE, MIN_POOLED_BYTES, RecvPool, default_max_idle_bytes
+from distbatch.transport.recv_pool import ENV_MAX_IDLE, MIN_POOLED_BYTES, RecvPool, default_max_idle_bytes
 
 MIB = 1 << 20
 

@@ -25,7 +25,7 @@ from distbatch import (
     WorkerGroup,
 )
 from distbatch.launch import WorkerProcess
-from distbatch.shm import ENV_HOST_ID, ENV_SWITCH
+from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 
 DBM = DistributedBatchMemory
 

@@ -26,7 +26,7 @@ from distbatch import CapacityError, DistributedBatchMemory, ShardClient, wire
 from distbatch.client.same_host import RegionResolver
 from distbatch.errors import WireFormatError
 from distbatch.launch import WorkerProcess
-from distbatch.shm import (
+from distbatch.transport.shm import (
     ENV_HOST_ID,
     ENV_SWITCH,
     SharedRegion,
@@ -612,10 +612,10 @@ def test_a_region_the_kernel_refuses_means_http_for_that_gather(
 
 def test_same_host_means_same_boot_and_same_network_namespace(no_shm_override: None) -> None:
     """Processes of one boot in different network namespaces (pods on one node, the simulated
-    hosts of bench/cluster) cannot reach each other's abstract socket: their host ids differ, so
+    hosts of `simcluster`) cannot reach each other's abstract socket: their host ids differ, so
     a client never tries the path there (and logs no failed handshake); a process in our own
     namespace shares ours."""
-    code = "from distbatch.shm import host_id; print(host_id())"
+    code = "from distbatch.transport.shm import host_id; print(host_id())"
     ours = host_id()
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert ours.startswith(boot + "/net:[")

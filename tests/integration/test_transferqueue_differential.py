@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distbatch import DistributedBatchMemory
-from distbatch.balance import balanced_group_partitions
-from distbatch.balance import get_seqlen_balanced_partitions as our_partitions
-from distbatch.balance import karmarkar_karp as our_kk
+from distbatch.batch.balance import balanced_group_partitions
+from distbatch.batch.balance import get_seqlen_balanced_partitions as our_partitions
+from distbatch.batch.balance import karmarkar_karp as our_kk
 from distbatch.controller import Controller
 from distbatch.errors import InvalidArgumentError
 from distbatch.launch import WorkerProcess
@@ -539,7 +539,7 @@ def test_difference_errors_are_value_errors_theirs_vanish_under_python_O() -> No
         -2000:
     ]  # an empty rank, silently
     code_ours = (
-        "from distbatch.balance import get_seqlen_balanced_partitions as g\n"
+        "from distbatch.batch.balance import get_seqlen_balanced_partitions as g\n"
         "try:\n    g([1], 3, False)\n"
         "except ValueError as exc:\n    print(type(exc).__name__, exc)\n"
     )

@@ -36,7 +36,7 @@ import torch
 from thread_support import run_in_thread
 
 from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup
-from distbatch.calls import decode_value, encode_call
+from distbatch.batch.calls import decode_value, encode_call
 from distbatch.client.loop import LoopThread
 from distbatch.errors import (
     CallTimeoutError,

@@ -1,4 +1,4 @@
-"""Across simulated hosts (bench/cluster.py): network namespaces on a bridge, each NIC shaped to
+"""Across simulated hosts (`simcluster`): network namespaces on a bridge, each NIC shaped to
 200 Mbit/s by tbf. A worker runs in one host, a client in another; the batch crosses the bridge
 at the link's rate. Skipped where this machine cannot create namespaces or tbf qdiscs (not root,
 no iproute2, a container without CAP_NET_ADMIN). Traffic stays between the namespaces' addresses.
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cluster_support import REPO, STEP_TIMEOUT, cluster_env, fresh_cluster, remove_stale, run_prefix
 
-from bench.cluster import Cluster, check, down, leftovers
 from distbatch import ShardClient
 from distbatch.launch.local import log_tail, read_first_line
+from simcluster import Cluster, check, down, leftovers
 
 RATE = "200mbit"
 RATE_BITS = 200e6
@@ -253,10 +253,10 @@ def test_a_link_down_mid_gather_fails_by_the_stall_timeout_and_a_retry_succeeds(
 
 
 def test_the_cluster_job_bench_runs_both_modes_and_leaves_nothing(tmp_path: Path) -> None:
-    """bench/cluster_job on 2 worker hosts, a tiny batch: both modes time a data step and a main
+    """bench/cluster/job.py on 2 worker hosts, a tiny batch: both modes time a data step and a main
     job step, the link bound comes from the batch, bytes crossed the hosts' NICs, every store is
     empty after, the table and plot are written and no namespace is left."""
-    from bench.cluster_job import driver_main, parse_args
+    from bench.cluster.job import driver_main, parse_args
 
     remove_stale()
     prefix = run_prefix("j")

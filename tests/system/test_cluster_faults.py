@@ -1,4 +1,4 @@
-"""Faults across simulated hosts (bench/cluster.py, issue 25 point 4): a host's cable is pulled
+"""Faults across simulated hosts (`simcluster`, issue 25 point 4): a host's cable is pulled
 (`Cluster.set_link(host, up=False)`: no reset ever reaches anyone, packets just vanish) in the
 middle of a put, of an engine call, while loaders wait in the controller's `get_meta`, or for
 good under a worker whose data the controller's partitions name.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from cluster_support import HostScript, HostWorker, cluster_env, fresh_cluster
 
-from bench.cluster import Cluster, check
+from simcluster import Cluster, check
 
 RATE = "200mbit"
 SLOW_RATE = "20mbit"

@@ -1,4 +1,4 @@
-"""Ray across simulated hosts (bench/cluster_ray.py): a Ray head in one network namespace and a
+"""Ray across simulated hosts (bench/cluster/ray_peer.py): a Ray head in one network namespace and a
 raylet in each of two more, every NIC shaped by tbf; a tiny grpo batch is put by a producer
 actor on each worker host and got by a consumer actor on each, as the bench does. Skipped where
 this machine cannot create namespaces (not root, no iproute2, no CAP_NET_ADMIN) or where Ray is
@@ -15,11 +15,11 @@ import pytest
 from cluster_support import remove_stale_ray, running
 from ray_support import import_ray
 
-from bench.cluster import check, leftovers
+from simcluster import check, leftovers
 
 import_ray()
 
-from bench.cluster_ray import parse_args, ray_temp_dir, run_hosts  # noqa: E402
+from bench.cluster.ray_peer import parse_args, ray_temp_dir, run_hosts  # noqa: E402
 
 _REASON = check()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no simulated cluster here: {_REASON}")

@@ -1,4 +1,4 @@
-"""TransferQueue's SimpleStorage across simulated hosts (bench/cluster_tq.py): a Ray head with
+"""TransferQueue's SimpleStorage across simulated hosts (bench/cluster/tq_peer.py): a Ray head with
 TransferQueue's controller in one network namespace and a raylet in each of two more, each with
 a storage unit, a producer and a consumer actor, every NIC shaped by tbf; a tiny grpo batch is
 put by the producers and each balanced chunk got by a consumer, as the bench does. Skipped where
@@ -16,13 +16,13 @@ import pytest
 from cluster_support import remove_stale_ray, running
 from ray_support import import_ray
 
-from bench.cluster import check, leftovers
 from bench.transferqueue import available
+from simcluster import check, leftovers
 
 import_ray()
 
-from bench.cluster_ray import ray_temp_dir  # noqa: E402
-from bench.cluster_tq import parse_args, run_hosts  # noqa: E402
+from bench.cluster.ray_peer import ray_temp_dir  # noqa: E402
+from bench.cluster.tq_peer import parse_args, run_hosts  # noqa: E402
 
 _REASON = check() or available()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cannot run here: {_REASON}")

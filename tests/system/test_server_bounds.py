@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distbatch import ShardClient, wire
-from distbatch.calls import decode_value, encode_call
+from distbatch.batch.calls import decode_value, encode_call
 from distbatch.errors import RequestError, ShardNotFoundError
 from distbatch.ids import ShardKey
 from distbatch.launch import WorkerProcess

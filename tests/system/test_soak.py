@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.soak import bundle_checksum, main, value_nbytes
-from distbatch.shm import ENV_SWITCH
+from distbatch.transport.shm import ENV_SWITCH
 
 
 def _check_invariants(result: dict, ops: int) -> None:

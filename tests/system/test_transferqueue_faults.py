@@ -33,7 +33,7 @@ from thread_support import run_in_thread
 
 from distbatch import ShardClient, WorkerUnavailableError
 from distbatch.launch import WorkerProcess, spawn_workers
-from distbatch.shm import ENV_SWITCH
+from distbatch.transport.shm import ENV_SWITCH
 
 ray = import_ray()
 if os.environ.get("DISTBATCH_REQUIRE_TQ") == "1":

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distbatch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
+from distbatch.batch.balance import balanced_group_partitions, get_seqlen_balanced_partitions, karmarkar_karp
 
 # --------------------------------------------------------------------------- helpers
 
@@ -246,7 +246,7 @@ def _spread(parts: list[list[int]], lengths: list[int]) -> int:
 )
 @settings(max_examples=200, deadline=None)
 def test_property_refine_by_swaps_keeps_counts_and_never_widens(lengths: list[int], k: int) -> None:
-    from distbatch.balance import refine_by_swaps
+    from distbatch.batch.balance import refine_by_swaps
 
     start = [list(range(len(lengths)))[j::k] for j in range(k)]
     refined = refine_by_swaps(start, lengths)
@@ -262,7 +262,7 @@ def _ratio(parts: list[list[int]], lengths: list[int]) -> float:
 
 def test_refined_partitions_beat_plain_karmarkar_karp_on_heavy_tails() -> None:
     # Heavy-tailed lengths, 4 ranks: plain KK (merges only) leaves a visible gap on some seeds.
-    from distbatch.balance import karmarkar_karp_merges
+    from distbatch.batch.balance import karmarkar_karp_merges
 
     worst_kk = worst_refined = 1.0
     for seed in range(40):

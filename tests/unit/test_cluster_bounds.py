@@ -1,11 +1,11 @@
 """The cluster bench's link lower bound: which bytes cross which host's NIC when each receiver
-gathers its chunk peer to peer (bench/cluster_job.py), from a batch's metadata alone."""
+gathers its chunk peer to peer (bench/cluster/job.py), from a batch's metadata alone."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from bench.cluster_job import busiest_link_bytes, bytes_by_host
+from bench.cluster.job import busiest_link_bytes, bytes_by_host
 from distbatch import DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.wire.shapes import RowShapes

@@ -1,4 +1,4 @@
-"""The Ray cluster bench's pure parts (bench/cluster_ray.py): cutting rows out of a packed ragged
+"""The Ray cluster bench's pure parts (bench/cluster/ray_peer.py): cutting rows out of a packed ragged
 column, mapping balanced chunks to each producer's rows, the busiest link from pair bytes, and
 the controller's repeats summarised. No Ray needed."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bench.cluster_ray import link_bytes, split_rows, summarise, take_ragged
+from bench.cluster.ray_peer import link_bytes, split_rows, summarise, take_ragged
 from distbatch import DistributedBatchMemory
 
 

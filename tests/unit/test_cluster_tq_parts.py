@@ -1,4 +1,4 @@
-"""The TransferQueue cluster bench's pure parts (bench/cluster_tq.py): keys per chunk in the
+"""The TransferQueue cluster bench's pure parts (bench/cluster/tq_peer.py): keys per chunk in the
 order the chunk is assembled, a host pair's bytes without cutting the rows, NIC counters from
 /proc/net/dev, TransferQueue's returned fields as packed numpy, addresses to hosts, and the
 controller's repeats summarised. Neither Ray nor TransferQueue needed."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.cluster_ray import piece_bytes, split_rows, take_ragged
-from bench.cluster_tq import (
+from bench.cluster.ray_peer import piece_bytes, split_rows, take_ragged
+from bench.cluster.tq_peer import (
     busiest,
     chunk_keys,
     markdown_table,

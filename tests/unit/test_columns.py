@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distbatch import DistributedBatchMemory
-from distbatch.balance import EXACT_MAX_ITEMS, balanced_group_partitions
+from distbatch.batch.balance import EXACT_MAX_ITEMS, balanced_group_partitions
 from distbatch.batch.meta import BatchMeta, FieldMeta, MetaFormatError
 from distbatch.ids import ShardKey, ShardRef
 from distbatch.wire import ITEMSIZE

@@ -170,11 +170,15 @@ def test_no_circle_even_through_imports_only_a_type_checker_reads(package: str) 
     assert cycle is None, f"import circle in {package}: " + " -> ".join(cycle or [])
 
 
-def test_worker_data_path_imports_neither_torch_nor_aiohttp() -> None:
-    code = (
-        "import rpc_server.store, rpc_server.routes, sys;"
-        " print('torch' in sys.modules, 'aiohttp' in sys.modules)"
-    )
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "rpc_server.store, rpc_server.routes",  # the worker's data path serves bytes
+        "distbatch.batch.balance, distbatch.transport.shm",  # leaves the batch package's root lazy
+    ],
+)
+def test_these_modules_import_neither_torch_nor_aiohttp(modules: str) -> None:
+    code = f"import {modules}, sys; print('torch' in sys.modules, 'aiohttp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], f"torch, aiohttp imported: {out.stdout.strip()}"
@@ -187,10 +191,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("distbatch.errors", "distbatch.ids", "distbatch.checks", "distbatch.protocol",
                     "distbatch.auth", "distbatch.atomic", "distbatch.gc_pause", "distbatch.twins")),
     ("wire", ("distbatch.wire",)),
-    ("transport pieces", ("distbatch.shm", "distbatch.recv_pool", "distbatch.serving")),
+    ("transport pieces", ("distbatch.transport", "distbatch.serving")),
     ("client", ("distbatch.client",)),
-    ("batch", ("distbatch.batch", "distbatch.balance")),
-    ("calls and samplers", ("distbatch.calls", "distbatch.samplers")),
+    ("batch", ("distbatch.batch",)),
+    ("samplers", ("distbatch.samplers",)),
     ("controller", ("distbatch.controller",)),
     ("launch", ("distbatch.launch", "distbatch.ray_group")),
     ("applications", ("distbatch.dataloader", "distbatch.cli", "distbatch.transferqueue")),
@@ -198,9 +202,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # What the worker may use of the library: its data path needs the bytes and the shared pieces;
 # only the engine host (rpc_server.engine) reaches for batches, the client and engine calls.
 WORKER_MAY_IMPORT = ("distbatch.errors", "distbatch.ids", "distbatch.protocol", "distbatch.auth",
-                     "distbatch.atomic", "distbatch.gc_pause", "distbatch.wire", "distbatch.shm",
-                     "distbatch.recv_pool", "distbatch.serving", "distbatch.launch.flags")
-ENGINE_HOST_MAY_ALSO_IMPORT = ("distbatch.batch", "distbatch.client", "distbatch.calls")
+                     "distbatch.atomic", "distbatch.gc_pause", "distbatch.wire", "distbatch.transport",
+                     "distbatch.serving", "distbatch.launch.flags")
+ENGINE_HOST_MAY_ALSO_IMPORT = ("distbatch.batch", "distbatch.client")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -364,7 +368,7 @@ def _stated_imports(package: str) -> tuple[set[str], bool] | None:
     return set(re.findall(r"`(distbatch(?:\.\w+)+)`", match.group(1))), "and below" in match.group(1)
 
 
-STATING_PACKAGES = ("wire", "serving", "client", "batch", "controller", "launch")
+STATING_PACKAGES = ("wire", "transport", "serving", "client", "batch", "controller", "launch")
 
 
 def test_each_package_imports_what_its_docstring_says() -> None:
@@ -387,3 +391,34 @@ def test_each_package_imports_what_its_docstring_says() -> None:
                 if not (_within(target, tuple(names)) or below):
                     wrong.append(f"{where}: {module} imports {target}, not allowed by {package}'s docstring")
     assert not wrong, "\n".join(wrong)
+
+
+# ----------------------------------------------------------------------------- beside the package
+# Not installed, at the repo root: `bench` (the benchmarks) and `simcluster` (the simulated hosts
+# the cluster benchmarks and tests run on). simcluster is plain process and network plumbing, so it
+# depends on nothing it is used to measure or test: the standard library only.
+
+
+def test_simcluster_imports_only_the_standard_library() -> None:
+    paths = _modules("simcluster")
+    assert paths, "no simcluster/ at the repo root"
+    offenders = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):  # everywhere: top level, functions, TYPE_CHECKING blocks
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported(node):
+                    top = name.split(".")[0]
+                    if top != "simcluster" and top not in sys.stdlib_module_names:
+                        offenders.append(f"{_where(path, node)}: {name}")
+    assert not offenders, "simcluster imports beyond the standard library:\n" + "\n".join(offenders)
+
+
+def test_bench_docstring_names_every_module() -> None:
+    """bench/__init__.py's docstring is the harness's map: it names each module (`cluster.job` for
+    one in a subpackage)."""
+    doc = ast.get_docstring(ast.parse((ROOT / "bench" / "__init__.py").read_text())) or ""
+    named = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", doc))
+    modules = {_module_name(p).removeprefix("bench.") for p in _modules("bench")} - {"bench"}
+    unnamed = sorted(modules - named)
+    assert not unnamed, f"bench/__init__.py's docstring does not name: {unnamed}"

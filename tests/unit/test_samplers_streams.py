@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from sampler_support import LEN_A, LEN_C, LEN_ODD, PID, TASK, FakePartition, Stream, r
 
-from distbatch import balance, samplers
+from distbatch import samplers
+from distbatch.batch import balance
 from distbatch.samplers import (
     BaseSampler,
     GRPOGroupNSampler,

@@ -15,7 +15,7 @@ from distbatch.launch.flags import (
     check_launcher_flags,
     parse_flags,
 )
-from distbatch.serving.server import check_port
+from distbatch.serving.addresses import check_port
 from rpc_server.__main__ import parse_args
 
 

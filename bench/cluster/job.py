@@ -5,7 +5,7 @@ Host 0 runs the controller; hosts 1..N each run a rollout worker and a train wor
 (`--layout colocated`, as verl's hybrid engine places them), or the train workers get hosts
 N+1..2N of their own (`--layout disaggregated`, as AReaL's decoupled rollout does). Workers are
 distbatch workers started inside their host's namespace and joined with `WorkerGroup.connect`.
-Every host's NIC is a `tbf` of rate R each way (bench/cluster.py), R low enough that the links,
+Every host's NIC is a `tbf` of rate R each way (`simcluster`), R low enough that the links,
 not this machine's cores, bound a step; the CPU use of each phase is reported to show which did.
 
 Two measures per N, medians over `--repeats`:
@@ -18,11 +18,11 @@ Two measures per N, medians over `--repeats`:
 
 Next to each data step: the link lower bound, the bytes the busiest NIC must carry (from the
 batch's metadata; centralised, every byte crosses the controller's NIC in and out) over R; and
-plain TCP's time moving the same bytes between the same hosts (bench/cluster_tcp.py).
+plain TCP's time moving the same bytes between the same hosts (bench/cluster/tcp.py).
 
-    python -m bench.cluster_job --hosts 1,2,4,8 --rate 100mbit --out /tmp/cluster-bench
+    python -m bench.cluster.job --hosts 1,2,4,8 --rate 100mbit --out /tmp/cluster-bench
 
-needs root, `ip` and `tc` (`python -m bench.cluster check` says whether this machine can).
+needs root, `ip` and `tc` (`python -m simcluster check` says whether this machine can).
 Results go to `<out>/cluster.json` and, with matplotlib, `<out>/cluster.png`.
 """
 
@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster import established_tcp, run_role, stop_process
+from bench.cluster import run_role
+from simcluster import established_tcp, stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repo root (this is bench/cluster/job.py)
 EXAMPLES = ROOT / "examples"
-TRAIN_ENGINE = "bench.cluster_job:ClusterTrainEngine"
+TRAIN_ENGINE = "bench.cluster.job:ClusterTrainEngine"
 ROLLOUT_ENGINE = "grpo_pipeline:RolloutEngine"
 WORKER_START_TIMEOUT = 120.0
 CONTROLLER_TIMEOUT = 1800.0
@@ -338,8 +339,8 @@ def start_worker(cluster: Any, host: int, stack: ExitStack, log_dir: Path, pids:
 
 def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One cluster of `hosts` worker hosts (+ the controller's), its measures."""
-    from bench.cluster import Cluster, rate_bits
-    from bench.cluster_tcp import all_to_all
+    from bench.cluster.tcp import all_to_all
+    from simcluster import Cluster, rate_bits
 
     rollout_hosts = range(1, hosts + 1)
     train_hosts = rollout_hosts if args.layout == "colocated" else range(hosts + 1, 2 * hosts + 1)
@@ -348,7 +349,7 @@ def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         pids: dict[int, int] = {}  # a worker per host: where its namespace's TCP table is read
         rollout = [start_worker(cluster, h, stack, log_dir, pids) for h in rollout_hosts]
         train = [start_worker(cluster, h, stack, log_dir, pids) for h in train_hosts]
-        argv = [sys.executable, "-m", "bench.cluster_job", "controller", "--rollout", ",".join(rollout),
+        argv = [sys.executable, "-m", "bench.cluster.job", "controller", "--rollout", ",".join(rollout),
                 "--train", ",".join(train), *job_flags(args)]  # fmt: skip
         before = [cluster.link_stats(h) for h in range(machines)]
         with ConnectionCount(list(pids.values()), cluster.address(0)) as connections:
@@ -523,7 +524,9 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.cluster.job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "role", nargs="?", choices=["driver", "controller"], default="driver", help=argparse.SUPPRESS
@@ -548,11 +551,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def driver_main(args: argparse.Namespace, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every host count in turn (one cluster each, torn down after), then the table and plot."""
-    from bench.cluster import check
+    from simcluster import check
 
     problem = check()
     if problem is not None:
-        raise SystemExit(f"bench.cluster_job: {problem}")
+        raise SystemExit(f"bench.cluster.job: {problem}")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results = []

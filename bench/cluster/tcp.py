@@ -7,7 +7,7 @@ beyond the kernel's: how close TCP over these `tbf` links comes to the link lowe
 does not reach it: flows sharing a shaped link do not split it evenly, and the slowest flow
 decides), so distbatch's figure can be read against the network's, not only against arithmetic.
 
-One node per host (`python -m bench.cluster_tcp --bind ADDR`): it listens on ADDR (port 0),
+One node per host (`python -m bench.cluster.tcp --bind ADDR`): it listens on ADDR (port 0),
 prints its port, reads its plan (one JSON line: `[[address, port, nbytes], ...]` to pull), waits
 for a line "go", pulls everything, prints the seconds it took, and serves its peers until stdin
 closes. A request is 8 bytes (big-endian length); the answer is that many bytes.
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import stop_process
+from simcluster import stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repo root (this is bench/cluster/tcp.py)
 REQUEST = struct.Struct(">Q")
 SEND_BLOCK = 1 << 20  # bytes handed to the kernel per send
 START_TIMEOUT = 60.0
@@ -107,7 +107,7 @@ def all_to_all(cluster: Any, hosts: Sequence[int], pairs: Sequence[tuple[str, st
             address = cluster.address(host)
             nodes[address] = cluster.popen(
                 host,
-                [sys.executable, "-m", "bench.cluster_tcp", "--bind", address],
+                [sys.executable, "-m", "bench.cluster.tcp", "--bind", address],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -143,7 +143,9 @@ def _line(node: subprocess.Popen[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.cluster.tcp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--bind", required=True, help="this host's address")
     return node_main(parser.parse_args(argv).bind)

@@ -1,4 +1,4 @@
-"""A simulated cluster on this machine: one network namespace per host, joined by a bridge.
+"""The hosts and their network: one network namespace per host, joined by a bridge.
 
 Each host `<prefix>h{i}` is a network namespace with `lo` and `eth0` (one end of a veth pair;
 the other end, `<prefix>v{i}`, is a port of the bridge `<prefix>br` in the root namespace) at
@@ -8,12 +8,6 @@ only between the hosts' own addresses. Commands run in a host see `DISTBATCH_HOS
 (abstract Unix sockets are per namespace too, so hosts do not share them).
 
 Needs root, `ip` (iproute2) and `tc`; `check` says whether this machine allows it and why not.
-
-    python -m bench.cluster check
-    python -m bench.cluster up 2 --rate 200mbit [--prefix dbc]
-    python -m bench.cluster run 1 -- python -m rpc_server --host 10.77.0.2
-    python -m bench.cluster down [--prefix dbc]
-
 From Python (tests, benchmarks), torn down on leaving the block, whatever happens:
 
     with Cluster.up(2, rate="200mbit", prefix="dbc") as cluster:
@@ -26,14 +20,13 @@ crash, twice in a row, or with nothing up.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +130,7 @@ def check() -> str | None:
     return None
 
 
-def _namespaces() -> list[str]:
+def namespaces() -> list[str]:
     """Every named network namespace (`ip netns list` prints `name (id: N)` or `name`)."""
     listing = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in listing.splitlines() if line.strip()]
@@ -158,7 +151,7 @@ def leftovers(prefix: str = DEFAULT_PREFIX) -> list[str]:
     check_prefix(prefix)
     host = re.compile(rf"{re.escape(prefix)}h\d+")
     link = re.compile(rf"{re.escape(prefix)}(?:[vp]\d+|br)")
-    return [f"netns {n}" for n in _namespaces() if host.fullmatch(n)] + [
+    return [f"netns {n}" for n in namespaces() if host.fullmatch(n)] + [
         f"link {n}" for n in _links() if link.fullmatch(n)
     ]
 
@@ -173,7 +166,7 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     check_prefix(prefix)
     removed = []
     host = re.compile(rf"{re.escape(prefix)}h\d+")
-    for namespace in _namespaces():
+    for namespace in namespaces():
         if host.fullmatch(namespace):
             _ip("netns", "delete", namespace, check=False)
             removed.append(f"netns {namespace}")
@@ -270,7 +263,7 @@ class Cluster:
         if existing:
             raise ClusterError(
                 f"a cluster with prefix {prefix!r} is already up ({', '.join(existing)}): "
-                f"`python -m bench.cluster down --prefix {prefix}` first"
+                f"`python -m simcluster down --prefix {prefix}` first"
             )
         try:
             cluster._create()
@@ -345,123 +338,7 @@ class Cluster:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, prefix={self.prefix!r})"
 
 
-def run_role(
-    args: argparse.Namespace,
-    controller: Callable[[argparse.Namespace], int],
-    driver: Callable[[argparse.Namespace], object],
-) -> int:
-    """A cluster bench's command line: the driver (as root, outside the cluster), or with role
-    `controller` the part the driver starts in host 0; the exit status."""
-    if args.role == "controller":
-        return controller(args)
-    driver(args)
-    return 0
-
-
-def stop_process(process: subprocess.Popen[Any], grace: float = 10.0) -> None:
-    """Terminate `process` (kill it if it does not go within `grace` seconds) and close its pipes:
-    for what benches and tests start in the cluster's hosts."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(grace)
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            stream.close()
-
-
-def established_tcp(pid: int) -> list[tuple[str, str]]:
-    """The established TCP (IPv4) connections of the network namespace process `pid` is in, as
-    (local "a.b.c.d:port", remote "a.b.c.d:port"): /proc/<pid>/net/tcp is that namespace's table,
-    read from anywhere without entering it."""
-    out = []
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) > 3 and parts[3] == "01":  # TCP_ESTABLISHED
-            out.append((_proc_address(parts[1]), _proc_address(parts[2])))
-    return out
-
-
-def _proc_address(field: str) -> str:
-    """/proc/net/tcp's "0100007F:1F90" (little-endian IPv4, hex port) as "127.0.0.1:8080"."""
-    address, port = field.split(":")
-    octets = [str(int(address[i : i + 2], 16)) for i in range(6, -1, -2)]
-    return f"{'.'.join(octets)}:{int(port, 16)}"
-
-
 def _tbf_drops(argv: list[str]) -> int:
     """Packets the tbf qdiscs `argv` lists (tc -s -j) have dropped."""
     shown = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=COMMAND_TIMEOUT).stdout
     return sum(int(q.get("drops", 0)) for q in json.loads(shown or "[]") if q.get("kind") == "tbf")
-
-
-def _host_index(prefix: str, host: str) -> int:
-    """A host given as its index ("1") or its namespace name ("dbch1")."""
-    match = re.fullmatch(rf"(?:{re.escape(prefix)}h)?(\d+)", host)
-    if match is None:
-        raise ValueError(f"invalid host {host!r}: an index or a name like {prefix}h0")
-    return int(match.group(1))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.cluster",
-        description="Simulate a cluster on this machine: hosts are network namespaces on one bridge, "
-        "each with a NIC of a given rate (tbf). Needs root.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    up_parser = commands.add_parser("up", help="set up N hosts (left up until `down`)")
-    up_parser.add_argument("hosts", type=int, help="how many hosts")
-    up_parser.add_argument(
-        "--rate", default=DEFAULT_RATE, help=f"each NIC's rate, each way (default: {DEFAULT_RATE})"
-    )
-    run_parser = commands.add_parser("run", help="run a command in a host: run HOST [--prefix P] -- cmd ...")
-    run_parser.add_argument("host", help="the host's index or namespace name")
-    commands.add_parser("down", help="remove every namespace and link with the prefix (idempotent)")
-    commands.add_parser("check", help="say whether this machine can simulate a cluster")
-    for sub in commands.choices.values():
-        sub.add_argument(
-            "--prefix", default=DEFAULT_PREFIX, help=f"resource name prefix (default: {DEFAULT_PREFIX})"
-        )
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # Everything after the first "--" is the command `run` runs, options included.
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    command = argv[split + 1 :]
-    try:
-        check_prefix(args.prefix)
-        if args.command == "check":
-            reason = check()
-            print("ok: this machine can simulate a cluster" if reason is None else f"cannot: {reason}")
-            return 0 if reason is None else 1
-        if args.command == "down":
-            removed = down(args.prefix)
-            print(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
-            return 0
-        if args.command == "up":
-            cluster = Cluster.up(args.hosts, args.rate, args.prefix)
-            for host in range(cluster.hosts):
-                name = cluster.namespace(host)
-                print(f"{name} {cluster.address(host)} DISTBATCH_HOST_ID={cluster.host_id(host)}")
-            print(f"rate {args.rate} each way per host; `down --prefix {args.prefix}` removes it")
-            return 0
-        if not command:
-            parser.error("run: no command given (run HOST -- cmd ...)")
-        index = _host_index(args.prefix, args.host)
-        namespace = f"{args.prefix}h{index}"
-        if namespace not in _namespaces():
-            raise ClusterError(f"no host {namespace}: bring the cluster up first")
-        cluster = Cluster.attach(index + 1, prefix=args.prefix)
-        env = cluster.environment(index)
-        os.execvpe("ip", cluster.command(index, command), env)
-        return 127  # not reached: exec replaced this process
-    except (ClusterError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

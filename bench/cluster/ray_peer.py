@@ -1,12 +1,12 @@
 """Ray's own cross-node object transfer of the grpo batch on the simulated cluster: the peer
-measure next to bench/cluster_job's distributed data step, same batch, same links.
+measure next to bench/cluster/job.py's distributed data step, same batch, same links.
 
-A multi-node Ray cluster runs inside the namespaces of bench/cluster.py: the head (GCS, no
+A multi-node Ray cluster runs inside the namespaces of `simcluster`: the head (GCS, no
 CPUs) on host 0 with the controller, a raylet on each of hosts 1..N with a producer and a
 consumer actor (pinned by a custom resource `host<i>`). Per repeat:
 
 1. each producer generates its share of the batch with examples/grpo_pipeline.py's
-   `RolloutEngine.generate` (prompts i::N, as bench/cluster_job's rollout workers) and keeps
+   `RolloutEngine.generate` (prompts i::N, as bench/cluster/job.py's rollout workers) and keeps
    every field packed: one numpy array of values per field plus the offsets (cu_seqlens);
 2. the controller balances the tasks with distbatch's own `chunk_balanced` rows (by
    `input_ids` length, groups of n kept together), so consumer i gets the same tasks, and each
@@ -22,16 +22,16 @@ consumer actor (pinned by a custom resource `host<i>`). Per repeat:
    included) at once; the get phase is the slowest consumer's `ray.get`, and the
    controller's wall time around all of it is reported too.
 
-Next to it, the link lower bound as bench/cluster_job computes it: the bytes the busiest NIC
+Next to it, the link lower bound as bench/cluster/job.py computes it: the bytes the busiest NIC
 must carry one way over the rate. Medians over `--repeats`.
 
-    python -m bench.cluster_ray --hosts 2,4 --rate 100mbit --out /tmp/cluster-ray \\
+    python -m bench.cluster.ray_peer --hosts 2,4 --rate 100mbit --out /tmp/cluster-ray \\
         [--distbatch /tmp/cluster-bench/cluster.json]
 
-`--distbatch` reads bench.cluster_job's results (same hosts and rate) and adds the ratio of
-Ray's get to distbatch's data step. Needs root, `ip` and `tc` (bench.cluster) and Ray. Ray's
-processes are stopped by the pids found in each host's namespace (`ip netns pids`), never by
-name: `ray stop` would kill every Ray process on this machine, other clusters' included.
+`--distbatch` reads bench.cluster.job's results (same hosts and rate) and adds the ratio of
+Ray's get to distbatch's data step. Needs root, `ip` and `tc` (`simcluster`) and Ray. Ray's
+processes are stopped by the pids found in each host's namespace (`simcluster.stop_namespaces`),
+never by name: `ray stop` would kill every Ray process on this machine, other clusters' included.
 """
 
 from __future__ import annotations
@@ -42,9 +42,7 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,8 +53,9 @@ from typing import Any
 import numpy as np
 
 from bench.cluster import run_role
+from simcluster import namespace_pids, stop_namespaces
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repo root (this is bench/cluster/ray_peer.py)
 HEAD_PORT = 6379  # the GCS port inside host 0's namespace (ours alone)
 OBJECT_STORE_BYTES = 300_000_000  # per node
 RAGGED_FIELDS = ("input_ids", "logprobs", "loss_mask")  # one row per token
@@ -65,7 +64,6 @@ LAYOUTS = ("packed", "groups")
 RAY_START_TIMEOUT = 120.0
 CONTROLLER_TIMEOUT = 1800.0
 WARM_UP_TOKENS = 20_000  # a piece of ~180 kB: Ray puts it in the object store (100 kB and up)
-STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 
 
 # ----------------------------------------------------------------------------- the actors
@@ -117,7 +115,7 @@ class Producer:
         """Generate (RolloutEngine.generate, advantages as compute_advantages does) and, for the
         "groups" layout, put one object per group of `n` at once; returns each task's
         `input_ids` length, what the controller balances by."""
-        from bench.cluster_job import grpo_pipeline
+        from bench.cluster.job import grpo_pipeline
 
         engine = grpo_pipeline().RolloutEngine()
         batch = engine.generate(prompts, n=n, mean_len=mean_len, max_len=max_len, step=step, seed=seed)
@@ -218,7 +216,7 @@ def split_rows(chunks: Sequence[np.ndarray], counts: Sequence[int]) -> list[list
 def link_bytes(pair: Sequence[Sequence[int]]) -> dict[str, int]:
     """From pair[producer][consumer] bytes (producer p and consumer p on one host): the busiest
     NIC's bytes each way, all bytes and the bytes that stay on their host (as
-    bench.cluster_job.busiest_link_bytes)."""
+    bench.cluster.job.busiest_link_bytes)."""
     hosts = len(pair)
     ingress = [sum(pair[p][c] for p in range(hosts) if p != c) for c in range(hosts)]
     egress = [sum(pair[p][c] for c in range(hosts) if c != p) for p in range(hosts)]
@@ -232,8 +230,8 @@ def link_bytes(pair: Sequence[Sequence[int]]) -> dict[str, int]:
 
 def expected_digests(args: argparse.Namespace, hosts: int, step: int) -> list[dict[str, str]]:
     """Each consumer's chunk digests computed with distbatch alone, in this process: the batch
-    generated as bench.cluster_job's rollout workers do, `chunk_balanced` as its data step."""
-    from bench.cluster_job import grpo_pipeline
+    generated as bench.cluster.job's rollout workers do, `chunk_balanced` as its data step."""
+    from bench.cluster.job import grpo_pipeline
     from distbatch import DistributedBatchMemory
 
     example = grpo_pipeline()
@@ -261,7 +259,7 @@ def expected_digests(args: argparse.Namespace, hosts: int, step: int) -> list[di
 
 def generate(args: argparse.Namespace, producers: list[Any], step: int, **options: Any) -> list[np.ndarray]:
     """Every producer generates its share of repeat `step`'s batch (prompts i::N, as
-    bench.cluster_job's rollout workers; `options` go to `Producer.generate`); each share's
+    bench.cluster.job's rollout workers; `options` go to `Producer.generate`); each share's
     `input_ids` lengths."""
     import ray
 
@@ -287,7 +285,7 @@ def one_repeat(
     """Generate, balance, put; then time every consumer's get."""
     import ray
 
-    from bench.cluster_job import cpu_busy_seconds
+    from bench.cluster.job import cpu_busy_seconds
 
     hosts = len(producers)
     local_rows = balance(args, generate(args, producers, step, layout=args.layout))
@@ -367,10 +365,10 @@ def controller_main(args: argparse.Namespace) -> int:
 
 
 def ray_env() -> dict[str, str]:
-    """The environment of every Ray process and the controller: bench.cluster_job's (the repo
+    """The environment of every Ray process and the controller: bench.cluster.job's (the repo
     and examples/ importable, no proxy), no usage stats, token auth with a fresh token kept in
     the environment (no ~/.ray/auth_token), no inherited cluster address."""
-    from bench.cluster_job import worker_env
+    from bench.cluster.job import worker_env
 
     env = worker_env()
     env.pop("RAY_ADDRESS", None)
@@ -417,31 +415,6 @@ def start_ray(
     return head
 
 
-def namespace_pids(namespace: str) -> list[int]:
-    """The processes in a network namespace (`ip netns pids`)."""
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in listed.stdout.split()]
-
-
-def stop_namespaces(namespaces: Sequence[str], grace: float = STOP_GRACE) -> list[int]:
-    """Stop every process in `namespaces`: SIGTERM, then SIGKILL to those left after `grace`
-    seconds; returns the pids still there after that (empty: all gone)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        pids = [p for ns in namespaces for p in namespace_pids(ns)]
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.2)
-            pids = [p for ns in namespaces for p in namespace_pids(ns)]
-        if not pids:
-            return []
-    return [p for ns in namespaces for p in namespace_pids(ns)]
-
-
 def keep_logs(temp_dir: Path, to: Path) -> None:
     """Copy the Ray session's logs (best effort) before the temp dir goes."""
     for logs in temp_dir.glob("session_*/logs"):
@@ -460,7 +433,7 @@ def run_controller(
     started (`ray_nodes` go to `start_ray`), `python -m <module> controller <flags>` run in
     host 0; its JSON line, each host's link counters over the run (host 0: the head's) and the
     pids stopped after. Ray stopped and the cluster down on the way out, whatever happens."""
-    from bench.cluster import Cluster
+    from simcluster import Cluster
 
     env = ray_env()
     temp_dir = ray_temp_dir(args.prefix)
@@ -487,9 +460,9 @@ def run_controller(
 
 def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One cluster of `hosts` worker hosts, Ray's measures (`run_controller`)."""
-    from bench.cluster import rate_bits
+    from simcluster import rate_bits
 
-    raw, links, stopped = run_controller(hosts, args, log_dir, "bench.cluster_ray", job_flags(args))
+    raw, links, stopped = run_controller(hosts, args, log_dir, "bench.cluster.ray_peer", job_flags(args))
     result = summarise(hosts, raw["repeats"], rate_bits(args.rate), args.layout)
     result["links"] = links  # host 0: the head's
     result["stopped_pids"] = stopped
@@ -549,7 +522,7 @@ def summarise(hosts: int, repeats: list[dict[str, Any]], rate: int, layout: str 
 def add_distbatch(
     results: list[dict[str, Any]], path: Path, measures: Sequence[str] = ("ray_get", "ray_wall")
 ) -> None:
-    """Put bench.cluster_job's distributed data step (same hosts) next to each result, and the
+    """Put bench.cluster.job's distributed data step (same hosts) next to each result, and the
     ratio of each of `measures` (`<measure>_s` in the result) to it."""
     theirs = {r["hosts"]: r for r in json.loads(path.read_text())["results"]}
     for r in results:
@@ -583,7 +556,9 @@ def report(results: list[dict[str, Any]]) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.cluster.ray_peer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cluster_args(parser, prefix="dbr", out="bench-cluster-ray")
     parser.add_argument(
@@ -600,7 +575,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def add_cluster_args(parser: argparse.ArgumentParser, prefix: str, out: str) -> None:
     """The options the Ray-in-namespaces benches share: the role, hosts, rate, batch, repeats,
     names, results, the distbatch results to compare with, and the controller's own."""
-    from bench.cluster_job import add_batch_args
+    from bench.cluster.job import add_batch_args
 
     parser.add_argument(
         "role", nargs="?", choices=["driver", "controller"], default="driver", help=argparse.SUPPRESS
@@ -611,7 +586,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, prefix: str, out: str) -> 
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per host count")
     parser.add_argument("--prefix", default=prefix, help="names of the cluster's namespaces and links")
     parser.add_argument("--out", default=out, help="results directory")
-    parser.add_argument("--distbatch", type=Path, help="bench.cluster_job's cluster.json to compare with")
+    parser.add_argument("--distbatch", type=Path, help="bench.cluster.job's cluster.json to compare with")
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--node-ip", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, help=argparse.SUPPRESS)
@@ -621,7 +596,7 @@ def unavailable() -> str | None:
     """Why this bench cannot run here (no simulated cluster, no Ray), or None."""
     import importlib.util
 
-    from bench.cluster import check
+    from simcluster import check
 
     problem = check()
     if problem is None and importlib.util.find_spec("ray") is None:
@@ -647,7 +622,7 @@ def drive(
     `table` as it goes and at the end; the results in `<out>/<name>.json`. Exits with `problem`
     if this machine cannot run it."""
     if problem is not None:
-        raise SystemExit(f"bench.{name}: {problem}")
+        raise SystemExit(f"cannot run {name} here: {problem}")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results = []

@@ -1,7 +1,7 @@
 """TransferQueue's own SimpleStorage backend moving the grpo batch on the simulated cluster: the
-peer measure next to bench/cluster_job's distributed data step, same batch, same links.
+peer measure next to bench/cluster/job.py's distributed data step, same batch, same links.
 
-The Ray cluster of bench/cluster_ray.py runs inside the namespaces of bench/cluster.py: the Ray
+The Ray cluster of bench/cluster/ray_peer.py runs inside the namespaces of `simcluster`: the Ray
 head on host 0 (one CPU) with this bench's controller, which calls `transfer_queue.init`; a
 raylet on each of hosts 1..N with a producer and a consumer actor (pinned by the custom
 resource `host<i>`) and one `SimpleStorageUnit`. TransferQueue 0.1.11 takes no placement for
@@ -13,30 +13,30 @@ the worker hosts alone get that resource (`tqunit`), and N units over N such nod
 worker host. Where each landed is checked (the run stops otherwise) and reported. Per repeat:
 
 1. each producer generates its share of the batch with examples/grpo_pipeline.py's
-   `RolloutEngine.generate` (prompts i::N, as bench/cluster_job's rollout workers);
+   `RolloutEngine.generate` (prompts i::N, as bench/cluster/job.py's rollout workers);
 2. timed, the **put**: every producer `kv_batch_put`s its share at once, one key per task, the
    ragged fields as jagged nested tensors (TransferQueue's form for them); TransferQueue routes
    each task to the unit `global_index % N` (indexes handed out in order by its controller), so
    about (N-1)/N of every share crosses its host's link;
 3. the controller balances the tasks with distbatch's own `chunk_balanced` rows (by
-   `input_ids` length, groups of n kept together), as bench/cluster_ray does: consumer i gets
-   the tasks train worker i gets in the distbatch data step;
+   `input_ids` length, groups of n kept together), as bench/cluster/ray_peer.py does:
+   consumer i gets the tasks train worker i gets in the distbatch data step;
 4. timed, the **get**: every consumer `kv_batch_get`s its chunk's keys at once (from every
    unit); the get phase is the slowest consumer's, the put phase the slowest producer's;
 5. each chunk's digests are checked against distbatch's own chunk, then `kv_clear`.
 
-Next to it: the link lower bound of the distbatch data step as bench/cluster_ray computes it
-(the bytes the busiest NIC must carry one way over the rate), and the bytes that crossed each
-host's NIC in each phase (its namespace's `eth0` counters, so headers included): what
-TransferQueue's placement moved. Medians over `--repeats`.
+Next to it: the link lower bound of the distbatch data step as bench/cluster/ray_peer.py
+computes it (the bytes the busiest NIC must carry one way over the rate), and the bytes that
+crossed each host's NIC in each phase (its namespace's `eth0` counters, so headers included):
+what TransferQueue's placement moved. Medians over `--repeats`.
 
-    python -m bench.cluster_tq --hosts 2,4,8 --rate 100mbit --repeats 3 --out /tmp/cluster-tq \\
+    python -m bench.cluster.tq_peer --hosts 2,4,8 --rate 100mbit --repeats 3 --out /tmp/cluster-tq \\
         [--distbatch /tmp/cluster-bench/cluster.json]
 
-`--distbatch` reads bench.cluster_job's results (same hosts and rate) and adds the ratios of
+`--distbatch` reads bench.cluster.job's results (same hosts and rate) and adds the ratios of
 TransferQueue's get and put+get to distbatch's data step. Needs root, `ip` and `tc`
-(bench.cluster), Ray and transferqueue. Processes are stopped by the pids in each host's
-namespace (bench.cluster_ray), never by name.
+(`simcluster`), Ray and transferqueue. Processes are stopped by the pids in each host's
+namespace (`simcluster.stop_namespaces`), never by name.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from bench.cluster import run_role
-from bench.cluster_ray import (
+from bench.cluster.ray_peer import (
     RAGGED_FIELDS,
     TASK_FIELDS,
     Consumer,
@@ -70,7 +70,7 @@ from bench.cluster_ray import (
     make_actors,
     run_controller,
 )
-from bench.cluster_ray import unavailable as ray_unavailable
+from bench.cluster.ray_peer import unavailable as ray_unavailable
 
 PARTITION = "grpo"
 UNIT_RESOURCE = "tqunit"  # worker hosts only: where TransferQueue may place its storage units
@@ -79,7 +79,7 @@ UNIT_RESOURCE = "tqunit"  # worker hosts only: where TransferQueue may place its
 # (reported as an error) does not leave the units waiting forever.
 HEAD_CPUS = 1
 WORKER_CPUS = 4
-NIC = "eth0"  # a host's end of its link, inside its namespace (bench.cluster)
+NIC = "eth0"  # a host's end of its link, inside its namespace (simcluster.hosts.NS_IFNAME)
 WARM_UP_TOKENS = 20_000
 
 
@@ -93,7 +93,7 @@ def task_key(step: int, producer: int, row: int) -> str:
 
 def chunk_keys(step: int, local_rows: Sequence[Sequence[np.ndarray]], consumer: int) -> list[str]:
     """Consumer `consumer`'s keys, in the order its chunk is assembled (producer 0's tasks
-    first, as bench/cluster_ray's pieces): local_rows[producer][consumer] (`split_rows`)."""
+    first, as bench/cluster/ray_peer.py's pieces): local_rows[producer][consumer] (`split_rows`)."""
     return [
         task_key(step, p, int(r)) for p, per_consumer in enumerate(local_rows) for r in per_consumer[consumer]
     ]
@@ -135,8 +135,8 @@ def packed(value: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def placed_hosts(ips: Sequence[str]) -> list[int]:
-    """The cluster hosts of these addresses (host i is bench.cluster's SUBNET.{i+1})."""
-    from bench.cluster import SUBNET
+    """The cluster hosts of these addresses (host i is simcluster's SUBNET.{i+1})."""
+    from simcluster import SUBNET
 
     out = []
     for ip in ips:
@@ -261,7 +261,7 @@ def one_repeat(
     import ray
     import transfer_queue as tq
 
-    from bench.cluster_job import cpu_busy_seconds
+    from bench.cluster.job import cpu_busy_seconds
 
     hosts = len(producers)
     lengths = generate(args, producers, step)
@@ -344,11 +344,11 @@ def controller_main(args: argparse.Namespace) -> int:
 
 def run_hosts(hosts: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One cluster of `hosts` worker hosts (+ host 0), TransferQueue's measures."""
-    from bench.cluster import rate_bits
+    from simcluster import rate_bits
 
     flags = [*batch_flags(args), *([] if args.check else ["--no-check"])]
     raw, links, stopped = run_controller(
-        hosts, args, log_dir, "bench.cluster_tq", flags, head_cpus=HEAD_CPUS, worker_cpus=WORKER_CPUS,
+        hosts, args, log_dir, "bench.cluster.tq_peer", flags, head_cpus=HEAD_CPUS, worker_cpus=WORKER_CPUS,
         resources={UNIT_RESOURCE: 1},
     )  # fmt: skip
     result = summarise(hosts, raw["repeats"], rate_bits(args.rate))
@@ -397,7 +397,7 @@ def summarise(hosts: int, repeats: list[dict[str, Any]], rate: int) -> dict[str,
 
 
 def compare(results: list[dict[str, Any]], path: Path) -> None:
-    """bench.cluster_job's distributed data step next to TransferQueue's get and put+get."""
+    """bench.cluster.job's distributed data step next to TransferQueue's get and put+get."""
     add_distbatch(results, path, ("tq_get", "tq_put_get"))
 
 
@@ -443,7 +443,9 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.cluster.tq_peer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cluster_args(parser, prefix="dbt", out="bench-cluster-tq")
     parser.add_argument(

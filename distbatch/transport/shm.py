@@ -33,9 +33,6 @@ from typing import Any
 import numpy as np
 
 from distbatch.errors import ShmError
-
-# Their home is with the servers now; importable from here as before.
-from distbatch.serving.open_files import WANTED_OPEN_FILES, raise_open_file_limit  # noqa: F401
 from distbatch.wire.container import Buffer, byte_view
 
 __all__ = [
