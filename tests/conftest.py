@@ -21,7 +21,9 @@ run ends when the short ones do.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,6 +125,25 @@ def _start_rank(item: pytest.Item) -> tuple[int, int]:
         return (0, LONGEST_FIRST.index(name))
     tier = item.path.parent.name
     return (1, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
+
+
+# `DISTBATCH_TEST_TIMELINE=FILE`: each test's start and end (seconds since the epoch) and the
+# xdist worker that ran it, one JSON line per test: where a parallel run waits, and on what.
+TIMELINE = os.environ.get("DISTBATCH_TEST_TIMELINE")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not TIMELINE:
+        return (yield)
+    start = time.time()
+    try:
+        return (yield)
+    finally:
+        line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                "start": start, "end": time.time()}
+        with open(TIMELINE, "a") as out:
+            out.write(json.dumps(line) + "\n")
 
 
 @pytest.hookimpl(optionalhook=True)
