@@ -9,7 +9,8 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
   SimpleStorage and our backend), `servers` (the worker app on other WSGI servers), `same_host`
   (shared memory next to Ray's same-node put/get and a memcpy);
 - `scaling` (1k-100k tasks), `control_plane` (hundreds of ranks polling one controller),
-  `soak` (load, every byte checked);
+  `soak` (load, every byte checked), `suite_cpu` (where a command's CPU goes, every process
+  counted: the test suite's profile);
 - `cluster`, a package: the jobs run on simulated hosts (network namespaces, brought up and down
   and their links shaped by `simcluster`, beside `bench/` at the repo root): `cluster.job` (the
   main job across them), `cluster.tcp` (plain TCP on the same links), `cluster.ray_peer` (Ray's
