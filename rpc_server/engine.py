@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from distbatch.batch.calls import decode_call, encode_value
-from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
-from distbatch.batch.ragged import column_problem
-from distbatch.client.default import default_client
-from distbatch.client.shard_client import ShardClient
+from distbatch.batch.calls import decode_call, encode_value, loaded_batch_class
 from distbatch.errors import WireFormatError
 from distbatch.launch.flags import check_engine_kwargs, check_rank
 from distbatch.wire.bundle import Bundle
@@ -40,6 +35,15 @@ from rpc_server.errors import (
     UnstorableResultError,
 )
 from rpc_server.store.shard_store import PutReceipt, ShardStore
+
+if TYPE_CHECKING:
+    from distbatch.batch.memory import DistributedBatchMemory
+    from distbatch.client.shard_client import ShardClient
+
+# torch, the batch and the client are imported when a call first needs them, never at start: a
+# worker whose engine answers JSON (a reward scorer, a coordinator) never loads torch (about 2 s
+# of CPU and 200 MB), and while nothing in the process has imported torch, no value can be a
+# tensor (`_is_tensor`).
 
 
 @dataclass
@@ -111,6 +115,8 @@ class WorkerContext:
     @property
     def client(self) -> ShardClient:
         """The worker's client, for gathering from peers (batch arguments use it already)."""
+        from distbatch.client.default import default_client
+
         return default_client()
 
 
@@ -237,11 +243,15 @@ RESULT_KINDS = (
 )
 
 
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor (none can exist while nothing in the process has imported torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _is_array(value: Any) -> bool:
     """A torch tensor or a numpy array: a value with a first dimension that is not JSON."""
-    return isinstance(value, torch.Tensor) or (
-        type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
-    )
+    return _is_tensor(value) or (type(value).__module__ == "numpy" and type(value).__name__ == "ndarray")
 
 
 def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], bool, bool]:
@@ -256,7 +266,7 @@ def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], 
     for key, value in result.items():
         if not isinstance(key, str):
             problems.append(f"key {key!r} is not a field name")
-        elif isinstance(value, torch.Tensor) and (problem := column_problem(value)) is not None:
+        elif _is_tensor(value) and (problem := _column_problem(value)) is not None:
             problems.append(f"field {key!r}: {problem}")
             layout_problems += 1
         elif _is_array(value) and value.ndim == 0:
@@ -269,6 +279,12 @@ def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], 
         else:
             problems.append(f"field {key!r} is a {type(value).__name__}, not a column")
     return problems, lengths_off, len(problems) > layout_problems
+
+
+def _column_problem(tensor: Any) -> str | None:
+    from distbatch.batch.ragged import column_problem  # torch is loaded: `tensor` is one
+
+    return column_problem(tensor)
 
 
 def _json_problem(value: Any) -> str | None:
@@ -290,13 +306,14 @@ def _storable_result(result: Any, input_batch: DistributedBatchMemory | None) ->
     LOCAL batch under those task ids (an EMPTY batch for a zero-task chunk); any other
     dict must be JSON. Anything else raises `UnstorableResultError` saying what to return.
     """
-    if isinstance(result, DistributedBatchMemory):
+    batch_class = loaded_batch_class()
+    if batch_class is not None and isinstance(result, batch_class):
         return result
     if input_batch is not None and isinstance(result, Mapping) and result:
         count = len(input_batch)
         problems, lengths_off, shape_off = _column_problems(result, count)
         if not problems:
-            return DistributedBatchMemory.from_dict(dict(result), task_ids=input_batch.task_ids)
+            return type(input_batch).from_dict(dict(result), task_ids=input_batch.task_ids)
         json_problem = _json_problem(result)
         if json_problem is None:
             return result  # plain JSON that happens to be a dict of lists (e.g. metrics)
@@ -540,11 +557,16 @@ class EngineHost:
         except BaseException as exc:  # SystemExit too: an engine's failure never takes the worker down
             raise EngineCallFailed(exc) from exc
         name = getattr(fn, "__name__", "?")
-        inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, DistributedBatchMemory)]
+        batch_class = loaded_batch_class()
+        inputs = [a for a in [*args, *kwargs.values()] if batch_class and isinstance(a, batch_class)]
         try:
             storable = _storable_result(result, inputs[0] if inputs else None)
-            if isinstance(storable, DistributedBatchMemory) and storable.status is BatchStatus.LOCAL:
-                storable = self.store_local(storable)
+            batch_class = loaded_batch_class()  # the engine's code may have loaded it
+            if batch_class is not None and isinstance(storable, batch_class):
+                from distbatch.batch.states import BatchStatus
+
+                if storable.status is BatchStatus.LOCAL:
+                    storable = self.store_local(storable)
             return encode_value(storable)
         except StoreCapacityError as exc:  # 507, as for a put: the store is full, not the engine wrong
             message = f"engine method {name!r} ran, but its result was not stored: {exc}"
@@ -557,7 +579,7 @@ class EngineHost:
         REMOTE view."""
         bundle, meta = batch.export_bundle(self.context.node, copy=True)
         generation = self._put_for_call(bundle)
-        return DistributedBatchMemory.from_meta(meta.stored_by(generation), self.context.client)
+        return type(batch).from_meta(meta.stored_by(generation), self.context.client)
 
     def shutdown(self) -> None:
         """Take no more calls: queued ones are cancelled (their requests answer 503), a running one ends."""

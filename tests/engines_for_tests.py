@@ -8,11 +8,32 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import distbatch
 
-from distbatch import DistributedBatchMemory
+if TYPE_CHECKING:
+    import torch
+
+    from distbatch import DistributedBatchMemory
+
+
+class _OnFirstUse:
+    """A module imported on first attribute access: a worker whose test calls only JSON methods
+    never loads torch (the engine host does not either), so it starts in a fraction of the time
+    (the suite starts dozens of these workers)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+if not TYPE_CHECKING:
+    torch = _OnFirstUse("torch")
 
 # What a test passes to start workers hosting these engines: this directory on their import path.
 ENGINES_ENV = {
@@ -44,6 +65,12 @@ class EchoEngine:
         node = self.context.node if self.context is not None else None
         return {"node": node, "value": value, "kwargs": kwargs}
 
+    def loaded(self, names: list[str]) -> dict[str, bool]:
+        """Whether the worker's process has imported each module in `names`."""
+        import sys
+
+        return {name: name in sys.modules for name in names}
+
     def environ(self, name: str) -> str | None:
         """An environment variable as the engine's process sees it (launcher env settings)."""
         return os.environ.get(name)
@@ -70,7 +97,7 @@ class EchoEngine:
 
     def make_batch(self, n: int, prefix: str) -> DistributedBatchMemory:
         """A LOCAL batch with new task ids: stored on this worker, returned REMOTE."""
-        return DistributedBatchMemory.from_dict(
+        return distbatch.DistributedBatchMemory.from_dict(
             {"z": torch.arange(n, dtype=torch.float32) * 10, "name": [f"{prefix}/{i}" for i in range(n)]},
             task_ids=[f"{prefix}-{i}" for i in range(n)],
         )
@@ -82,7 +109,7 @@ class EchoEngine:
         values, cu = batch.packed(field)
         bounds = cu.tolist()
         rows = [values[start:stop] for start, stop in zip(bounds, bounds[1:])]
-        return DistributedBatchMemory.from_dict(
+        return distbatch.DistributedBatchMemory.from_dict(
             {"rows": rows, "length": (cu[1:] - cu[:-1]).to(torch.int64)}, task_ids=batch.task_ids
         )
 
@@ -104,7 +131,7 @@ class EchoEngine:
         (task i: i + 1 values counting on from the previous task's), to scribble on later."""
         lengths = [i + 1 for i in range(len(batch))]
         self._kept = torch.arange(sum(lengths), dtype=torch.int32)
-        return DistributedBatchMemory.from_dict(
+        return distbatch.DistributedBatchMemory.from_dict(
             {"views": list(self._kept.split(lengths))}, task_ids=batch.task_ids
         )
 
@@ -276,7 +303,7 @@ class ResultShapesEngine:
             raise ValueError(kind)
         columns = {"good": dense, "bad": bad}
         if as_batch:
-            return DistributedBatchMemory.from_dict(columns, task_ids=batch.task_ids)
+            return distbatch.DistributedBatchMemory.from_dict(columns, task_ids=batch.task_ids)
         return columns
 
     def big(self, batch: DistributedBatchMemory, width: int) -> dict[str, Any]:

@@ -9,19 +9,34 @@ with `to_remote` first: the controller must not ship data by accident).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
-from distbatch.batch.meta import BatchMeta
-from distbatch.client.shard_client import ShardClient
 from distbatch.errors import BatchStatusError, WireFormatError
 from distbatch.wire.json_values import check_json
+
+if TYPE_CHECKING:
+    from distbatch.batch.memory import DistributedBatchMemory
+    from distbatch.client.shard_client import ShardClient
+
+# The batch (and with it torch) is imported when a batch travels, not before: a worker whose
+# engine calls carry JSON only never loads torch (`rpc_server.engine`).
+BATCH_MODULE = "distbatch.batch.memory"
+
+
+def loaded_batch_class() -> type[DistributedBatchMemory] | None:
+    """`DistributedBatchMemory` if this process has imported it; None while no value can be one."""
+    module = sys.modules.get(BATCH_MODULE)
+    return None if module is None else module.DistributedBatchMemory
 
 
 def encode_value(value: Any) -> dict[str, Any]:
     """Tag one argument / result for the wire."""
-    if isinstance(value, DistributedBatchMemory):
+    batch_class = loaded_batch_class()
+    if batch_class is not None and isinstance(value, batch_class):
+        from distbatch.batch.states import BatchStatus
+
         status = value.status
         if status is BatchStatus.LOCAL:
             raise BatchStatusError(
@@ -42,6 +57,9 @@ def decode_value(tagged: Any, client: ShardClient | None = None) -> Any:
     if tag == "json":
         return payload
     if tag == "batch":
+        from distbatch.batch.memory import DistributedBatchMemory
+        from distbatch.batch.meta import BatchMeta
+
         if payload is None:
             return DistributedBatchMemory()
         return DistributedBatchMemory.from_meta(BatchMeta.from_dict(payload), client)

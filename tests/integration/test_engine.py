@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 from batch_support import shards_on
-from engines_for_tests import ENGINES_ENV
+from engines_for_tests import ECHO, ENGINES_ENV
 
 from distbatch import (
     BatchStatusError,
@@ -79,6 +79,29 @@ def push(node: str, module_client: ShardClient, n: int = 4) -> DistributedBatchM
 
 
 # --------------------------------------------------------------------------- results
+
+
+def test_a_worker_whose_calls_carry_json_only_never_loads_torch(module_client: ShardClient) -> None:
+    """A worker hosting an engine that answers JSON (a reward scorer, a coordinator) does not pay
+    for torch (2 s of CPU and 200 MB at start): the engine host imports torch and the batch when
+    a batch or a tensor first travels. The first batch call then loads them and works as ever."""
+    group = WorkerGroup.local(1, ECHO, env=ENGINES_ENV, client=module_client)
+    try:
+        node = group.nodes[0]
+        assert group.call_on(node, "echo", {"k": [1, "x"]})["value"] == {"k": [1, "x"]}
+        assert group.call_on(node, "json_value", "dict") is not None
+        assert group.call_on(node, "loaded", ["torch", "distbatch.batch.memory"]) == {
+            "torch": False,
+            "distbatch.batch.memory": False,
+        }
+        batch = push(node, module_client, 3)
+        result = group.call_on(node, "columns", batch, scale=2.0)
+        torch.testing.assert_close(result["y"], torch.tensor([2.0, 4.0, 6.0]))
+        assert group.call_on(node, "loaded", ["torch"]) == {"torch": True}
+        assert result.clear() + batch.clear() == 3 * 3 + 3 * 2
+    finally:
+        group.shutdown()
+
 
 
 def test_columns_result_is_stored_under_the_input_task_ids(
