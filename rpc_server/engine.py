@@ -244,9 +244,10 @@ RESULT_KINDS = (
 
 
 def _is_tensor(value: Any) -> bool:
-    """A torch tensor (none can exist while nothing in the process has imported torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    """A torch tensor (none can exist while nothing in the process has imported torch, or while
+    another thread is still importing it and `torch.Tensor` is not defined yet)."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(value, tensor)
 
 
 def _is_array(value: Any) -> bool:
@@ -410,7 +411,9 @@ class EngineHost:
         `call_id` (from the client) lets the call be abandoned; see `abandon`.
         """
         fn = self.method(name)
-        args, kwargs = decode_call(body, self.context.client)
+        # Batch arguments use the process's client (`context.client`) when they gather; passing
+        # none leaves them to find it then, so a JSON-only call never imports the client.
+        args, kwargs = decode_call(body)
         _check_arguments(name, fn, args, kwargs)
         if call_id is None:
             return self._result(self._submit(self._invoke, fn, args, kwargs), None)

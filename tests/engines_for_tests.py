@@ -330,6 +330,9 @@ class ReliabilityEngine:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        # Loaded at start, as by an engine module that imports the batch at its top: the
+        # reliability tests time calls (abandons, deaths mid-call), not a first call's import.
+        self.batch_class = distbatch.DistributedBatchMemory
 
     def mark(
         self,

@@ -26,9 +26,12 @@ BATCH_MODULE = "distbatch.batch.memory"
 
 
 def loaded_batch_class() -> type[DistributedBatchMemory] | None:
-    """`DistributedBatchMemory` if this process has imported it; None while no value can be one."""
-    module = sys.modules.get(BATCH_MODULE)
-    return None if module is None else module.DistributedBatchMemory
+    """`DistributedBatchMemory` if this process has imported it; None while no value can be one.
+
+    Another thread may be importing it right now: its module is then in `sys.modules` before
+    the class is defined, and until the class exists no value can be one either.
+    """
+    return getattr(sys.modules.get(BATCH_MODULE), "DistributedBatchMemory", None)
 
 
 def encode_value(value: Any) -> dict[str, Any]:

@@ -419,17 +419,31 @@ def test_interrupted_sync_call_is_cancelled_and_abandoned(shared: WorkerGroup) -
 # ---------------------------------------------------------------------- finished nodes, late abandons, queues
 
 
+def _kill_once_it_answered_a_call(group: WorkerGroup, index: int, killed: list[float]) -> None:
+    """Kill worker `index` as soon as its metrics count an answered engine call (not after a fixed
+    delay, which a loaded machine can outlast)."""
+    answered = 'endpoint="/v1/call/<method>",method="POST",status="200"'
+    deadline = time.monotonic() + 120
+    while answered not in requests.get(f"http://{group.nodes[index]}/metrics", timeout=10).text:
+        assert time.monotonic() < deadline, "worker 0 never answered its call"
+        time.sleep(0.02)
+    group.processes[index].process.kill()
+    killed.append(time.monotonic())
+
+
 def test_node_whose_call_finished_cannot_fail_the_group_call(own_group) -> None:
     """Worker 0 answers, then dies while worker 1's call still runs: the group call succeeds
     (worker 0's liveness probe no longer matters once its call is done)."""
     group = own_group(2, liveness_timeout=1.0)
-    killer = threading.Timer(0.5, group.processes[0].process.kill)
+    killed: list[float] = []
+    killer = threading.Thread(target=_kill_once_it_answered_a_call, args=(group, 0, killed))
     killer.start()
     try:
-        assert group.call("sleep", [0.1, 3.0]) == [0.1, 3.0]  # worker 0 stops answering at 0.5 s
+        assert group.call("sleep", [0.1, 6.0]) == [0.1, 6.0]
+        returned = time.monotonic()
     finally:
-        killer.cancel()
         killer.join()
+    assert killed and killed[0] < returned  # worker 0 died while worker 1's call was running
 
 
 def test_late_abandon_spares_what_a_later_call_stored_under_the_same_keys(shared: WorkerGroup) -> None:
