@@ -91,6 +91,9 @@ class Scenario:
     poll_interval: float = 0.02
     step_seconds: float = 0.5
     max_seconds: float = 120.0
+    # A run fails once no task has been delivered for this long (a stall), whatever its total
+    # time; `max_seconds` is the backstop for a run that creeps.
+    stall_seconds: float = 30.0
     client_per_consumer: bool = False
 
     def check(self) -> Scenario:
@@ -102,8 +105,10 @@ class Scenario:
         if self.tasks % self.batch_size or self.tasks % self.chunk:
             # The sequential sampler serves only full batches: a tail would never be delivered.
             raise ValueError(f"tasks ({self.tasks}) must be a multiple of the batch size and the chunk")
-        if min(self.put_interval, self.poll_interval, self.step_seconds) < 0 or not self.max_seconds > 0:
-            raise ValueError("intervals and steps must be >= 0, max_seconds > 0")
+        if min(self.put_interval, self.poll_interval, self.step_seconds) < 0 or not (
+            self.max_seconds > 0 and self.stall_seconds > 0
+        ):
+            raise ValueError("intervals and steps must be >= 0, max_seconds and stall_seconds > 0")
         return self
 
 
@@ -261,15 +266,22 @@ def _server_totals(address: str) -> tuple[float, float]:
     return found["count"], found["sum"]
 
 
-def _wait(progress: _Progress, deadline: float, bar: tqdm) -> None:
-    """Until every group has every task, a stop, or the deadline; the bar follows deliveries."""
+def _wait(progress: _Progress, deadline: float, stall_seconds: float, bar: tqdm) -> str | None:
+    """Until every group has every task or a stop (None), no delivery for `stall_seconds`, or
+    the deadline (what went wrong); the bar follows deliveries."""
     shown = 0
-    while not progress.finished() and not progress.stop.is_set() and time.monotonic() < deadline:
+    last_delivery = time.monotonic()
+    while not progress.finished() and not progress.stop.is_set():
         time.sleep(0.1)
-        now = progress.total()
-        bar.update(now - shown)
-        shown = now
-    bar.update(progress.total() - shown)
+        now, moment = progress.total(), time.monotonic()
+        if now > shown:
+            bar.update(now - shown)
+            shown, last_delivery = now, moment
+        elif moment - last_delivery > stall_seconds:
+            return f"no task delivered for {stall_seconds} s ({shown} delivered)"
+        if moment > deadline:
+            return f"not every task delivered within the run's backstop ({shown} delivered)"
+    return None
 
 
 @dataclass
@@ -341,10 +353,10 @@ def run(address: str, scenario: Scenario, *, progress_bar: bool = True) -> dict[
         producer.start()
         total = scenario.tasks * scenario.groups
         with tqdm(total=total, desc="control plane", unit="task", disable=not progress_bar) as bar:
-            _wait(progress, time.monotonic() + scenario.max_seconds, bar)
+            stalled = _wait(progress, time.monotonic() + scenario.max_seconds, scenario.stall_seconds, bar)
         seconds = time.perf_counter() - started
-        if not progress.finished() and not progress.stop.is_set():
-            job.errors.append(f"not every task delivered within {scenario.max_seconds} s")
+        if stalled is not None:
+            job.errors.append(stalled)
         progress.stop.set()
         for thread in [producer, *consumers]:  # each call is bounded by the client's timeout
             thread.join(90.0)
@@ -539,6 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: %(default)s)",
     )
     parser.add_argument("--max-seconds", type=float, default=d.max_seconds, help="a run fails after this")
+    stall_help = "a run fails after this long with no delivery"
+    parser.add_argument("--stall-seconds", type=float, default=d.stall_seconds, help=stall_help)
     parser.add_argument("--client-per-consumer", action="store_true", help="a ShardClient per consumer")
     parser.add_argument("--in-process", action="store_true", help="serve the controller in this process")
     parser.add_argument("--json", action="store_true", help="also print the result as JSON")
@@ -578,6 +592,7 @@ def scenario_of(args: argparse.Namespace, prefix: str = "") -> Scenario:
         put_interval=arg("put_interval", d.put_interval),
         poll_interval=arg("poll_interval", d.poll_interval),
         max_seconds=arg("max_seconds", d.max_seconds),
+        stall_seconds=arg("stall_seconds", d.stall_seconds),
         client_per_consumer=arg("client_per_consumer", d.client_per_consumer),
     ).check()
 

@@ -38,12 +38,14 @@ def test_256_consumers_in_4_groups_get_every_task_exactly_once(
         put_interval=0.02,  # streaming: the producer is still announcing while ranks poll
         poll_interval=0.01,
         step_seconds=0.0,
-        max_seconds=120.0,
+        # Judged by progress: a stall of 30 s without a delivery fails it; the total time, which
+        # a loaded machine stretches, only has the test's own timeout as a backstop.
+        stall_seconds=30.0,
+        max_seconds=270.0,
     )
     result = control_plane.run(server.address, scenario, progress_bar=False)
 
     assert result["failures"] == [] and result["ok"] and result["errors"] == 0
-    assert result["seconds"] < scenario.max_seconds
     assert result["tasks_delivered"] == 8192 * 4
     for group, delivery in result["delivery"].items():
         assert delivery["delivered"] == delivery["distinct"] == 8192, group
