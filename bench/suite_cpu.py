@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 TICKS = os.sysconf("SC_CLK_TCK")
 TEST_VARIABLE = "PYTEST_CURRENT_TEST="
 # A Ray worker's command line until it names its actor (`ray::Name.method`): read again.
-RAY_STARTING = ("setup_worker.py", "default_worker.py")
+RAY_STARTING = ("setup_worker.py", "default_worker.py", "ray::IDLE")
 
 
 @dataclass
@@ -134,10 +135,24 @@ def report(sampler: Sampler, machine: float, wall: float, top: int) -> str:
     return "\n".join(lines)
 
 
+def write_processes(sampler: Sampler, path: str) -> None:
+    """Every process that started after the sampler began, one JSON object per line."""
+    with open(path, "w") as out:
+        for key, seen in sampler.seen.items():
+            if key not in sampler.before:
+                kind = _kind(seen.command)
+                row = {"command": seen.command, "kind": kind, "test": seen.test, "cpu": seen.cpu}
+                out.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suite_cpu", description=__doc__.splitlines()[0])
     parser.add_argument("--period", type=float, default=0.5, help="seconds between samples")
     parser.add_argument("--top", type=int, default=30, help="rows of each table")
+    parser.add_argument(
+        "--processes", metavar="FILE", help="also write every new process there, one JSON line each "
+        "(command, kind, test, cpu): for tables this report does not make"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     machine, wall = machine_cpu() - busy, time.monotonic() - started
     sampler.stop()
     print(report(sampler, machine, wall, args.top), file=sys.stderr)
+    if args.processes:
+        write_processes(sampler, args.processes)
     return code
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +26,20 @@ time.sleep(0.5)
 """
 
 
-def test_a_process_nobody_waits_for_is_counted_with_its_kind() -> None:
+def test_a_process_nobody_waits_for_is_counted_with_its_kind(tmp_path: Path) -> None:
+    listing = tmp_path / "processes.jsonl"
+    command = [sys.executable, "-m", "bench.suite_cpu", "--period", "0.1", "--processes", str(listing)]
     out = subprocess.run(
-        [sys.executable, "-m", "bench.suite_cpu", "--period", "0.1", "--", sys.executable, "-c", ORPHAN],
+        [*command, "--", sys.executable, "-c", ORPHAN],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stderr.splitlines() if line.endswith("python -c")]
     assert rows, out.stderr
     assert float(rows[0][0]) >= 1.0, out.stderr  # the child's second of CPU, not only the parent's
+    listed = [json.loads(line) for line in listing.read_text().splitlines()]
+    children = [p for p in listed if p["kind"] == "python -c" and "Popen" not in p["command"]]
+    assert len(children) == 1 and children[0]["cpu"] >= 1.0, listed
 
 
 def test_kinds_name_what_a_process_runs() -> None:
