@@ -127,8 +127,10 @@ def _start_rank(item: pytest.Item) -> tuple[int, int]:
     return (1, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
 
 
-# `DISTBATCH_TEST_TIMELINE=FILE`: each test's start and end (seconds since the epoch) and the
-# xdist worker that ran it, one JSON line per test: where a parallel run waits, and on what.
+# `DISTBATCH_TEST_TIMELINE=FILE`: each test's start and end (seconds since the epoch), the CPU
+# seconds the pytest process itself spent on it (all its threads: in-process clients, hypothesis;
+# not the processes it started, which `bench.suite_cpu` counts) and the xdist worker that ran it,
+# one JSON line per test: where a parallel run waits, and on what.
 TIMELINE = os.environ.get("DISTBATCH_TEST_TIMELINE")
 
 
@@ -136,12 +138,12 @@ TIMELINE = os.environ.get("DISTBATCH_TEST_TIMELINE")
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if not TIMELINE:
         return (yield)
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     try:
         return (yield)
     finally:
         line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                "start": start, "end": time.time()}
+                "start": start, "end": time.time(), "cpu": time.process_time() - cpu}
         with open(TIMELINE, "a") as out:
             out.write(json.dumps(line) + "\n")
 

@@ -4,48 +4,100 @@
 Importing registers the backend (TransferQueue's bootstrap provider and storage manager) in
 this process; every process that calls `tq.init` or a TransferQueue client must import it
 first (or have Ray run the import in its workers: `runtime_env={"worker_process_setup_hook":
-"distbatch.transferqueue.register"}`). Options under `backend.Distbatch`: see
-`BackendOptions`. With none, `tq.init` starts one worker per Ray node; `close()` stops them
-(`tq.close()` alone does not stop a backend it did not bring).
+"distbatch.transferqueue.register"}`). The registration itself waits for `transfer_queue`: it
+runs when this process imports TransferQueue (at once if it has already), so a Ray worker of
+the job that never touches TransferQueue does not load it, tensordict and torch for nothing
+(about 5 CPU-seconds each). Options under `backend.Distbatch`: see `BackendOptions`. With none,
+`tq.init` starts one worker per Ray node; `close()` stops them (`tq.close()` alone does not stop
+a backend it did not bring).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import importlib.util
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import wrapt
+
+if TYPE_CHECKING:
+    from distbatch.transferqueue.manager import DistbatchStorageManager
+    from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions
+    from distbatch.transferqueue.provider import STARTED as STARTED  # a test stops what it started
+    from distbatch.transferqueue.provider import bootstrap
+
 SUPPORTED_VERSIONS = ("0.1.11",)
+_INSTALL = "pip install transferqueue==0.1.11 (or distbatch[tq])"
 
 
-def _check_version() -> None:
+def _refuse(version: str) -> ImportError:
+    return ImportError(
+        f"distbatch.transferqueue supports TransferQueue {', '.join(SUPPORTED_VERSIONS)}, "
+        f"this is {version}: its backend API changes between releases; install a supported one"
+    )
+
+
+def _check_installed() -> None:
+    """TransferQueue is installed, at a supported version (read from its metadata: nothing imported)."""
+    if importlib.util.find_spec("transfer_queue") is None:
+        raise ImportError(f"distbatch.transferqueue needs TransferQueue: {_INSTALL}")
     try:
-        import transfer_queue
-    except ImportError as exc:
-        raise ImportError(
-            "distbatch.transferqueue needs TransferQueue: pip install transferqueue==0.1.11 "
-            "(or distbatch[tq])"
-        ) from exc
+        version = importlib.metadata.version("transferqueue")
+    except importlib.metadata.PackageNotFoundError:
+        return  # a source checkout without metadata: `_register` checks its __version__
+    if version not in SUPPORTED_VERSIONS:
+        raise _refuse(version)
+
+
+def _register(transfer_queue: ModuleType) -> None:
+    """Once `transfer_queue` is imported: check its version, then import the modules whose
+    decorators register the bootstrap provider and the storage manager with it."""
     version = getattr(transfer_queue, "__version__", "unknown")
     if version not in SUPPORTED_VERSIONS:
-        raise ImportError(
-            f"distbatch.transferqueue supports TransferQueue {', '.join(SUPPORTED_VERSIONS)}, "
-            f"this is {version}: its backend API changes between releases; install a supported one"
-        )
+        raise _refuse(version)
+    # Either may be half-imported already (its own import of TransferQueue got us here): then
+    # its decorator registers it once it finishes; neither imports the other.
+    importlib.import_module("distbatch.transferqueue.manager")
+    importlib.import_module("distbatch.transferqueue.provider")
 
 
-_check_version()
+_check_installed()
+wrapt.register_post_import_hook(_register, "transfer_queue")
 
-from distbatch.transferqueue import fast_schema  # noqa: E402
-from distbatch.transferqueue.bootstrap import STARTED, bootstrap  # noqa: E402  (after the check)
-from distbatch.transferqueue.manager import BACKEND_NAME, DistbatchStorageManager  # noqa: E402
-from distbatch.transferqueue.options import BackendOptions  # noqa: E402
+# Imported on first use (`manager` and `provider` import TransferQueue, which registers both).
+_LAZY = {
+    "BACKEND_NAME": "options",
+    "DistbatchStorageManager": "manager",
+    "STARTED": "provider",
+    "bootstrap": "provider",
+    "BackendOptions": "options",
+    "fast_schema": None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY[name]
+    if module is None:
+        return importlib.import_module(f"{__name__}.{name}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def register() -> None:
-    """Nothing to do once imported (importing registers); for Ray's `worker_process_setup_hook`."""
+    """Nothing to do once imported (importing registers, when TransferQueue is imported); for
+    Ray's `worker_process_setup_hook`."""
 
 
 def close() -> int:
     """`tq.close()`, then stop the workers `tq.init` started in this process; returns how many
     were stopped. Safe to call twice."""
     import transfer_queue as tq
+
+    from distbatch.transferqueue import fast_schema
+    from distbatch.transferqueue.provider import STARTED
 
     try:
         tq.close()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tensordict import TensorDict
 from transfer_queue.metadata import BatchMeta as TQBatchMeta
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
@@ -50,11 +50,10 @@ from distbatch.errors import (
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
-from distbatch.transferqueue.options import BackendOptions
+from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions, plain_config
 from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
 
-BACKEND_NAME = "Distbatch"
 # A gather never shows a progress bar here: TransferQueue's callers are programs, not people.
 NO_PROGRESS_BAR = 1 << 62
 
@@ -224,13 +223,6 @@ def _unreachable(error: WorkerUnavailableError, outcome: str) -> WorkerUnavailab
     out.reason = error.reason
     out.partial_results = error.partial_results
     return out
-
-
-def plain_config(config: Any) -> dict[str, Any]:
-    """A config section (a *DictConfig*, a mapping or None) as a plain dict."""
-    if isinstance(config, DictConfig):
-        return dict(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
-    return dict(config or {})
 
 
 def _locations(metadata: TQBatchMeta) -> list[dict[str, Any]]:

@@ -15,6 +15,18 @@ from distbatch.errors import InvalidArgumentError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import byte_size
 
+# The name TransferQueue's config gives the backend (`storage_backend`, and its options' section).
+BACKEND_NAME = "Distbatch"
+
+
+def plain_config(config: Any) -> dict[str, Any]:
+    """A config section (an OmegaConf *DictConfig*, a mapping or None) as a plain dict."""
+    from omegaconf import DictConfig, OmegaConf  # TransferQueue's config library, loaded when needed
+
+    if isinstance(config, DictConfig):
+        return dict(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
+    return dict(config or {})
+
 
 @dataclass(frozen=True)
 class BackendOptions:

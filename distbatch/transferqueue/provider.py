@@ -18,8 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 
 from distbatch.launch.group import WorkerGroup
-from distbatch.transferqueue.manager import BACKEND_NAME, plain_config
-from distbatch.transferqueue.options import BackendOptions
+from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions, plain_config
 
 
 class StartedWorkers:
