@@ -28,12 +28,14 @@ if [ "$1 $2" = "-m pip" ]; then
   esac
   exit 0
 fi
+if [ "$1 $2" = "-m compileall" ]; then echo "python $*" >> "$(dirname "$0")/pip.log"; fi
 exit 0
 """
 
 
 def run_setup(tmp_path: Path, **env: str) -> tuple[str, list[str]]:
-    """Source the setup script in a scratch copy; (what it printed, the pip installs it ran)."""
+    """Source the setup script in a scratch copy; (what it printed, the pip installs it ran, and
+    after each of uv's the compileall that writes the .pyc files uv does not)."""
     (tmp_path / "scripts").mkdir()
     for name in ("_setup.sh", "constraints.txt"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
@@ -54,17 +56,23 @@ def run_setup(tmp_path: Path, **env: str) -> tuple[str, list[str]]:
     )
     assert done.returncode == 0, done.stderr
     log = (python.parent / "pip.log").read_text().splitlines()
-    return done.stdout, [line for line in log if " install " in f" {line} " and "uv==" not in line]
+    installs = [line for line in log if " install " in f" {line} " and "uv==" not in line]
+    return done.stdout, [line for line in log if line in installs or line.startswith(COMPILE)]
 
 
-UV = "uv pip install -q --compile-bytecode --python "
+UV = "uv pip install -q --python "
+COMPILE = "python -m compileall -qq -j 0"
 PIP = "pip install -q --disable-pip-version-check "
 
 
 @pytest.mark.parametrize("uv", [True, False], ids=["uv", "pip"])
 def test_without_an_index_it_says_the_package_index_picks_the_build(tmp_path: Path, uv: bool) -> None:
-    out, installs = run_setup(tmp_path, **({"FAKE_UV": "1"} if uv else {}))
+    out, commands = run_setup(tmp_path, **({"FAKE_UV": "1"} if uv else {}))
     assert "installing torch==2.13.0 from your package index" in out and "CUDA build" in out
+    # uv writes no .pyc files: each of its installs is followed by a compileall (pip compiles).
+    compiles = [c.startswith(COMPILE) for c in commands]
+    assert compiles == ([False, True, False, True] if uv else [False, False]), commands
+    installs = [c for c, compiled in zip(commands, compiles) if not compiled]
     assert len(installs) == 2
     assert installs[0].startswith(UV if uv else PIP) and installs[0].endswith(" torch==2.13.0")
     # The package with its extras, every version pinned by the one list.
