@@ -1,15 +1,21 @@
 """This test process's child processes, read from /proc: tests check that a failed or refused
-start leaves none behind (imported by every tier; Linux only)."""
+start leaves none behind (imported by every tier; Linux only).
+
+Workers forked from a fork server (`distbatch.launch.forkserver`) are the server's children, not
+ours: they count as ours, and the server itself, which lives as long as this process, does not.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+FORK_SERVER = b"rpc_server.forkserver"
 
-def children(zombies: bool = True) -> set[int]:
-    """Pids of this process's child processes; `zombies`: count those not waited for too."""
-    found = set()
+
+def _processes(zombies: bool) -> dict[int, int]:
+    """pid -> parent pid of every process (`zombies`: those not waited for too)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -17,6 +23,23 @@ def children(zombies: bool = True) -> set[int]:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited meanwhile
-        if int(fields[1]) == os.getpid() and (zombies or fields[0] not in ("Z", "X")):
-            found.add(int(entry))
-    return found
+        if zombies or fields[0] not in ("Z", "X"):
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def _is_fork_server(pid: int) -> bool:
+    try:
+        return FORK_SERVER in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def children(zombies: bool = True) -> set[int]:
+    """Pids of this process's child processes, and of the workers its fork servers forked;
+    `zombies`: count those not waited for too."""
+    parents = _processes(zombies)
+    direct = {pid for pid, parent in parents.items() if parent == os.getpid()}
+    servers = {pid for pid in direct if _is_fork_server(pid)}
+    forked = {pid for pid, parent in parents.items() if parent in servers}
+    return (direct - servers) | forked

@@ -24,6 +24,11 @@ from pathlib import Path
 from distbatch.errors import InvalidArgumentError, WorkerUnavailableError
 from distbatch.ids import validate_node
 from distbatch.launch.flags import check_rank
+from distbatch.launch.forkserver import ForkedProcess, ForkServers, forking_allowed
+
+# One set of fork servers per process, as multiprocessing keeps one forkserver: every launcher
+# in the process forks its workers from them (see `distbatch.launch.forkserver`).
+FORK_SERVERS = ForkServers()
 
 LOG_TAIL_LINES = 20  # lines of a worker's log quoted when it fails to start
 LOG_DIR_PREFIX = "distbatch-workers-"
@@ -106,7 +111,7 @@ class WorkerProcess:
 
     def __init__(
         self,
-        process: subprocess.Popen[bytes],
+        process: subprocess.Popen[bytes] | ForkedProcess,
         node: str,
         log_file: Path | None = None,
         logs: WorkerLogs | None = None,
@@ -161,7 +166,7 @@ class WorkerProcess:
         return f"WorkerProcess(node={self.node!r}, pid={self.pid})"
 
 
-def _read_address(process: subprocess.Popen[bytes], deadline: float) -> str | None:
+def _read_address(process: subprocess.Popen[bytes] | ForkedProcess, deadline: float) -> str | None:
     """The first stdout line of a starting worker, or None if it exits or the deadline passes."""
     stdout = process.stdout
     if stdout is None:
@@ -248,14 +253,21 @@ def _worker_env(extra: Mapping[str, str], import_path: Sequence[str]) -> dict[st
     return env
 
 
-def _start(command: list[str], rank: int, logs: WorkerLogs, env: Mapping[str, str]) -> WorkerProcess:
-    """Popen one worker: stdout a pipe for its address line, stderr its log file `worker-<rank>-<pid>.log`."""
+def _start(
+    command: list[str], rank: int, logs: WorkerLogs, env: Mapping[str, str], forked: bool
+) -> WorkerProcess:
+    """Start one worker (`forked`: from a fork server, else as a new process): stdout a pipe for
+    its address line, stderr its log file `worker-<rank>-<pid>.log`."""
     fd, starting = tempfile.mkstemp(prefix=f"worker-{rank}-", suffix=".starting", dir=logs.path)
+    process: subprocess.Popen[bytes] | ForkedProcess
     try:
         with open(fd, "wb") as log:
-            process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env
-            )
+            if forked:  # command: python -m rpc_server ARGS
+                process = FORK_SERVERS.start(command[0], command[3:], env, log.fileno())
+            else:
+                process = subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env
+                )
     except BaseException:
         os.unlink(starting)
         raise
@@ -317,6 +329,7 @@ def spawn_workers(
     log_dir: str | os.PathLike[str] | WorkerLogs | None = None,
     first_rank: int = 0,
     world_size: int | None = None,
+    fork: bool | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` workers on free ports (in parallel); return once all printed their address.
 
@@ -329,7 +342,10 @@ def spawn_workers(
     directory for all of them (`WorkerProcess.logs`, see `WorkerLogs`): `log_dir` if given
     (never removed), else `$DISTBATCH_LOG_DIR` if set (never removed), else a new temporary
     directory, removed once every worker stopped cleanly. With `exit_with_parent` a worker
-    exits by itself when this process dies, even by SIGKILL, so no worker is orphaned. If any
+    exits by itself when this process dies, even by SIGKILL, so no worker is orphaned. Workers
+    are forked from this process's fork server (`distbatch.launch.forkserver`: a sixth of the CPU
+    of a new interpreter) where they can be: this interpreter, `exit_with_parent`, and not
+    `DISTBATCH_SPAWN=exec`; `fork=False` starts new interpreters anyway. If any
     worker fails to start, all are stopped and `WorkerUnavailableError` raised, quoting the end
     of the failed worker's log and naming the directory, which is kept.
     """
@@ -347,15 +363,24 @@ def spawn_workers(
     if len(envs) != count:
         raise InvalidArgumentError(f"{len(envs)} env mappings for {count} workers")
     logs = log_dir if isinstance(log_dir, WorkerLogs) else WorkerLogs.open(log_dir)
-    own = ["--exit-with-parent", str(os.getpid())] if exit_with_parent else []
     base = [python, "-m", "rpc_server", "--host", host, "--port", "0"]
     ranks = range(first_rank, first_rank + count)
-    commands = [[*base, "--rank", str(r), "--world-size", str(world_size), *args, *own] for r in ranks]
     import_path = controller_import_path()
+    worker_envs = [_worker_env(extra, import_path) for extra in envs]
+    # Forked from a fork server where it is the same interpreter, and the workers stop with this
+    # process (they stop with the server, which stops with us); else each a new interpreter.
+    forked = fork is not False and exit_with_parent and python == sys.executable and forking_allowed()
+    commands = []
+    for rank, worker_env in zip(ranks, worker_envs):
+        command = [*base, "--rank", str(rank), "--world-size", str(world_size), *args]
+        if exit_with_parent:
+            parent = FORK_SERVERS.server_pid(python, worker_env) if forked else os.getpid()
+            command += ["--exit-with-parent", str(parent)]
+        commands.append(command)
     workers: list[WorkerProcess] = []
     try:
-        for rank, command, extra in zip(ranks, commands, envs):
-            workers.append(_start(command, rank, logs, _worker_env(extra, import_path)))
+        for rank, command, worker_env in zip(ranks, commands, worker_envs):
+            workers.append(_start(command, rank, logs, worker_env, forked))
         deadline = time.monotonic() + startup_timeout
         for rank, command, worker in zip(ranks, commands, workers):
             line = _read_address(worker.process, deadline)
@@ -390,6 +415,7 @@ def spawn_worker(
     log_dir: str | os.PathLike[str] | WorkerLogs | None = None,
     rank: int = 0,
     world_size: int = 1,
+    fork: bool | None = None,
 ) -> WorkerProcess:
     """Start one worker on a free port and return once it has printed its address (see
     `spawn_workers`; `rank` and `world_size` are its place in a group started elsewhere)."""
@@ -404,4 +430,5 @@ def spawn_worker(
         log_dir=log_dir,
         first_rank=rank,
         world_size=world_size,
+        fork=fork,
     )[0]

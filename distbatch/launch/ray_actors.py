@@ -130,6 +130,8 @@ class _WorkerActor:
                 log_dir=WorkerLogs.open(env.get("DISTBATCH_LOG_DIR") or None, shared_name=log_name),
                 rank=rank,
                 world_size=world_size,
+                # An actor starts one worker in its life: a fork server would cost what it saves.
+                fork=False,
             )
         except WorkerUnavailableError as exc:
             # Ray pickles a creation error to the driver, and this one's constructor does not

@@ -33,6 +33,7 @@ from distbatch.auth import token_from_env
 from distbatch.batch import BatchStatus
 from distbatch.batch.calls import encode_call
 from distbatch.launch import WorkerProcess
+from distbatch.launch.forkserver import ENV_SPAWN
 
 ENV = ENGINES_ENV
 
@@ -81,10 +82,15 @@ def push(node: str, module_client: ShardClient, n: int = 4) -> DistributedBatchM
 # --------------------------------------------------------------------------- results
 
 
-def test_a_worker_whose_calls_carry_json_only_never_loads_torch(module_client: ShardClient) -> None:
+def test_a_worker_whose_calls_carry_json_only_never_loads_torch(
+    module_client: ShardClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker hosting an engine that answers JSON (a reward scorer, a coordinator) does not pay
     for torch (2 s of CPU and 200 MB at start): the engine host imports torch and the batch when
-    a batch or a tensor first travels. The first batch call then loads them and works as ever."""
+    a batch or a tensor first travels. The first batch call then loads them and works as ever.
+    Started as a new interpreter (as a Ray actor starts its worker), where that matters: a
+    forked worker has torch from its fork server for nothing."""
+    monkeypatch.setenv(ENV_SPAWN, "exec")
     group = WorkerGroup.local(1, ECHO, env=ENGINES_ENV, client=module_client)
     try:
         node = group.nodes[0]
