@@ -24,6 +24,7 @@ this process, then stop too.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -92,18 +93,21 @@ class ForkServer:
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
         # The interpreter's own path, less what the launcher's PYTHONPATH put there.
-        ours = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-        self.base_path = [p for p in sys.path[1:] if p not in ours]
+        ours = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+        self.base_path = [p for p in sys.path[1:] if os.path.abspath(p) not in ours]
+        self.selector = selectors.DefaultSelector()
+        self.sigint = signal.getsignal(signal.SIGINT)  # what a worker gets: ignored under nohup
+        self.torch_failed = False
 
     def serve(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the launcher, which stops its workers
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.sock, selectors.EVENT_READ)
-            selector.register(self.wake_r, selectors.EVENT_READ)
+        with self.selector:
+            self.selector.register(self.sock, selectors.EVENT_READ)
+            self.selector.register(self.wake_r, selectors.EVENT_READ)
             while True:
-                for key, _ in selector.select():
+                for key, _ in self.selector.select():
                     if key.fileobj is self.sock and not self._answer():
                         return
                 self._reap()
@@ -135,12 +139,13 @@ class ForkServer:
         return True
 
     def _load_torch(self) -> None:
-        """Import torch here once, so engine workers fork with it loaded (not where it is missing)."""
-        if "torch" not in sys.modules:
+        """Import torch here once, so engine workers fork with it loaded (not where it is missing
+        or fails to load: then each worker meets that itself)."""
+        if "torch" not in sys.modules and not self.torch_failed:
             try:
                 import torch  # noqa: F401
-            except ImportError:
-                pass
+            except Exception:  # noqa: BLE001
+                self.torch_failed = True
 
     def _fork(self, request: dict[str, Any], stdout: int, stderr: int, exit_pipe: int) -> int:
         pid = os.fork()
@@ -150,12 +155,16 @@ class ForkServer:
                 signal.set_wakeup_fd(-1)
                 for signum in (signal.SIGCHLD, signal.SIGTERM):
                     signal.signal(signum, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGINT, self.sigint)
+                self.selector.close()
                 self.sock.close()
                 for fd in (self.wake_r, self.wake_w, exit_pipe, *self.exit_pipes.values()):
                     os.close(fd)
                 code = _run_worker(request, stdout, stderr, self.base_path)
+            except BaseException:  # noqa: BLE001  (before the worker ran: say why in its log)
+                traceback.print_exc()
             finally:
+                atexit._run_exitfuncs()  # as an interpreter's exit would (the worker's own end skips it)
                 for stream in (sys.stdout, sys.stderr):
                     try:
                         stream.flush()
@@ -168,7 +177,9 @@ class ForkServer:
         return pid
 
     def _reap(self) -> None:
-        """Drain the wakeup pipe, then write the exit code of every worker that exited."""
+        """Drain the wakeup pipe, then write the exit code of every worker that exited, before
+        reaping it: until the launcher has read the code, the pid is not free for reuse, so a
+        signal the launcher sends meanwhile cannot reach another process."""
         try:
             while os.read(self.wake_r, 512):
                 pass
@@ -176,18 +187,21 @@ class ForkServer:
             pass
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 return
-            if pid == 0:
+            if exited is None:
                 return
+            pid = exited.si_pid
+            code = exited.si_status if exited.si_code == os.CLD_EXITED else -exited.si_status
             pipe = self.exit_pipes.pop(pid, None)
             if pipe is not None:
                 try:
-                    os.write(pipe, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    os.write(pipe, f"{code}\n".encode())
                 except OSError:  # the launcher stopped listening to this worker
                     pass
                 os.close(pipe)
+            os.waitpid(pid, 0)
 
 
 def main(argv: list[str] | None = None) -> None:

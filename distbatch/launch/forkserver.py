@@ -9,11 +9,15 @@ returncode). A worker's exit code comes from the server, which reaps it, through
 
 Only what a process takes once, at start-up, cannot differ between a fork and a new process:
 the variables the interpreter and native libraries read when they load (`startup_environment`:
-PYTHON*, LD_*, TORCH_*, the thread-count and allocator variables of OpenMP, MKL, OpenBLAS and
-glibc), and
+PYTHON*, LD_*, TORCH_*, PYTORCH_*, NPY_*, the locale, the thread-count and allocator variables
+of OpenMP, MKL, OpenBLAS and glibc), and
 what a child inherits from its parent (`inherited_attributes`: resource limits, priority, CPU
 affinity). A worker whose environment or parent differs in them gets a server of its own,
-started from this process as it is now.
+started from this process as it is now. A worker runs the distbatch, rpc_server and Flask its
+server imported (this process's, by this process's import path), whatever its own PYTHONPATH
+adds; engines and everything else import from its own path. A server that dies (it exits only
+with this process, so a crash) takes its workers with it within a second; they count as killed
+from the moment it is gone.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from distbatch.errors import WorkerUnavailableError
 
 # Read by the interpreter or a native library when it loads, not later.
 STARTUP_PREFIXES = (
-    "PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "MALLOC_", "GLIBC_", "TORCH_"
+    "PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "MALLOC_", "GLIBC_", "TORCH_",
+    "PYTORCH_", "NPY_", "LANG", "LC_",
 )
+ANSWER_TIMEOUT = 60.0  # seconds a fork server may take to fork (it imports torch once)
 # PYTHONPATH becomes the fork's `sys.path`; PYTHONUNBUFFERED is how every worker runs.
 APPLIED_IN_THE_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED")
 RESOURCE_LIMITS = tuple(getattr(resource, n) for n in sorted(dir(resource)) if n.startswith("RLIMIT_"))
@@ -78,18 +84,20 @@ class ForkedProcess:
 
     def _collect(self, timeout: float | None) -> int | None:
         # As Popen.poll: a poll while another thread waits answers at once.
-        if not self._lock.acquire(blocking=timeout != 0):
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             return self.returncode
         try:
             if self.returncode is not None:
                 return self.returncode
-            ready, _, _ = select.select([self._exit_pipe], [], [], timeout)
-            if not ready:
+            poller = select.poll()  # not select(): descriptors past 1024 are common here
+            poller.register(self._exit_pipe, select.POLLIN)
+            if not poller.poll(None if timeout is None else int(timeout * 1000)):
                 return None
             data = os.read(self._exit_pipe, 64)
             os.close(self._exit_pipe)
             # Nothing written: the server is gone (it only exits once this process closed its
-            # socket, so this is a crash); the worker stops with it (it watches the server).
+            # socket, so this is a crash); the worker stops with it within a second (it watches
+            # the server), and counts as killed from now.
             self.returncode = int(data) if data.strip() else -int(signal.SIGKILL)
             return self.returncode
         finally:
@@ -139,16 +147,27 @@ class _Server:
                 env=dict(env),
             )
         self.sock = ours
+        self.sock.settimeout(ANSWER_TIMEOUT)
         self.lock = threading.Lock()
+        self.broken = False
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stderr: int) -> ForkedProcess:
-        request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode()
+        """Fork a worker with `argv` (`--exit-with-parent` naming this server added)."""
+        argv = [*argv, "--exit-with-parent", str(self.process.pid)]
+        request = json.dumps({"argv": argv, "env": dict(env), "cwd": cwd}).encode()
         out_r, out_w = os.pipe()
         exit_r, exit_w = os.pipe()
         try:
             with self.lock:
-                socket.send_fds(self.sock, [request], [out_w, stderr, exit_w])
-                answer = json.loads(self.sock.recv(4096) or b"{}")
+                try:
+                    socket.send_fds(self.sock, [request], [out_w, stderr, exit_w])
+                    answer = json.loads(self.sock.recv(4096) or b"{}")
+                except BaseException:
+                    # An answer may still come (or a request be half sent): this socket is out
+                    # of step. Close it: the server exits, and a worker it forked follows.
+                    self.broken = True
+                    self.sock.close()
+                    raise
         except BaseException:
             os.close(out_r)
             os.close(exit_r)
@@ -163,7 +182,7 @@ class _Server:
         return ForkedProcess(answer["pid"], os.fdopen(out_r, "rb", buffering=0), exit_r)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self.broken and self.process.poll() is None
 
     def close(self) -> None:
         self.sock.close()  # the server exits; its workers follow it
@@ -188,23 +207,21 @@ class ForkServers:
         self._servers = {}
         self._lock = threading.Lock()
 
-    def server_pid(self, python: str, env: Mapping[str, str]) -> int:
-        """The pid of the server that forks workers with `env` (started if need be): what the
-        workers' `--exit-with-parent` names."""
-        return self._server(python, env).process.pid
-
     def _server(self, python: str, env: Mapping[str, str]) -> _Server:
         key = (python, startup_environment(env), inherited_attributes())
         with self._lock:
             server = self._servers.get(key)
             if server is None or not server.alive():
+                if server is not None:
+                    server.close()
                 server = self._servers[key] = _Server(python, env)
             return server
 
     def start(
         self, python: str, argv: Sequence[str], env: Mapping[str, str], stderr: int
     ) -> ForkedProcess:
-        """Fork `python -m rpc_server ARGV` with environment `env`, stderr to the fd `stderr`."""
+        """Fork `python -m rpc_server ARGV` with environment `env`, stderr to the fd `stderr`; its
+        `--exit-with-parent` names the server (which exits with this process)."""
         server = self._server(python, env)
         try:
             return server.start(argv, env, os.getcwd(), stderr)

@@ -370,13 +370,9 @@ def spawn_workers(
     # Forked from a fork server where it is the same interpreter, and the workers stop with this
     # process (they stop with the server, which stops with us); else each a new interpreter.
     forked = fork is not False and exit_with_parent and python == sys.executable and forking_allowed()
-    commands = []
-    for rank, worker_env in zip(ranks, worker_envs):
-        command = [*base, "--rank", str(rank), "--world-size", str(world_size), *args]
-        if exit_with_parent:
-            parent = FORK_SERVERS.server_pid(python, worker_env) if forked else os.getpid()
-            command += ["--exit-with-parent", str(parent)]
-        commands.append(command)
+    # A forked worker's --exit-with-parent names its fork server (added by `FORK_SERVERS.start`).
+    own = ["--exit-with-parent", str(os.getpid())] if exit_with_parent and not forked else []
+    commands = [[*base, "--rank", str(r), "--world-size", str(world_size), *args, *own] for r in ranks]
     workers: list[WorkerProcess] = []
     try:
         for rank, command, worker_env in zip(ranks, commands, worker_envs):
