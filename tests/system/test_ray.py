@@ -193,8 +193,13 @@ def test_shutdown_kills_actors_and_frees_the_placement_group() -> None:
     actors, placement = list(workers.actors), workers.placement_group
     g.shutdown()
     for actor in actors:
+        # ray.kill returns before the kill lands: a call sent at once may still be served (it
+        # was, once, on a loaded machine). Dead means: calls fail, within a bound.
+        deadline = time.monotonic() + 60
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.pid.remote(), timeout=30)
+            while time.monotonic() < deadline:
+                ray.get(actor.pid.remote(), timeout=30)
+                time.sleep(0.2)
     from ray.util.placement_group import placement_group_table
 
     assert placement_group_table(placement)["state"] == "REMOVED"
