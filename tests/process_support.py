@@ -28,7 +28,13 @@ def _processes(zombies: bool) -> dict[int, int]:
     return parents
 
 
-def _is_fork_server(pid: int) -> bool:
+def parent_of(pid: int) -> int:
+    """The parent pid of a running process."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def is_fork_server(pid: int) -> bool:
+    """Whether `pid` is a fork server (`python -m rpc_server.forkserver`)."""
     try:
         return FORK_SERVER in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -40,6 +46,6 @@ def children(zombies: bool = True) -> set[int]:
     `zombies`: count those not waited for too."""
     parents = _processes(zombies)
     direct = {pid for pid, parent in parents.items() if parent == os.getpid()}
-    servers = {pid for pid in direct if _is_fork_server(pid)}
+    servers = {pid for pid in direct if is_fork_server(pid)}
     forked = {pid for pid, parent in parents.items() if parent in servers}
     return (direct - servers) | forked

@@ -262,8 +262,9 @@ def _start(
     process: subprocess.Popen[bytes] | ForkedProcess
     try:
         with open(fd, "wb") as log:
-            if forked:  # command: python -m rpc_server ARGS
-                process = FORK_SERVERS.start(command[0], command[3:], env, log.fileno())
+            if forked:
+                python, _, _, *args = command  # python -m rpc_server ARGS: the server runs the module
+                process = FORK_SERVERS.start(python, args, env, log.fileno())
             else:
                 process = subprocess.Popen(
                     command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env

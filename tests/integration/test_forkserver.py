@@ -13,26 +13,19 @@ from pathlib import Path
 
 import pytest
 from engines_for_tests import ECHO, ENGINES_ENV
+from process_support import is_fork_server, parent_of
 
 from distbatch import ShardClient, WorkerGroup, WorkerUnavailableError
 from distbatch.launch import spawn_workers
 from distbatch.launch.forkserver import ENV_SPAWN, ForkedProcess, startup_environment
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _is_fork_server(pid: int) -> bool:
-    return b"rpc_server.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
 def test_workers_are_forked_serve_and_report_exit_codes_as_a_new_process_would() -> None:
     workers = spawn_workers(2)
     try:
         assert all(isinstance(w.process, ForkedProcess) for w in workers)
-        (server,) = {_parent(w.pid) for w in workers}
-        assert _is_fork_server(server) and _parent(server) == os.getpid()
+        (server,) = {parent_of(w.pid) for w in workers}
+        assert is_fork_server(server) and parent_of(server) == os.getpid()
         with ShardClient(timeout=10.0) as client:
             assert [client.health(w.node)["node"] for w in workers] == [w.node for w in workers]
         assert workers[0].process.poll() is None
@@ -81,8 +74,8 @@ def test_a_start_up_environment_of_its_own_gets_a_server_of_its_own() -> None:
         WorkerGroup.local(1, ECHO, env={**ENGINES_ENV, "OMP_NUM_THREADS": "3"}) as own,
         WorkerGroup.local(1, ECHO, env=ENGINES_ENV) as plain,
     ):
-        server = _parent(own.processes[0].pid)
-        assert _is_fork_server(server) and server != _parent(plain.processes[0].pid)
+        server = parent_of(own.processes[0].pid)
+        assert is_fork_server(server) and server != parent_of(plain.processes[0].pid)
         assert b"OMP_NUM_THREADS=3" in Path(f"/proc/{server}/environ").read_bytes().split(b"\0")
 
 
