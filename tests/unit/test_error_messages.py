@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from source_support import parsed
 
 from distbatch import DistributedBatchMemory, InvalidIdError, errors
 from distbatch.ids import validate_id, validate_key, validate_node
@@ -53,11 +54,11 @@ BARE = {"ValueError", "TypeError", "KeyError", "RuntimeError", "IndexError"}
 PACKAGE = Path(__file__).resolve().parents[2] / "distbatch"
 
 
-def bare_raises(source: str, where: str) -> list[str]:
-    """`raise ValueError(...)` and the like in `source`: builtins raised as they are, which
+def bare_raises(tree: ast.Module, where: str) -> list[str]:
+    """`raise ValueError(...)` and the like in `tree`: builtins raised as they are, which
     `except DistBatchError` would not catch."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Raise) and node.exc is not None:
             called = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
             if isinstance(called, ast.Name) and called.id in BARE:
@@ -71,7 +72,7 @@ def test_the_package_raises_no_bare_builtin_error() -> None:
     found = [
         hit
         for path in sorted(PACKAGE.rglob("*.py"))
-        for hit in bare_raises(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+        for hit in bare_raises(parsed(path), str(path.relative_to(PACKAGE.parent)))
     ]
     assert not found, "bare builtin errors (raise a distbatch.errors class instead):\n" + "\n".join(found)
 
@@ -85,7 +86,7 @@ def test_the_walk_sees_bare_raises_and_lets_ours_and_re_raises_pass() -> None:
         "    raise KeyError\n"
         "def h(): raise InvalidArgumentError('b')\n"
     )
-    assert sorted(bare_raises(source, "m")) == ["m:2: raise ValueError", "m:5: raise KeyError"]
+    assert sorted(bare_raises(ast.parse(source), "m")) == ["m:2: raise ValueError", "m:5: raise KeyError"]
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,11 @@ torch 2.13 logs, once per process, "is_fx_tracing will return true for both fx.s
 torch.export ..." -- a note to callers of `is_fx_tracing`, printed on a user's first `nested()`.
 `jagged_nested` builds the same view without asking, leaving the note to code that does call
 `is_fx_tracing` (it is not used up), and calls the public function while an fx trace runs.
+That the note stays unprinted is checked in a fresh interpreter, in
+`tests/integration/test_nested_fx_note.py`.
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,9 +17,6 @@ from torch.fx import _symbolic_trace as fx_trace
 
 from distbatch import DistributedBatchMemory
 from distbatch.batch.ragged import jagged_nested
-
-NOTE = "is_fx_tracing will return true"
-HAS_NOTE = hasattr(fx_trace, "is_fx_tracing_warning")
 
 
 def test_the_view_is_the_one_torch_builds() -> None:
@@ -41,28 +36,6 @@ def test_under_an_fx_trace_the_public_function_decides(monkeypatch: pytest.Monke
     monkeypatch.setattr(fx_trace, "_is_fx_tracing_flag", True)
     with pytest.raises(RuntimeError, match="does not support tracing with fx.symbolic_trace"):
         jagged_nested(torch.zeros(3), torch.tensor([0, 1, 3]))
-
-
-@pytest.mark.skipif(not HAS_NOTE, reason="this torch has no is_fx_tracing note")
-def test_nested_prints_no_fx_note_and_leaves_it_to_callers_of_is_fx_tracing() -> None:
-    script = textwrap.dedent(
-        """
-        import sys
-        import torch
-        from distbatch import DistributedBatchMemory
-
-        batch = DistributedBatchMemory.from_dict({"x": [torch.arange(3), torch.arange(5)]})
-        assert batch.nested("x").size(0) == 2
-        print("NESTED DONE", file=sys.stderr, flush=True)
-        from torch.fx._symbolic_trace import is_fx_tracing
-        assert not is_fx_tracing()  # someone else's call: the note is still theirs
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    before, _, after = done.stderr.partition("NESTED DONE")
-    assert NOTE not in before, before
-    assert NOTE in after, after
 
 
 def test_an_empty_batch_nested_too() -> None:

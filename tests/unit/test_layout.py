@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from source_support import parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = "rpc_server"
@@ -79,7 +80,7 @@ def _import_graph(
     paths = {_module_name(p): p for p in _modules(package)}
     graph: dict[str, dict[str, str]] = {name: {} for name in paths}
     for name, path in paths.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         nodes = (
             [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
             if type_checking
@@ -125,7 +126,7 @@ def _cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
 def test_distbatch_never_imports_rpc_server() -> None:
     offenders = []
     for path in _modules("distbatch"):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         for node in ast.walk(tree):  # everywhere: top level, functions, TYPE_CHECKING blocks
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = _imported(node)
@@ -258,7 +259,7 @@ def test_the_worker_imports_only_what_the_worker_needs_of_the_library() -> None:
     for path in _modules(SERVER):
         module = _module_name(path)
         allowed = WORKER_MAY_IMPORT + (ENGINE_HOST_MAY_ALSO_IMPORT if module == "rpc_server.engine" else ())
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         for node in _runtime_imports(tree, top_level_only=False):
             for name in _imported(node):
                 if name.startswith("distbatch.") and not _within(name, allowed):
@@ -362,7 +363,7 @@ def test_the_drawing_check_reads_rows_as_drawn() -> None:
 def _stated_imports(package: str) -> tuple[set[str], bool] | None:
     """What a package's docstring says it may import of distbatch ("May import `a`, `b` ...; "),
     and whether it adds "and below"; None when it says nothing."""
-    doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text())) or ""
+    doc = ast.get_docstring(parsed(ROOT / package.replace(".", "/") / "__init__.py")) or ""
     match = re.search(r"May import (.*?)(?:;|$)", " ".join(doc.split()))
     if not match:
         return None
@@ -405,7 +406,7 @@ def test_simcluster_imports_only_the_standard_library() -> None:
     assert paths, "no simcluster/ at the repo root"
     offenders = []
     for path in paths:
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         for node in ast.walk(tree):  # everywhere: top level, functions, TYPE_CHECKING blocks
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for name in _imported(node):
@@ -418,7 +419,7 @@ def test_simcluster_imports_only_the_standard_library() -> None:
 def test_bench_docstring_names_every_module() -> None:
     """bench/__init__.py's docstring is the harness's map: it names each module (`cluster.job` for
     one in a subpackage)."""
-    doc = ast.get_docstring(ast.parse((ROOT / "bench" / "__init__.py").read_text())) or ""
+    doc = ast.get_docstring(parsed(ROOT / "bench" / "__init__.py")) or ""
     named = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", doc))
     modules = {_module_name(p).removeprefix("bench.") for p in _modules("bench")} - {"bench"}
     unnamed = sorted(modules - named)

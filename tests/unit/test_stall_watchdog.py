@@ -48,7 +48,7 @@ class Transfer:
 
 
 def test_a_transfer_that_keeps_moving_is_never_cut_however_long_it_takes() -> None:
-    transfer = Transfer(seconds=STALL * 5)
+    transfer = Transfer(seconds=STALL * 3)
     assert asyncio.run(transfer.watched()) == "done"
     assert transfer.events == []
 

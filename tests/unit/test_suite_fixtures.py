@@ -13,12 +13,14 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from source_support import parsed
+
 TESTS = Path(__file__).resolve().parents[1]
 
 
 def _fixture_names(path: Path) -> set[str]:
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for decorator in node.decorator_list:
