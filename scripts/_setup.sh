@@ -27,18 +27,14 @@ FIND_LINKS=()
 for links in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true); do
   [ -d "$links" ] && FIND_LINKS+=(--find-links "$links")
 done
-# pip writes .pyc files at install, uv does not: without them every process compiles torch's and
-# Ray's sources again on import wherever PYTHONDONTWRITEBYTECODE is set (torch: 2 s of CPU more in
-# each worker the tests start), and where it is not, the tests' first processes all compile them
-# at once. compileall on every core: 18 s here for the full install, where uv's own
-# --compile-bytecode took 40.
-compile_installed() {
-  "$PY" -m compileall -qq -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
-}
+# pip writes .pyc files at install, uv does not: after uv has installed anything,
+# scripts/warm_bytecode.py imports what distbatch's processes import, once, which writes their
+# .pyc files (17 CPU-s here; compileall of the whole install took 62).
+INSTALLED_WITH_UV=0
 install() {
   if [ -x .venv/bin/uv ]; then
     .venv/bin/uv pip install -q --python "$PY" "${FIND_LINKS[@]}" "$@"
-    compile_installed
+    INSTALLED_WITH_UV=1
   else
     "$PY" -m pip install -q --disable-pip-version-check "$@"
   fi
@@ -65,4 +61,8 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   echo "[setup] installing distbatch[$EXTRAS] (editable), pinned by scripts/constraints.txt"
   install -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   touch "$stamp"
+fi
+if [ "$INSTALLED_WITH_UV" = 1 ]; then
+  echo "[setup] writing the bytecode of what the processes import"
+  "$PY" "$ROOT/scripts/warm_bytecode.py" || true
 fi

@@ -28,16 +28,16 @@ if [ "$1 $2" = "-m pip" ]; then
   esac
   exit 0
 fi
-if [ "$1 $2" = "-m compileall" ]; then echo "python $*" >> "$(dirname "$0")/pip.log"; fi
+case "$1" in *warm_bytecode.py) echo "python warm_bytecode.py" >> "$(dirname "$0")/pip.log" ;; esac
 exit 0
 """
 
 
 def run_setup(tmp_path: Path, **env: str) -> tuple[str, list[str]]:
     """Source the setup script in a scratch copy; (what it printed, the pip installs it ran, and
-    after each of uv's the compileall that writes the .pyc files uv does not)."""
+    after uv's the run of warm_bytecode.py that writes the .pyc files uv does not)."""
     (tmp_path / "scripts").mkdir()
-    for name in ("_setup.sh", "constraints.txt"):
+    for name in ("_setup.sh", "constraints.txt", "warm_bytecode.py"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
     for name in ("setup.cfg", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
@@ -57,11 +57,11 @@ def run_setup(tmp_path: Path, **env: str) -> tuple[str, list[str]]:
     assert done.returncode == 0, done.stderr
     log = (python.parent / "pip.log").read_text().splitlines()
     installs = [line for line in log if " install " in f" {line} " and "uv==" not in line]
-    return done.stdout, [line for line in log if line in installs or line.startswith(COMPILE)]
+    return done.stdout, [line for line in log if line in installs or line == WARM]
 
 
 UV = "uv pip install -q --python "
-COMPILE = "python -m compileall -qq -j 0"
+WARM = "python warm_bytecode.py"
 PIP = "pip install -q --disable-pip-version-check "
 
 
@@ -69,10 +69,11 @@ PIP = "pip install -q --disable-pip-version-check "
 def test_without_an_index_it_says_the_package_index_picks_the_build(tmp_path: Path, uv: bool) -> None:
     out, commands = run_setup(tmp_path, **({"FAKE_UV": "1"} if uv else {}))
     assert "installing torch==2.13.0 from your package index" in out and "CUDA build" in out
-    # uv writes no .pyc files: each of its installs is followed by a compileall (pip compiles).
-    compiles = [c.startswith(COMPILE) for c in commands]
-    assert compiles == ([False, True, False, True] if uv else [False, False]), commands
-    installs = [c for c, compiled in zip(commands, compiles) if not compiled]
+    # uv writes no .pyc files: once it has installed, warm_bytecode.py writes those the processes
+    # need (pip compiles at install).
+    warms = [c == WARM for c in commands]
+    assert warms == ([False, False, True] if uv else [False, False]), commands
+    installs = [c for c, warm in zip(commands, warms) if not warm]
     assert len(installs) == 2
     assert installs[0].startswith(UV if uv else PIP) and installs[0].endswith(" torch==2.13.0")
     # The package with its extras, every version pinned by the one list.
