@@ -43,9 +43,14 @@ def is_fork_server(pid: int) -> bool:
 
 def children(zombies: bool = True) -> set[int]:
     """Pids of this process's child processes, and of the workers its fork servers forked;
-    `zombies`: count those not waited for too."""
+    `zombies`: count our own children that exited and were not waited for too.
+
+    A forked worker that exited is a zombie of its server until the server reaps it, which it
+    does right after it has told us the exit code (so its pid cannot be reused while we may still
+    signal it): once we know it exited, it is not ours to wait for, and does not count."""
     parents = _processes(zombies)
     direct = {pid for pid, parent in parents.items() if parent == os.getpid()}
     servers = {pid for pid in direct if is_fork_server(pid)}
-    forked = {pid for pid, parent in parents.items() if parent in servers}
+    living = parents if not zombies else _processes(zombies=False)
+    forked = {pid for pid, parent in living.items() if parent in servers}
     return (direct - servers) | forked

@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def test_workers_are_forked_serve_and_report_exit_codes_as_a_new_process_would()
         assert workers[0].process.returncode == -signal.SIGKILL
         workers[1].stop()
         assert workers[1].process.returncode == 0  # SIGTERM: a clean shutdown
+        # The server reaps them once it has told us their codes: no zombie stays behind.
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{w.pid}").exists() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(Path(f"/proc/{w.pid}").exists() for w in workers)
     finally:
         for w in workers:
             w.stop()
