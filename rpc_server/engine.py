@@ -273,7 +273,8 @@ def _column_problems(result: Mapping[Any, Any], count: int) -> tuple[list[str], 
         elif _is_array(value) and value.ndim == 0:
             problems.append(f"field {key!r} is a 0-d {type(value).__name__} (for a JSON number: .item())")
         elif _is_array(value) or isinstance(value, (list, tuple)):
-            n = value.shape[0] if _is_array(value) else len(value)
+            # size(0): a strided nested tensor has no .shape
+            n = (value.size(0) if _is_tensor(value) else value.shape[0]) if _is_array(value) else len(value)
             if n != count:
                 problems.append(f"field {key!r} has {n} entries")
                 lengths_off = True

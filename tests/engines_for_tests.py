@@ -117,14 +117,14 @@ class EchoEngine:
         """TransferQueue-style engine code: `field` as a jagged nested tensor in, a nested column out.
 
         `twice`: nested arithmetic (`twice`) and the tasks' lengths from its offsets (`length`);
-        `strided` / `dim2`: a strided nested tensor, or a jagged one ragged in dim 2, as `bad`
-        (both refused). Tests: tests/integration/test_nested.py."""
+        `strided` / `dim2`: a strided nested tensor, or a jagged one ragged in dim 2, as `other`
+        (tasks of shape (1, L_i)). Tests: tests/integration/test_nested.py."""
         nt = batch.nested(field)
         if kind == "twice":
             return {"twice": nt * 2, "length": torch.diff(nt.offsets())}
         rows = [t.unsqueeze(0) for t in nt.unbind()]  # (1, L_i): ragged in dim 2
         layout = torch.strided if kind == "strided" else torch.jagged
-        return {"bad": torch.nested.nested_tensor(rows, layout=layout)}
+        return {"other": torch.nested.nested_tensor(rows, layout=layout)}
 
     def split_views(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
         """A LOCAL batch whose `views` column is `split` views of one tensor this engine keeps

@@ -50,11 +50,13 @@ def normalize_column(name: str, values: Sequence[Any]) -> Column:
 def to_column(name: str, value: Any) -> Column:
     """A field's value as given to `from_dict` or `batch[name] = ...`, as a column.
 
-    A jagged nested tensor is a ragged field whose tasks are its `unbind()` (see `nested_column`).
+    A nested tensor (jagged or strided) is a ragged field whose tasks are its `unbind()` (see
+    `nested_column`).
     """
     if isinstance(value, torch.Tensor):
         if value.is_nested:
-            return nested_column(name, value)
+            col = nested_column(name, value)
+            return col if isinstance(col, RaggedViews) else normalize_column(name, col)
         if value.dim() == 0:
             raise InvalidArgumentError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
         return value

@@ -58,36 +58,60 @@ def compact_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def nested_problem(value: torch.Tensor) -> str | None:
-    """Why a nested tensor cannot be a column (None: it can: jagged, ragged in dim 1)."""
-    if value.layout != torch.jagged:
-        return (
-            f"a nested tensor of layout {value.layout} cannot be a column: build it with "
-            "layout=torch.jagged (torch.nested.nested_tensor(rows, layout=torch.jagged)), or pass "
-            "its rows as a list of tensors (list(nt.unbind()))"
-        )
-    ragged_dim = getattr(value, "_ragged_idx", 1)
-    if ragged_dim != 1:
-        return (
-            f"a jagged nested tensor ragged in dim {ragged_dim} cannot be a column: a ragged field's "
-            f"tasks differ in their first dimension, dim 1 of the nested tensor (transpose(1, "
-            f"{ragged_dim}) it), or pass its rows as a list of tensors (list(nt.unbind()))"
-        )
+    """Why a nested tensor cannot be a column (None: it can). Any layout and any ragged dimension
+    is a column; only its dtype or device can stop it, as for a dense tensor."""
     return wire.tensor_problem(value.values())
 
 
 def column_problem(value: torch.Tensor) -> str | None:
     """Why a tensor given as a column cannot be stored (None: it can); callers prefix the field.
 
-    A jagged nested tensor is a ragged column; any other tensor must be one the wire carries.
+    A nested tensor is a ragged column; any other tensor must be one the wire carries.
     """
     return nested_problem(value) if value.is_nested else wire.tensor_problem(value)
 
 
-def nested_column(name: str, value: torch.Tensor) -> RaggedViews:
-    """A jagged nested tensor as a ragged column, its tasks `value.unbind()`: its `values()` as the
-    packed tensor, no copy (one gather when it has holes, as `torch.nested.narrow` leaves)."""
+def nested_sizes(value: torch.Tensor) -> np.ndarray:
+    """Each task's shape in a nested tensor of any layout, one row per task (int64, [tasks, dims]),
+    read from its metadata: no task is split out. (dims counts a task's dimensions, the nested
+    tensor's less one.)"""
+    if value.layout == torch.strided:
+        return value._nested_tensor_size().numpy().astype(np.int64, copy=False)
+    lengths = value.lengths()  # type: ignore[attr-defined]  # a jagged nested tensor's holes
+    if lengths is None:
+        lengths = value.offsets().diff()  # type: ignore[attr-defined]
+    lengths = lengths.detach().cpu().numpy().astype(np.int64, copy=False)
+    shape = [int(d) if isinstance(d, int) else -1 for d in value.shape[1:]]  # -1: the ragged one
+    sizes = np.empty((len(lengths), len(shape)), dtype=np.int64)
+    sizes[:] = shape
+    sizes[:, value._ragged_idx - 1] = lengths  # type: ignore[attr-defined]
+    return sizes
+
+
+def nested_column(name: str, value: torch.Tensor) -> list[torch.Tensor]:
+    """A nested tensor as a ragged column whose tasks are `value.unbind()`.
+
+    Jagged and ragged in dim 1 (TransferQueue's layout, `layout=torch.jagged`): its `values()`
+    are the packed tensor, no copy (one gather when it has holes, as `torch.nested.narrow`
+    leaves). Strided (`torch.nested.nested_tensor`'s default) whose tasks share their trailing
+    dimensions: its buffer is the packed tensor, read through its per-task sizes, no copy when
+    it is contiguous. Anything else (tasks differing beyond their first dimension): the tasks,
+    unbound, as TransferQueue itself stores them.
+    """
     if (problem := nested_problem(value)) is not None:
         raise InvalidArgumentError(f"field {name!r}: {problem}")
+    if value.layout == torch.jagged and value._ragged_idx == 1:  # type: ignore[attr-defined]
+        return _jagged_column(value)
+    if value.layout == torch.strided and value.dim() > 1:
+        sizes = nested_sizes(value)
+        if len(sizes) and bool((sizes[:, 1:] == sizes[0, 1:]).all()):
+            buffer = (value if value.is_contiguous() else value.contiguous()).values()
+            tail = tuple(int(d) for d in sizes[0, 1:])
+            return RaggedViews.of(buffer.view(int(sizes[:, 0].sum()), *tail), sizes[:, 0].copy())
+    return list(value.unbind())
+
+
+def _jagged_column(value: torch.Tensor) -> RaggedViews:
     # torch's stubs type a jagged nested tensor as a plain Tensor, which has no offsets or lengths
     values, offsets, holes = value.values(), value.offsets(), value.lengths()  # type: ignore[attr-defined]
     bounds = offsets.detach().cpu().numpy().astype(np.int64, copy=False)

@@ -49,7 +49,15 @@ from distbatch.errors import (
 )
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
-from distbatch.transferqueue.layout import columns_of, field_schema, task_ids, tensordict_of
+from distbatch.transferqueue.layout import (
+    columns_of,
+    field_schema,
+    location,
+    location_slot,
+    task_ids,
+    tensordict_of,
+    value_types,
+)
 from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions, plain_config
 from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
@@ -112,7 +120,8 @@ class DistbatchStorageManager(StorageManager):
             raise InvalidArgumentError(f"{data.batch_size[0]} rows of data for {size} samples")
         global_indexes = list(metadata.global_indexes)
         ids = task_ids(global_indexes)
-        batch = DistributedBatchMemory.from_dict(columns_of(data), task_ids=ids)
+        columns, types = columns_of(data)
+        batch = DistributedBatchMemory.from_dict(columns, task_ids=ids)
         # Where this put goes, fixed for the whole put: puts run concurrently, and another one
         # failing may move the process's home meanwhile.
         home, slot = self.home, self.slot
@@ -128,7 +137,8 @@ class DistbatchStorageManager(StorageManager):
             raise _unreachable(exc, outcome) from exc
         moved = _moved_fields(metadata, list(batch.fields), slot, self.options.endpoints)
         # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
-        where = dict.fromkeys(global_indexes, dict.fromkeys(batch.fields, slot))
+        entry = {name: location(slot, types.get(name)) for name in batch.fields}
+        where = dict.fromkeys(global_indexes, entry)
         await self.notify_data_update(partition, global_indexes, field_schema(data), where)
         if moved:  # the same fields, put before from another process's home: drop those copies
             await self.client.adelete_products_each(
@@ -169,7 +179,7 @@ class DistbatchStorageManager(StorageManager):
             label = "partition" if len(partitions) == 1 else "partitions"
             what = f"get of {size} sample(s) from {label} {', '.join(map(repr, partitions))}"
             raise _unreachable(exc, f"{what} failed: the data that worker holds cannot be read") from exc
-        return tensordict_of(gathered, names, size)
+        return tensordict_of(gathered, names, size, value_types(_locations(metadata), names))
 
     # ------------------------------------------------------------------ clear
 
@@ -225,6 +235,11 @@ def _unreachable(error: WorkerUnavailableError, outcome: str) -> WorkerUnavailab
     return out
 
 
+def _slot(entry: Any) -> int:
+    slot = location_slot(entry)
+    return -1 if slot is None else slot
+
+
 def _locations(metadata: TQBatchMeta) -> list[dict[str, Any]]:
     return list(getattr(metadata, "_custom_backend_meta", None) or [{} for _ in metadata.global_indexes])
 
@@ -237,7 +252,7 @@ def _batch_meta(metadata: TQBatchMeta, names: list[str], endpoints: Sequence[str
     n = len(locations)
     fields: dict[str, FieldMeta] = {}
     for name in names:
-        slots = np.fromiter((where.get(name, -1) for where in locations), dtype=np.int64, count=n)
+        slots = np.fromiter((_slot(where.get(name)) for where in locations), dtype=np.int64, count=n)
         if (slots < 0).any():
             gi = metadata.global_indexes[int(np.flatnonzero(slots < 0)[0])]
             raise NotFoundError(f"sample {gi} has no Distbatch location for field {name!r}")
@@ -253,7 +268,7 @@ def _batch_meta(metadata: TQBatchMeta, names: list[str], endpoints: Sequence[str
 
 
 def _nodes_holding(metadata: TQBatchMeta, endpoints: Sequence[str]) -> set[str]:
-    slots = {slot for where in _locations(metadata) for slot in where.values() if isinstance(slot, int)}
+    slots = {_slot(entry) for where in _locations(metadata) for entry in where.values()} - {-1}
     return {endpoints[slot % len(endpoints)] for slot in slots}
 
 
@@ -268,8 +283,8 @@ def _moved_fields(
         return out
     for gi, where in zip(metadata.global_indexes, locations):
         for name in fields:
-            slot = where.get(name)
-            if isinstance(slot, int) and slot % len(endpoints) != home:
+            slot = _slot(where.get(name))
+            if slot >= 0 and slot % len(endpoints) != home:
                 gis, names = out.setdefault(endpoints[slot % len(endpoints)], ([], []))
                 if not gis or gis[-1] != gi:
                     gis.append(gi)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from batch_support import place
 
-from distbatch import BatchStatus, DistributedBatchMemory, EngineError, ShardClient, WorkerGroup
+from distbatch import BatchStatus, DistributedBatchMemory, ShardClient, WorkerGroup
 
 DBM = DistributedBatchMemory
 LENGTHS = [3, 0, 5, 1, 4]
@@ -225,17 +225,48 @@ def test_nested_refuses_what_it_cannot_represent() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's prototype notice for strided nested tensors
-def test_refused_nested_columns_say_what_to_pass() -> None:
-    strided = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
-    with pytest.raises(ValueError, match=r"field 'x': .*layout torch.strided.*layout=torch.jagged"):
-        DBM.from_dict({"x": strided})
-    dim2 = jagged([torch.ones(2, 3), torch.ones(2, 4)])  # ragged in dim 2
-    assert dim2._ragged_idx == 2
-    with pytest.raises(ValueError, match=r"field 'x': .*ragged in dim 2.*transpose\(1, 2\)"):
-        DBM.from_dict({"x": dim2})
+def test_strided_nested_tensors_are_columns_over_their_buffer() -> None:
+    """`torch.nested.nested_tensor(rows)` (strided, the default layout, as TransferQueue's README
+    and tests build them): tasks sharing their trailing dims are a ragged column over the nested
+    tensor's own buffer (no copy, no tensor per task built from Python)."""
+    values = rows(torch.bfloat16, (3,))
+    strided = torch.nested.nested_tensor(values)
+    assert strided.layout == torch.strided
+    batch = DBM.from_dict({"x": strided})
+    assert [t.tolist() for t in batch["x"]] == [t.tolist() for t in values]
+    assert batch.packed("x")[0].data_ptr() == strided.values().data_ptr()  # its buffer, not a copy
+    assert_nested(batch.nested("x"), values)
+    # Not contiguous (a transpose of each task): copied once into order, then the same.
+    turned = torch.nested.nested_tensor([v.t().contiguous() for v in values]).transpose(1, 2)
+    assert not turned.is_contiguous()
+    assert [t.tolist() for t in DBM.from_dict({"x": turned})["x"]] == [t.tolist() for t in values]
+    batch = DBM.from_dict({"r": torch.arange(5)})
+    batch["x"] = strided
+    assert_nested(batch.nested("x"), values)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_ragged_in_any_dimension_are_columns_of_their_tasks(layout: torch.layout) -> None:
+    """Tasks that differ beyond their first dimension (a strided nested tensor, or a jagged one
+    ragged in dim 2) are a ragged column of the tasks themselves, as TransferQueue stores them."""
+    tasks = [torch.arange(6).view(2, 3), torch.arange(8).view(2, 4), torch.arange(2).view(2, 1)]
+    nested = torch.nested.nested_tensor(tasks, layout=layout)
+    if layout == torch.jagged:
+        assert nested._ragged_idx == 2
+    batch = DBM.from_dict({"x": nested, "r": torch.arange(3)})
+    assert [t.tolist() for t in batch["x"]] == [t.tolist() for t in tasks]
+    with pytest.raises(ValueError, match="differ in rank or trailing dimensions"):
+        batch.nested("x")  # a jagged nested tensor is ragged in one dimension: index the field
+
+
+def test_a_nested_tensor_of_a_dtype_the_wire_cannot_carry_is_refused() -> None:
+    chalf = jagged([torch.zeros(2, dtype=torch.complex32), torch.zeros(3, dtype=torch.complex32)])
+    with pytest.raises(ValueError, match=r"field 'x': a torch.complex32 tensor cannot be stored"):
+        DBM.from_dict({"x": chalf})
     batch = DBM.from_dict({"r": torch.arange(2)})
-    with pytest.raises(ValueError, match="layout=torch.jagged"):
-        batch["x"] = strided
+    with pytest.raises(ValueError, match="complex32"):
+        batch["x"] = chalf
     assert batch.fields == ["r"]
 
 
@@ -328,14 +359,15 @@ def test_engine_returns_nested_columns(
     assert_nested(DBM.concat(parts).nested("twice"), [values[0] * 2])
 
 
-@pytest.mark.parametrize(("kind", "says"), [("strided", "layout=torch.jagged"), ("dim2", "ragged in dim 2")])
-def test_engine_nested_results_it_cannot_store_are_refused(
-    kind: str, says: str, group: WorkerGroup, module_client: ShardClient, pushed: list[DBM]
+@pytest.mark.parametrize("kind", ["strided", "dim2"])
+def test_engine_nested_results_of_any_layout_are_stored(
+    kind: str, group: WorkerGroup, module_client: ShardClient, pushed: list[DBM]
 ) -> None:
-    batch = place(DBM.from_dict({"x": jagged(rows())}), "one_node", group.nodes, module_client, pushed)
-    with pytest.raises(EngineError, match=says) as info:
-        group.call_on(0, "nested_result", batch, field="x", kind=kind)
-    assert "'bad'" in str(info.value)
+    values = rows()
+    batch = place(DBM.from_dict({"x": jagged(values)}), "one_node", group.nodes, module_client, pushed)
+    result = group.call_on(0, "nested_result", batch, field="x", kind=kind)
+    pushed.append(result)
+    assert [t.tolist() for t in result["other"]] == [v.unsqueeze(0).tolist() for v in values]
 
 
 # --------------------------------------------------------------------------- TransferQueue's convention

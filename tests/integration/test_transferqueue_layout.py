@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -26,6 +27,13 @@ def jagged(*lengths: int, tail: tuple[int, ...] = (), dtype: torch.dtype = torch
     )
 
 
+def strided(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`torch.nested.nested_tensor`'s default layout, as TransferQueue's own tests build it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's prototype notice for this layout
+        return torch.nested.nested_tensor([torch.zeros(*shape, dtype=dtype) for shape in shapes])
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -44,8 +52,16 @@ def jagged(*lengths: int, tail: tuple[int, ...] = (), dtype: torch.dtype = torch
                 layout=torch.jagged,
             )
         },
+        {"strided": strided((3,), (5,), (1,), dtype=torch.int64)},
+        {"strided-2d": strided((2, 3), (4, 3), (0, 3))},
+        {"strided-any-dim": strided((2, 3), (1, 4), (2, 2), dtype=torch.bfloat16)},
+        {"strided-same": strided((2, 2), (2, 2), (2, 2))},
+        {"jagged-dim-2": jagged(2, 4, 1, tail=(3,)).transpose(1, 2)},
     ],
-    ids=["ragged", "ragged-2d-bf16", "scalar", "dense-bool", "dense-3d", "strings", "with-holes"],
+    ids=[
+        "ragged", "ragged-2d-bf16", "scalar", "dense-bool", "dense-3d", "strings", "with-holes",
+        "strided", "strided-2d", "strided-any-dim", "strided-same", "jagged-dim-2",
+    ],  # fmt: skip
 )
 def test_the_announced_schema_is_transferqueues(fields: dict) -> None:
     data = TensorDict(fields, batch_size=[3])
@@ -78,5 +94,6 @@ def test_add_fields_records_the_same_schema_with_ours_installed() -> None:
 
 def test_columns_keep_tensors_and_turn_other_values_into_lists() -> None:
     data = TensorDict({"ids": jagged(1, 2), "tag": NonTensorStack({"a": 1}, {"b": 2})}, batch_size=[2])
-    columns = columns_of(data)
+    columns, types = columns_of(data)
+    assert types == {}
     assert columns["ids"].is_nested and columns["tag"] == [{"a": 1}, {"b": 2}]
