@@ -8,8 +8,8 @@ first (or have Ray run the import in its workers: `runtime_env={"worker_process_
 runs when this process imports TransferQueue (at once if it has already), so a Ray worker of
 the job that never touches TransferQueue does not load it, tensordict and torch for nothing
 (about 5 CPU-seconds each). Options under `backend.Distbatch`: see `BackendOptions`. With none,
-`tq.init` starts one worker per Ray node; `close()` stops them (`tq.close()` alone does not stop
-a backend it did not bring).
+`tq.init` starts one worker per Ray node; `tq.close()` stops them (as `close()` here does, which
+also says how many).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _register(transfer_queue: ModuleType) -> None:
     # Either may be half-imported already (its own import of TransferQueue got us here): then
     # its decorator registers it once it finishes; neither imports the other.
     importlib.import_module("distbatch.transferqueue.manager")
-    importlib.import_module("distbatch.transferqueue.provider")
+    provider = importlib.import_module("distbatch.transferqueue.provider")
+    provider.close_too(importlib.import_module("transfer_queue.interface"))
 
 
 _check_installed()
@@ -92,19 +93,19 @@ def register() -> None:
 
 
 def close() -> int:
-    """`tq.close()`, then stop the workers `tq.init` started in this process; returns how many
+    """`tq.close()`, which stops the workers `tq.init` started in this process; returns how many
     were stopped. Safe to call twice."""
     import transfer_queue as tq
 
     from distbatch.transferqueue import fast_schema
     from distbatch.transferqueue.provider import STARTED
 
+    stopped = STARTED.stop_all()  # first, to count them (tq.close() finds none left)
     try:
         tq.close()
     finally:
         fast_schema.uninstall()
-        stopped = STARTED.stop_all()
-    return stopped
+    return stopped + STARTED.stop_all()
 
 
 __all__ = [

@@ -22,6 +22,7 @@ the put stay listed, with none of its fields, as with its own storage).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -61,6 +62,8 @@ from distbatch.transferqueue.layout import (
 from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions, plain_config
 from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
+
+logger = logging.getLogger("distbatch.transferqueue")
 
 # A gather never shows a progress bar here: TransferQueue's callers are programs, not people.
 NO_PROGRESS_BAR = 1 << 62
@@ -110,23 +113,52 @@ class DistbatchStorageManager(StorageManager):
         self, data: TensorDict, metadata: TQBatchMeta, data_parser: Callable[[Any], Any] | None = None
     ) -> None:
         """Store `data` (one row per sample of `metadata`) on the home worker as one bundle, then
-        tell TransferQueue's controller the fields, shapes and where they went."""
+        tell TransferQueue's controller the fields, shapes and where they went.
+
+        A put that is refused or fails records none of its fields, and still tells the controller
+        about its samples (with no field): TransferQueue's controller sizes a partition's tables
+        only when told, so samples allocated for the put (`get_meta(mode="insert")`) would
+        otherwise make the partition impossible to clear."""
         if data_parser is not None:
             raise NotImplementedError("backend Distbatch does not take a data_parser")
         size = len(metadata.global_indexes)
         if size == 0 or not len(data.keys()):
             return
+        try:
+            where, moved = await self._store(data, metadata)
+        except Exception:
+            await self._announce_without_fields(metadata)
+            raise
+        await self.notify_data_update(
+            metadata.partition_ids[0], list(metadata.global_indexes), field_schema(data), where
+        )
+        # The caller's metadata learns the locations too (TransferQueue hands it back from `put`):
+        # `get_data(client.put(...))` then reads what was put, as with SimpleStorage.
+        backend_meta = getattr(metadata, "_custom_backend_meta", None)
+        if isinstance(backend_meta, list) and len(backend_meta) == size:
+            entry = where[metadata.global_indexes[0]]
+            for sample in backend_meta:
+                sample.update(entry)
+        if moved:  # the same fields, put before from another process's home: drop those copies
+            await self.client.adelete_products_each(
+                {node: [(task_ids(gis), names)] for node, (gis, names) in moved.items()}
+            )
+
+    async def _store(
+        self, data: TensorDict, metadata: TQBatchMeta
+    ) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[list[int], list[str]]]]:
+        """The put's bundle committed on the home worker: each sample's locations, and the copies
+        of its fields an earlier put left elsewhere (see `_moved_fields`)."""
+        size, global_indexes = len(metadata.global_indexes), list(metadata.global_indexes)
+        partition = metadata.partition_ids[0]
         if data.batch_size[0] != size:
             raise InvalidArgumentError(f"{data.batch_size[0]} rows of data for {size} samples")
-        global_indexes = list(metadata.global_indexes)
-        ids = task_ids(global_indexes)
         columns, types = columns_of(data)
-        batch = DistributedBatchMemory.from_dict(columns, task_ids=ids)
+        batch = DistributedBatchMemory.from_dict(columns, task_ids=task_ids(global_indexes))
         # Where this put goes, fixed for the whole put: puts run concurrently, and another one
         # failing may move the process's home meanwhile.
         home, slot = self.home, self.slot
         bundle, _ = batch.export_bundle(home)
-        partition = metadata.partition_ids[0]
         try:
             await self.client.aput_bundle(home, bundle)
         except WorkerUnavailableError as exc:
@@ -135,15 +167,18 @@ class DistbatchStorageManager(StorageManager):
             if self._move_home(away_from=home):  # later puts go to a worker that may answer
                 outcome += f"; this process's next puts go to {self.home}"
             raise _unreachable(exc, outcome) from exc
-        moved = _moved_fields(metadata, list(batch.fields), slot, self.options.endpoints)
         # Every sample's fields are on one slot: one dict for all (serialised at once, never changed).
         entry = {name: location(slot, types.get(name)) for name in batch.fields}
-        where = dict.fromkeys(global_indexes, entry)
-        await self.notify_data_update(partition, global_indexes, field_schema(data), where)
-        if moved:  # the same fields, put before from another process's home: drop those copies
-            await self.client.adelete_products_each(
-                {node: [(task_ids(gis), fields)] for node, (gis, fields) in moved.items()}
-            )
+        moved = _moved_fields(metadata, list(batch.fields), slot, self.options.endpoints)
+        return dict.fromkeys(global_indexes, entry), moved
+
+    async def _announce_without_fields(self, metadata: TQBatchMeta) -> None:
+        """Tell the controller of a failed put's samples with no field (see `put_data`); a
+        controller that cannot be told either leaves the put's own error to be raised."""
+        try:
+            await self.notify_data_update(metadata.partition_ids[0], list(metadata.global_indexes), {}, None)
+        except Exception:  # the put's error says what went wrong; this one would hide it
+            logger.warning("TransferQueue's controller was not told of a failed put's samples", exc_info=True)
 
     def _move_home(self, away_from: str) -> bool:
         """Make another worker this process's home (one on its host if there is one), after

@@ -3,14 +3,17 @@
 many) or check the given ones, and write their addresses into the config every other process
 receives.
 
-`tq.close()` does not stop a backend from outside TransferQueue, so the workers this process
-started are kept in `STARTED` until `distbatch.transferqueue.close()` (or interpreter exit,
-through the group's finaliser) stops them. That registry is process state because TransferQueue
-keeps its own the same way (a module global per process); it holds nothing else.
+The workers this process started are kept in `STARTED`. TransferQueue's own `tq.close()` stops
+only the storage it knows (and logs that it cannot close any other): `close_too` wraps it, once
+TransferQueue is imported, so that it stops them too, quietly; `distbatch.transferqueue.close()`
+does the same and says how many it stopped (interpreter exit, through the group's finaliser,
+stops any left). That registry is process state because TransferQueue keeps its own the same
+way (a module global per process); it holds nothing else.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -42,6 +45,35 @@ class StartedWorkers:
 
 
 STARTED = StartedWorkers()
+
+
+def close_too(interface: Any) -> None:
+    """Make TransferQueue's `close` (`transfer_queue.interface.close`, re-exported as
+    `transfer_queue.close`) stop the workers `tq.init` started here for Distbatch, instead of
+    logging that it cannot close them. Idempotent."""
+    import transfer_queue
+
+    original = interface.close
+    if getattr(original, "_distbatch_closes_too", False):
+        return
+
+    @functools.wraps(original)
+    def close() -> None:
+        storage = getattr(interface, "_TQ_STORAGE", None)
+        if isinstance(storage, dict):
+            storage.pop(BACKEND_NAME, None)  # ours: stopped below, not TransferQueue's to close
+        try:
+            original()
+        finally:
+            from distbatch.transferqueue import fast_schema
+
+            fast_schema.uninstall()
+            STARTED.stop_all()
+
+    close._distbatch_closes_too = True  # type: ignore[attr-defined]
+    interface.close = close
+    if getattr(transfer_queue, "close", None) is original:
+        transfer_queue.close = close
 
 
 @StorageBootstrapProvider.register_provider(BACKEND_NAME)

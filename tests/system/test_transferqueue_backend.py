@@ -99,7 +99,11 @@ def client_program() -> list[tuple[str, Any]]:
     meta = client.get_meta(["input_ids", "reward", "prompt"], 4, "stream", task_name="trainer")
     got = client.get_data(meta)
     client.clear_partition("stream")
-    return [("client get", got), ("client indexes", sorted(meta.global_indexes))]
+    # What `put` hands back reads what was put (the backend's locations travel in it).
+    put_meta = client.put(rollout(3, 5), partition_id="direct")
+    direct = client.get_data(put_meta)
+    client.clear_partition("direct")
+    return [("client get", got), ("client indexes", sorted(meta.global_indexes)), ("get of put", direct)]
 
 
 @dataclass

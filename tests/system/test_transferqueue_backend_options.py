@@ -7,12 +7,13 @@ The differential tests against SimpleStorage are in test_transferqueue_backend.p
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 from tq_backend_support import config, ray, rollout, tq, tq_ray_cluster
 
 import distbatch.transferqueue as dtq
@@ -129,6 +130,48 @@ def test_close_stops_the_workers_tq_init_started(distbatch_backend: Callable[...
     assert dtq.close() == 0  # twice is fine
 
 
+def _live_actors() -> dict[str, int]:
+    """Live actors in this Ray cluster by class (read from Ray's control store)."""
+    from ray._private import state
+
+    counts: dict[str, int] = {}
+    for actor in state.actors().values():
+        if actor.get("State") == "ALIVE":
+            name = str(actor.get("ActorClassName"))
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("cycles", [3, pytest.param(20, marks=pytest.mark.slow)])
+def test_init_work_close_cycles_leave_nothing_behind(cycles: int, caplog: pytest.LogCaptureFixture) -> None:
+    """`tq.init` / a put and a get / TransferQueue's own `tq.close()`, over and over in one
+    process: no distbatch worker, Ray actor, shared-memory region or open file is left, and
+    `tq.close()` says nothing of an unsupported backend. (3 cycles here, 20 with --runslow: each
+    starts TransferQueue's controller and our worker as new Ray actor processes.)"""
+    from distbatch import ShardClient, WorkerUnavailableError
+
+    actors, regions = _live_actors(), set(os.listdir("/dev/shm"))
+    files = len(os.listdir("/proc/self/fd"))
+    keys = ["a", "b", "c"]
+    with ShardClient(timeout=5, retries=0) as client:
+        for cycle in range(cycles):
+            conf = tq.init(config("Distbatch", workers=1, same_host=True))
+            (node,) = conf.backend.Distbatch.endpoints
+            tq.kv_batch_put(keys=keys, partition_id="p", fields=rollout(3, cycle))
+            assert tq.kv_batch_get(keys=keys, partition_id="p").batch_size[0] == 3
+            caplog.clear()
+            tq.close()
+            assert "not supported" not in caplog.text
+            with pytest.raises(WorkerUnavailableError):
+                client.health(node)
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: wait for the actors to go
+    while _live_actors() != actors and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_actors() == actors
+    assert set(os.listdir("/dev/shm")) <= regions
+    assert len(os.listdir("/proc/self/fd")) <= files + 8  # sockets Ray's client may keep pooled
+
+
 def test_a_worker_gone_mid_run_is_a_clear_error_and_nothing_half_stored(
     distbatch_backend: Callable[..., Any],
 ) -> None:
@@ -149,6 +192,30 @@ def test_a_worker_gone_mid_run_is_a_clear_error_and_nothing_half_stored(
         got = None
     assert got is None or not list(got.keys())
     assert conf.backend.Distbatch.endpoints
+
+
+def test_a_refused_put_leaves_the_partition_clearable_and_reusable(
+    distbatch_backend: Callable[..., Any],
+) -> None:
+    """Samples allocated for a put (`get_meta(mode="insert")`) whose put is refused: the error
+    names the field and what it cannot carry, nothing of the put is stored, and the partition
+    can still be cleared and used (TransferQueue's controller once failed to clear it with an
+    IndexError: it had never been told of those samples)."""
+    from distbatch import ShardClient, WireFormatError
+
+    conf = distbatch_backend(workers=1)
+    client = tq.get_client()
+    meta = client.get_meta(data_fields=["v", "w"], batch_size=2, partition_id="p", mode="insert")
+    refused = TensorDict({"v": torch.arange(2), "w": NonTensorStack({1, 2}, {3})}, batch_size=2)
+    with pytest.raises(WireFormatError, match=r"field 'w'.*set"):
+        client.put(refused, meta)
+    (node,) = conf.backend.Distbatch.endpoints
+    with ShardClient(timeout=5) as shards:
+        assert shards.stats(node)["shards"] == 0  # "v" was not stored either
+    client.clear_partition("p")
+    stored = client.put(TensorDict({"v": torch.arange(3)}, batch_size=3), partition_id="p")
+    assert client.get_data(stored)["v"].tolist() == [0, 1, 2]
+    client.clear_partition("p")
 
 
 def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[..., Any]) -> None:
