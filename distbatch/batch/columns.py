@@ -61,12 +61,26 @@ def to_column(name: str, value: Any) -> Column:
             raise InvalidArgumentError(f"field {name!r} is a 0-d tensor; it needs a leading task dimension")
         return value
     if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
-        return to_column(name, torch.from_numpy(value))
+        return _numpy_column(name, value)
     if isinstance(value, (list, tuple)):
         return normalize_column(name, value)
     raise InvalidArgumentError(
         f"field {name!r}: expected a tensor or a list of per-task values, got {type(value).__name__}"
     )
+
+
+def _numpy_column(name: str, value: np.ndarray) -> Column:
+    """A numpy array as a column: numbers as a tensor over its memory, strings (and an object
+    array's items) as per-task values."""
+    if value.dtype.kind in "UO":
+        return normalize_column(name, value.tolist())
+    try:
+        return to_column(name, torch.from_numpy(value))
+    except TypeError:
+        raise InvalidArgumentError(
+            f"field {name!r}: a numpy array of dtype {value.dtype} cannot be a column: pass numbers, "
+            "strings, or per-task values (a list)"
+        ) from None
 
 
 def columns_from_dict(data: Mapping[str, Any]) -> tuple[dict[str, Column], int | None]:

@@ -159,7 +159,9 @@ class ShardStore:
         if would_use > self.max_bytes:
             staged = f" ({staged_bytes} reserved by staged puts)" if staged_bytes else ""
             raise StoreCapacityError(
-                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes{staged}"
+                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes{staged}: "
+                "clear what is done with, or start the worker with a larger --max-bytes (the "
+                "TransferQueue backend's option: capacity)"
             )
 
     # ------------------------------------------------------------------ staging

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from source_support import parsed
@@ -114,3 +115,15 @@ def test_a_wrong_argument_is_caught_as_ours_and_as_the_builtin() -> None:
         with pytest.raises(builtin) as caught:
             call()
         assert isinstance(caught.value, errors.DistBatchError)
+
+
+def test_numpy_string_arrays_are_per_task_values_and_other_dtypes_name_the_field() -> None:
+    """A numpy array of strings (or objects) is a column of per-task values, as a list would be;
+    one torch cannot take (bytes) is refused naming the field, not with torch's bare message."""
+    batch = DistributedBatchMemory.from_dict(
+        {"text": np.array(["a", "bb"]), "meta": np.array([{"k": 1}, 2], dtype=object), "x": np.arange(2.0)}
+    )
+    assert batch["text"] == ["a", "bb"] and batch["meta"] == [{"k": 1}, 2]
+    assert batch["x"].dtype == torch.float64
+    with pytest.raises(ValueError, match=r"field 'raw': a numpy array of dtype \|S1 cannot be a column"):
+        DistributedBatchMemory.from_dict({"raw": np.array([b"a", b"b"])})

@@ -330,8 +330,8 @@ def test_over_capacity_put_stores_nothing() -> None:
     store = ShardStore(max_bytes=100)
     store.put({("a", "f"): u8(b"x" * 60)})
     before = store.stats()
-    # the first column would fit, the whole put would not
-    with pytest.raises(StoreCapacityError):
+    # the first column would fit, the whole put would not; the error says what to change
+    with pytest.raises(StoreCapacityError, match=r"would use 120 of 100 bytes.*larger --max-bytes"):
         store.put({("b", "f"): u8(b"y" * 30), ("b", "g"): u8(b"z" * 30)})
     assert store.stats() == before
     with pytest.raises(MissingShardsError):
