@@ -50,7 +50,11 @@ class ShardNotFoundError(NodeError, KeyError):
         self.missing_by_node: dict[str, list[tuple[str, str]]] = {node: self.keys}
         shown = ", ".join(f"{t}/{f}" for t, f in self.keys[:10])
         more = f" (+{len(self.keys) - 10} more)" if len(self.keys) > 10 else ""
-        super().__init__(node, message or f"{len(self.keys)} shard(s) not found: {shown}{more}")
+        super().__init__(
+            node,
+            message
+            or f"{len(self.keys)} shard(s) not found: {shown}{more} (deleted by a clear, or never put there)",
+        )
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0]

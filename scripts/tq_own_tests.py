@@ -11,8 +11,9 @@ unchanged, beside a conftest that:
 - imports `distbatch.transferqueue` (which registers the backend);
 - adds a `Distbatch` entry (two workers) to each module's `BACKEND_CONFIGS`, which the tests
   choose from with `TQ_TEST_BACKEND`, and points the checkpoint test's `_TQ_CONFIG` at it;
-- gives `ray.init` eight logical CPUs when the test asks for none: TransferQueue's controller and
-  storage units each take one, and on a 2-core machine they would never start.
+- makes the tests' `ray.init()` start a cluster of their own (not join one another program left
+  running) with eight logical CPUs: TransferQueue's controller and storage units each take one,
+  and on a 2-core machine they would never start.
 
 Then it runs the files once per backend, each in its own pytest process, and prints passed /
 failed / skipped per file and backend (`--json FILE` writes them too). It needs no network:
@@ -54,7 +55,9 @@ _ray_init = ray.init
 
 def _init_with_cpus(*args, **kwargs):
     if not args and "address" not in kwargs:
-        kwargs.setdefault("num_cpus", 8)  # TransferQueue's actors each ask for one
+        # A cluster of its own (not one another program left running on this machine), with
+        # CPUs enough for TransferQueue's actors, which each ask for one.
+        kwargs.update(address="local", num_cpus=kwargs.get("num_cpus") or 8)
     return _ray_init(*args, **kwargs)
 
 

@@ -291,8 +291,9 @@ class ResultShapesEngine:
             bad: Any = dense.to_sparse()
         elif kind == "sparse_csr":
             bad = dense.to_sparse_csr()
-        elif kind == "nested":
-            bad = torch.nested.nested_tensor([torch.zeros(i + 1) for i in range(n)])
+        elif kind == "nested_complex32":  # nested tensors are columns; this dtype is not
+            rows = [torch.zeros(i + 1, dtype=torch.complex32) for i in range(n)]
+            bad = torch.nested.nested_tensor(rows, layout=torch.jagged)
         elif kind == "meta":
             bad = torch.empty(n, 2, device="meta")
         elif kind == "quantized":

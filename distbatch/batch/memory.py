@@ -357,15 +357,20 @@ class DistributedBatchMemory:
         return self._of(remote_state(RemoteColumns(meta.stored_by(result.generation), client)))
 
     async def _clear(self, twin: Twin) -> int:
-        return await self._state.clear(twin)
+        deleted = await self._state.clear(twin)
+        self._state = EmptyState(self.schema_meta().fields)  # nothing left to read: its fields kept
+        return deleted
 
     def clear(self) -> int:
-        """Delete every shard this batch names on the nodes that hold them; idempotent.
+        """Delete every shard this batch names on the nodes that hold them, and empty the batch
+        (EMPTY, its fields kept); idempotent.
 
-        Returns how many shards were deleted (0 for LOCAL / EMPTY batches, whose
-        data is not on any worker). Every node is tried; if some cannot be reached,
-        `ClearError` reports per node what was deleted and what may remain, and calling
-        `clear()` again once they are back finishes the job.
+        Returns how many shards were deleted (0 for a LOCAL batch, whose data is not on any
+        worker: it is dropped, and for an EMPTY one). Every node is tried; if some cannot be
+        reached, `ClearError` reports per node what was deleted and what may remain, the batch
+        stays as it was, and calling `clear()` again once they are back finishes the job. Other
+        batches over the same shards (slices, chunks, copies) are not told: reading them raises
+        `ShardNotFoundError`.
         """
         return run_blocking(self._clear(BLOCKING))
 

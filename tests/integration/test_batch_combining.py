@@ -31,6 +31,7 @@ from distbatch import (
     BatchStatusError,
     DistributedBatchMemory,
     FieldMeta,
+    ShardNotFoundError,
 )
 from distbatch.launch import WorkerProcess
 
@@ -325,11 +326,18 @@ def test_clear_deletes_on_every_node(fresh_nodes: list[str]) -> None:
     # a sub-batch clears only its own shards
     assert b[0:2].clear() == 2 * 7
     assert [_stats(n)["shards"] for n in fresh_nodes] == [1 * 7, 3 * 7, 3 * 7]
+    before = b[2:4]  # another batch over shards the clear below deletes
     assert b.clear() == 7 * 7
     for node in fresh_nodes:
         stats = _stats(node)
         assert stats["shards"] == 0 and stats["bytes"] == 0 and stats["tasks"] == 0, stats
+    # the cleared batch is EMPTY, its fields kept; one cut from it before says why it cannot read
+    assert (b.status, len(b), b.fields) == (BatchStatus.EMPTY, 0, local.fields)
+    with pytest.raises(ShardNotFoundError, match="deleted by a clear"):
+        before.to_local()
     assert b.clear() == 0  # idempotent
-    assert local.clear() == 0  # LOCAL data lives on no worker
+    fields = local.fields
+    assert local.clear() == 0  # LOCAL data lives on no worker: dropped, the batch empty
+    assert (local.status, len(local), local.fields) == (BatchStatus.EMPTY, 0, fields)
 
 

@@ -158,7 +158,7 @@ def test_zero_task_chunk_flows_through_as_an_empty_batch(
 UNSTORABLE = {
     "sparse_coo": "sparse_coo",
     "sparse_csr": "sparse_csr",
-    "nested": "nested tensor",
+    "nested_complex32": "complex32",
     "meta": "meta device",
     "quantized": "qint8",
     "ragged_sparse": "sparse_coo",

@@ -343,6 +343,8 @@ def test_aclear_deletes_every_shard(group: WorkerGroup, module_client: ShardClie
     assert [d[0] - b[0] for d, b in zip(during, before)] == [n // 2 * 3, n // 2 * 3]
     assert [d[1] - b[1] for d, b in zip(during, before)] == [n // 2, n // 2]
 
+    meta = batch.meta  # a handle from before the clear (the batch itself is EMPTY after it)
+
     async def main() -> tuple[int, int]:
         first = await batch.aclear()
         return first, await batch.aclear()
@@ -352,7 +354,7 @@ def test_aclear_deletes_every_shard(group: WorkerGroup, module_client: ShardClie
     assert second == 0  # idempotent
     assert holdings() == before
     with pytest.raises(ShardNotFoundError):  # the shards are gone
-        DBM.from_meta(batch.meta, module_client)["ids"]  # type: ignore[arg-type]
+        DBM.from_meta(meta, module_client)["ids"]  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- async group calls
