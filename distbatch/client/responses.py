@@ -68,7 +68,13 @@ def error_from_response(node: str, status: int, body: bytes) -> NodeError:
     except (ValueError, AttributeError):
         payload, code, message = {}, "error", body[:200].decode(errors="replace")
     if status == 401:
-        return AuthError(node, message or "unauthorized")
+        return AuthError(
+            node,
+            f"{message or 'unauthorized'}: the worker wants the token it was started with "
+            "(DISTBATCH_TOKEN in its environment); a client sends the one it was made with "
+            "(ShardClient(token=...), else DISTBATCH_TOKEN then), and the process-wide client "
+            "reads DISTBATCH_TOKEN again whenever it changes",
+        )
     if status == 507:
         return CapacityError(node, message)
     if status == 404 and isinstance(payload.get("missing"), list):

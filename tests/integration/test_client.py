@@ -518,6 +518,32 @@ def test_wrong_or_missing_token_is_auth_error(
     assert stats(node, token="secret")["shards"] == 0
 
 
+def test_the_process_wide_client_takes_a_token_set_after_a_refusal(
+    secured: WorkerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set DISTBATCH_TOKEN after a first AuthError: the next call of the process-wide client
+    sends it (no `set_default_client(None)` needed); the error says where tokens come from."""
+    from distbatch import DistributedBatchMemory
+    from distbatch.client import default_client, set_default_client
+
+    batch = DistributedBatchMemory.from_dict({"x": torch.arange(3)}, task_ids=["au-d0", "au-d1", "au-d2"])
+    monkeypatch.delenv("DISTBATCH_TOKEN", raising=False)
+    set_default_client(None)
+    try:
+        with pytest.raises(AuthError, match=r"DISTBATCH_TOKEN.*reads DISTBATCH_TOKEN again"):
+            batch.to_remote(secured.node)
+        monkeypatch.setenv("DISTBATCH_TOKEN", "secret")
+        remote = batch.to_remote(secured.node)
+        assert remote["x"].tolist() == [0, 1, 2] and remote.clear() == 3
+        assert default_client().token == "secret"
+        given = ShardClient(token="mine", timeout=10)
+        set_default_client(given)  # one given is used as it is, whatever the variable says
+        assert default_client() is given
+        given.close()
+    finally:
+        set_default_client(None)
+
+
 def test_right_token_from_constructor_and_env(
     secured: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
