@@ -24,7 +24,7 @@ from distbatch.batch.meta import BatchMeta, pick
 from distbatch.batch.ragged import RaggedViews
 from distbatch.client.planning import Product, cut_points
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import InvalidArgumentError, WireFormatError
+from distbatch.errors import InvalidArgumentError, WireFormatError, WorkerUnavailableError
 from distbatch.gc_pause import paused_gc
 from distbatch.twins import Twin
 from distbatch.wire.shapes import RowShapes
@@ -208,10 +208,31 @@ async def fetch(
             plan.requests,
             progress=bar.update if bar is not None else None,
         )
+    except WorkerUnavailableError as exc:
+        raise lost_to(exc, plan) from exc
     finally:
         if bar is not None:
             bar.close()
     return assemble(plan, bundles, client.receive_buffer)
+
+
+def lost_to(error: WorkerUnavailableError, plan: FetchPlan) -> WorkerUnavailableError:
+    """`error` (a worker the gather could not reach) said for the gather: that the worker died or
+    cannot be reached, and which of the batch's tasks and fields it held (what the gather lost)."""
+    held = [(ids, fields) for node, ids, fields, _ in plan.requests if node == error.node]
+    tasks = [t for ids, _ in held for t in ids]
+    fields = sorted({f for _, names in held for f in names})
+    shown = ", ".join(tasks[:8]) + (f" (+{len(tasks) - 8} more)" if len(tasks) > 8 else "")
+    why = error.reason or error.detail
+    out = WorkerUnavailableError(
+        error.node,
+        f"distbatch worker unreachable ({why}): it died, was stopped, or the network to it is down; "
+        f"this gather of {len(plan.meta)} task(s) lost the {len(tasks)} it holds "
+        f"(fields {', '.join(fields)}): {shown}",
+    )
+    out.reason = error.reason
+    out.partial_results = getattr(error, "partial_results", None)
+    return out
 
 
 def progress_bar(plan: FetchPlan, min_bytes: int) -> Any:

@@ -347,6 +347,10 @@ def test_batch_over_three_workers_with_one_killed(spawn) -> None:
         with pytest.raises(WorkerUnavailableError) as gather:
             remote["x"]
         assert gather.value.node == dead.node
+        # It says the worker died or cannot be reached, and which tasks the gather lost.
+        said = str(gather.value)
+        assert "it died, was stopped, or the network to it is down" in said, said
+        assert "gather of 12 task(s) lost the 4 it holds (fields x): span-4, span-5, span-6, span-7" in said
         assert time.monotonic() - started <= timeout + SLACK
         # The tasks on the live workers are still there (a sub-batch moves no data).
         alive = remote[[0, 1, 2, 3, 8, 9, 10, 11]]
