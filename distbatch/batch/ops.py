@@ -106,7 +106,9 @@ def union_rows(mine: list[str], theirs: list[str]) -> np.ndarray | None:
         missing = sorted(set(mine) - set(theirs))[:5]
         extra = sorted(set(theirs) - set(mine))[:5]
         raise InvalidArgumentError(
-            f"union needs the same task ids: missing in other {missing}, extra {extra}"
+            f"union needs the same task ids: missing in other {missing}, extra {extra}; union adds "
+            "the fields of the same tasks: build both batches with the same task_ids= (each batch "
+            "made without them gets ids of its own), or use concat() to add tasks"
         )
     position = dict(zip(theirs, range(len(theirs))))
     return np.fromiter(map(position.__getitem__, mine), dtype=np.int64, count=len(mine))

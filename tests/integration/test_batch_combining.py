@@ -231,6 +231,8 @@ def test_union_in_place_and_failure_leaves_batch_unchanged(convert: Callable[...
     before = snapshot(a)
     clash = convert(DBM.from_dict({"uid": ["x"] * 6}, ids[2:] + ids[:2]))  # see test above
     other_tasks = convert(DBM.from_dict({"more": [1] * 6}))
+    with pytest.raises(ValueError, match=r"same task ids.*same task_ids=.*concat\(\)"):
+        a.union(other_tasks)  # made without task_ids=: ids of its own, and the error says so
     for bad, exc in (
         (clash, ValueError),
         (other_tasks, ValueError),
