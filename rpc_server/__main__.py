@@ -104,6 +104,15 @@ def _announce(node: str, address_fd: int | None) -> None:
         os.close(address_fd)
 
 
+def _started_line(node: str, config: ServerConfig) -> str:
+    capacity = "unbounded" if config.max_bytes is None else f"{config.max_bytes} bytes"
+    return (
+        f"distbatch worker {node} serving: pid {os.getpid()}, rank {config.rank} of "
+        f"{config.world_size}, engine {config.engine or 'none'}, capacity {capacity}, "
+        f"token {'on' if config.token else 'off'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -136,12 +145,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.address_file is not None:
         write_text_atomically(args.address_file, server.node + "\n")
     _announce(server.node, address_fd)
+    # Its log says from the first moment what it is (a worker killed later leaves this much).
+    print(_started_line(server.node, config), file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.shutdown()
+        print(f"distbatch worker {server.node} stopped", file=sys.stderr, flush=True)
     # The server is closed and the store goes with the process; don't let interpreter
     # exit wait for an engine method still running on its thread (it could take minutes).
     logging.shutdown()

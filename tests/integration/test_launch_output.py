@@ -128,7 +128,8 @@ def test_engine_printing_at_import_starts_and_logs_its_output(
     assert "loading model weights..." in log  # stdout prints land in the log too
     assert "import-time warning on stderr" in log
     assert "engine constructed" in log
-    assert node not in log  # the address went to stdout only
+    assert node not in log.splitlines()  # the address line went to stdout only
+    assert f"distbatch worker {node} serving" in log  # the worker's own line says where it is
 
 
 @pytest.mark.parametrize(
@@ -282,6 +283,11 @@ def test_a_worker_that_crashed_keeps_the_logs_and_the_error_names_its_file(temp_
     finally:
         group.shutdown()
     assert group.log_dir is not None and sorted(group.log_dir.iterdir()) == sorted(group.log_files)
+    # Even the killed worker's log says what it was; the other's says it stopped.
+    killed, stopped = crashed.log_file.read_text(), group.processes[0].log_file.read_text()
+    assert f"distbatch worker {crashed.node} serving: pid {crashed.pid}, rank 1 of 2" in killed
+    assert "engine engines_for_tests:EchoEngine" in killed and "stopped" not in killed
+    assert f"distbatch worker {group.nodes[0]} stopped" in stopped
 
 
 def test_a_given_log_dir_is_never_removed(tmp_path: Path) -> None:
