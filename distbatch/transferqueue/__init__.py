@@ -61,7 +61,7 @@ def _register(transfer_queue: ModuleType) -> None:
     # its decorator registers it once it finishes; neither imports the other.
     importlib.import_module("distbatch.transferqueue.manager")
     provider = importlib.import_module("distbatch.transferqueue.provider")
-    provider.close_too(importlib.import_module("transfer_queue.interface"))
+    provider.hook_interface(importlib.import_module("transfer_queue.interface"))
 
 
 _check_installed()

@@ -4,8 +4,8 @@ many) or check the given ones, and write their addresses into the config every o
 receives.
 
 The workers this process started are kept in `STARTED`. TransferQueue's own `tq.close()` stops
-only the storage it knows (and logs that it cannot close any other): `close_too` wraps it, once
-TransferQueue is imported, so that it stops them too, quietly; `distbatch.transferqueue.close()`
+only the storage it knows (and logs that it cannot close any other): `hook_interface` wraps it,
+once TransferQueue is imported, so that it stops them too, quietly; `distbatch.transferqueue.close()`
 does the same and says how many it stopped (interpreter exit, through the group's finaliser,
 stops any left). That registry is process state because TransferQueue keeps its own the same
 way (a module global per process); it holds nothing else.
@@ -14,7 +14,9 @@ way (a module global per process); it holds nothing else.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -45,19 +47,38 @@ class StartedWorkers:
 
 
 STARTED = StartedWorkers()
+logger = logging.getLogger("distbatch.transferqueue")
 
 
-def close_too(interface: Any) -> None:
-    """Make TransferQueue's `close` (`transfer_queue.interface.close`, re-exported as
-    `transfer_queue.close`) stop the workers `tq.init` started here for Distbatch, instead of
-    logging that it cannot close them. Idempotent."""
+def hook_interface(interface: Any) -> None:
+    """Make TransferQueue's module functions treat Distbatch as they treat its own in-memory
+    storage (idempotent; `transfer_queue.close` and `.save_checkpoint` are re-exports, replaced
+    too):
+
+    - `close` stops the workers `tq.init` started here for Distbatch, instead of logging that it
+      cannot close them;
+    - `save_checkpoint(include_storage=False)` saves the storage anyway, with TransferQueue's own
+      warning, as it does for SimpleStorage: the workers hold the data in memory, and a
+      checkpoint without it would restore samples that have none.
+    """
+    _wrap(interface, "close", _closing_ours_too)
+    _wrap(interface, "save_checkpoint", _keeping_our_storage)
+
+
+def _wrap(interface: Any, name: str, make: Callable[[Any, Callable[..., Any]], Callable[..., Any]]) -> None:
     import transfer_queue
 
-    original = interface.close
-    if getattr(original, "_distbatch_closes_too", False):
+    original = getattr(interface, name)
+    if getattr(original, "_distbatch_hooked", False):
         return
+    wrapped = functools.wraps(original)(make(interface, original))
+    wrapped._distbatch_hooked = True  # type: ignore[attr-defined]
+    setattr(interface, name, wrapped)
+    if getattr(transfer_queue, name, None) is original:
+        setattr(transfer_queue, name, wrapped)
 
-    @functools.wraps(original)
+
+def _closing_ours_too(interface: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     def close() -> None:
         storage = getattr(interface, "_TQ_STORAGE", None)
         if isinstance(storage, dict):
@@ -70,10 +91,23 @@ def close_too(interface: Any) -> None:
             fast_schema.uninstall()
             STARTED.stop_all()
 
-    close._distbatch_closes_too = True  # type: ignore[attr-defined]
-    interface.close = close
-    if getattr(transfer_queue, "close", None) is original:
-        transfer_queue.close = close
+    return close
+
+
+def _keeping_our_storage(interface: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_checkpoint(checkpoint_dir: Any, *, include_storage: bool = True, **kwargs: Any) -> None:
+        from distbatch.transferqueue.manager import DistbatchStorageManager
+
+        manager = getattr(getattr(interface, "_TQ_CLIENT", None), "storage_manager", None)
+        if not include_storage and isinstance(manager, DistbatchStorageManager):
+            logger.warning(
+                "include_storage=False has no effect for Distbatch: its workers hold the data in "
+                "memory, which a restart would lose. Forcing include_storage=True."
+            )
+            include_storage = True
+        original(checkpoint_dir, include_storage=include_storage, **kwargs)
+
+    return save_checkpoint
 
 
 @StorageBootstrapProvider.register_provider(BACKEND_NAME)

@@ -218,6 +218,25 @@ def test_a_refused_put_leaves_the_partition_clearable_and_reusable(
     client.clear_partition("p")
 
 
+def test_a_checkpoint_always_keeps_the_workers_data(
+    distbatch_backend: Callable[..., Any], tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`save_checkpoint(include_storage=False)` saves the data anyway, as TransferQueue does for
+    its own in-memory storage (it says so): the workers hold it in memory."""
+    import json
+
+    distbatch_backend(workers=1)
+    fields = TensorDict({"x": torch.arange(2)[None]}, batch_size=1)
+    tq.kv_batch_put(keys=["n0"], partition_id="p", fields=fields)
+    tq.save_checkpoint(tmp_path / "ckpt", include_storage=False)
+    assert json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["storage_saved"] is True
+    assert "Forcing include_storage=True" in caplog.text
+    tq.kv_clear(keys=["n0"], partition_id="p")
+    tq.load_checkpoint(tmp_path / "ckpt")
+    got = tq.kv_batch_get(keys=["n0"], partition_id="p")["x"]  # a nested tensor, as TransferQueue gives
+    assert [t.tolist() for t in got.unbind()] == [[0, 1]]
+
+
 def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[..., Any]) -> None:
     """A Ray task in another process reaches the backend with no import of its own: the job's
     `worker_process_setup_hook` imported distbatch.transferqueue there, as verl's workers would.
