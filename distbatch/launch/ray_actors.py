@@ -9,6 +9,7 @@ Import this module only when Ray is wanted: it imports `ray`.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -65,24 +66,43 @@ def loopback_node_ip() -> str:
     return "127.0.0.2"
 
 
+logger = logging.getLogger("distbatch.launch")
+
+NEW_CLUSTER_ATTEMPTS = 3
+RAY_STARTUP_TIMED_OUT = "timed out during startup"  # Ray's message when its node did not register
+
+
 def init_local_ray(**kwargs: Any) -> Any:
     """`ray.init` for a closed machine: no dashboard, no usage stats, no token file written to ~.
 
     With an `address` it joins that cluster; with none it joins `$RAY_ADDRESS` when that is set
     (as `ray job submit` and `ray start` leave it), and otherwise, or with "local", starts a new
-    single-machine cluster on loopback. `kwargs` go to `ray.init` (e.g. `num_cpus`, `address`).
+    single-machine cluster on loopback, started again (up to `NEW_CLUSTER_ATTEMPTS` times) when
+    Ray says its node timed out starting, which a busy machine makes happen. `kwargs` go to
+    `ray.init` (e.g. `num_cpus`, `address`).
     """
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, **kwargs}
     if options.get("address") is None and os.environ.get("RAY_ADDRESS"):
         options["address"] = os.environ["RAY_ADDRESS"]
     new_cluster = options.get("address") in (None, "local")
     prepare_ray_environment(new_cluster)
-    if new_cluster:
-        # A new single-machine cluster (never a stale one some crashed run left registered),
-        # with Ray's processes and our workers on loopback.
-        options["address"] = "local"
-        options.setdefault("_node_ip_address", loopback_node_ip())
-    return ray.init(**options)
+    if not new_cluster:
+        return ray.init(**options)
+    # A new single-machine cluster (never a stale one some crashed run left registered), with
+    # Ray's processes and our workers on loopback.
+    options["address"] = "local"
+    options.setdefault("_node_ip_address", loopback_node_ip())
+    for attempt in range(1, NEW_CLUSTER_ATTEMPTS + 1):
+        try:
+            return ray.init(**options)
+        except Exception as exc:
+            # Ray gives its new node a fixed 30 s to register; on a machine busy enough that it
+            # takes longer, Ray's daemons are stopped and the cluster is started again.
+            if RAY_STARTUP_TIMED_OUT not in str(exc) or attempt == NEW_CLUSTER_ATTEMPTS:
+                raise
+            logger.warning("a new Ray cluster timed out starting (attempt %d): starting it again", attempt)
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 def _reload_ray_auth_config() -> None:
