@@ -1,6 +1,7 @@
 """`init_local_ray` starts a new cluster again when Ray says its node timed out starting (Ray
 gives a new node a fixed 30 s to register, which a busy machine can miss), and only then.
-Ray's `init` and `shutdown` are stand-ins here: no cluster starts."""
+Ray's `init` and `shutdown` are stand-ins here: no cluster starts. (Not a unit test only because
+importing Ray costs every unit-tier process a second.)"""
 
 from __future__ import annotations
 
