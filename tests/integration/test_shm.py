@@ -402,6 +402,8 @@ def test_a_view_outlives_the_delete_and_its_memory_goes_with_the_last_view(
 def test_rss_and_shared_memory_stay_flat_over_many_cycles(
     tokenless_client: ShardClient, plain_worker: WorkerProcess
 ) -> None:
+    """Long (15-60 s): a thousand same-host put and fetch cycles, because a leak of a region or
+    of memory per cycle shows only over many of them."""
     shards = batch_shards(16, width=4096)  # ~300 KiB a cycle
     keys = [(plain_worker.node, *k) for k in shards]
     ids = [f"t{i}" for i in range(16)]
