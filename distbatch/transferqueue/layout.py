@@ -125,10 +125,10 @@ def _stored(kind: str, values: list[Any]) -> Any:
     return [v.item() for v in values]  # numpy str_ and scalars: JSON
 
 
-def _restored(kind: str, gathered: Gathered) -> list[Any]:
-    """A gathered field of values stored as `kind`, each value back as its own type."""
+def _restored(name: str, kind: str, gathered: Gathered) -> list[Any]:
+    """Field `name`, gathered, of values stored as `kind`: each value back as its own type."""
     if kind in (_BYTES, _NUMPY_BYTES):
-        values, offsets = gathered.packed("bytes")
+        values, offsets = gathered.packed(name)
         raw, bounds = values.numpy().tobytes(), offsets.tolist()
         make = bytes if kind == _BYTES else np.bytes_
         return [make(raw[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -184,7 +184,7 @@ def tensordict_of(
     types = types or {}
     return TensorDict(
         {
-            name: _tq_pack(_restored(types[name], gathered[name]))
+            name: _tq_pack(_restored(name, types[name], gathered[name]))
             if name in types
             else _packed_like_tq(name, gathered[name])
             for name in names

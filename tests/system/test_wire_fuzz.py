@@ -23,22 +23,21 @@ from distbatch import wire
 from distbatch.errors import WireFormatError
 
 
+def _or_refused(decode: Any, buf: bytes) -> Any:
+    """`decode(buf)`, or None when it raises WireFormatError; any other exception fails the test."""
+    try:
+        return decode(buf)
+    except WireFormatError:
+        return None
+    except Exception as exc:  # pragma: no cover - the failure being looked for
+        raise AssertionError(f"{decode.__name__} raised {type(exc).__name__}: {exc}") from exc
+
+
 def check_decode_is_total(buf: bytes) -> None:
     """`parse_bundle` and `decode_bundle` agree: both succeed, or both raise WireFormatError (never
     anything else); when they succeed, every value decoded is what the raw columns hold, and a
     container the bundle layer accepts is one the container layer accepts."""
-    try:
-        parsed = wire.parse_bundle(buf)
-    except WireFormatError:
-        parsed = None
-    except Exception as exc:  # pragma: no cover - the failure being looked for
-        raise AssertionError(f"parse_bundle raised {type(exc).__name__}: {exc}") from exc
-    try:
-        decoded = wire.decode_bundle(buf)
-    except WireFormatError:
-        decoded = None
-    except Exception as exc:  # pragma: no cover - the failure being looked for
-        raise AssertionError(f"decode_bundle raised {type(exc).__name__}: {exc}") from exc
+    parsed, decoded = _or_refused(wire.parse_bundle, buf), _or_refused(wire.decode_bundle, buf)
     assert (parsed is None) == (decoded is None)
     if parsed is None or decoded is None:
         return
