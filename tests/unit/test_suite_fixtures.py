@@ -10,6 +10,7 @@ define a fixture of one name, e.g. a `capped` worker of their own size: neither 
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,9 +31,12 @@ def _fixture_names(path: Path) -> set[str]:
     return names
 
 
+@functools.cache
 def _definitions() -> dict[str, list[str]]:
     where: dict[str, list[str]] = defaultdict(list)
     for path in sorted(TESTS.rglob("*.py")):
+        if "fixture" not in path.read_text():
+            continue  # defines none: most test modules, and parsing them all took a second
         for name in _fixture_names(path):
             where[name].append(str(path.relative_to(TESTS)))
     return where
