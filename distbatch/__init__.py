@@ -8,8 +8,8 @@ Layers, bottom up (each imports only those below it; `docs/guide/architecture.md
 (same-host regions, recycled receive buffers) and `serving` (the HTTP server the worker,
 `rpc_server`, and the controller's HTTP face share); `client` (moving bytes to and from
 workers); `batch` (the batch object, its metadata, its balancing and engine-call envelopes);
-`samplers`; `controller`; `launch` (workers and groups); `dataloader`, `cli` and
-`transferqueue` on top.
+`samplers`; `controller`; `launch` (workers and groups); `dataloader`, `cli`,
+`transferqueue` (TransferQueue's storage backend) and `areal` (AReaL's RTensor backend) on top.
 """
 
 from typing import TYPE_CHECKING

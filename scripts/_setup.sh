@@ -62,6 +62,17 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   install -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   touch "$stamp"
 fi
+# AReaL, for the tests of distbatch.areal (extra areal-test: what `import areal` needs), without
+# its own requirements: they pin torch below 2.11 and much that its RPC layer never imports.
+AREAL_SPEC="areal==1.0.4"
+case ",$EXTRAS," in
+  *",areal-test,"*)
+    if ! "$PY" -c "import importlib.metadata as m; assert m.version('areal') == '${AREAL_SPEC#*==}'" \
+      >/dev/null 2>&1; then
+      echo "[setup] installing $AREAL_SPEC (without its dependencies)"
+      install --no-deps "$AREAL_SPEC"
+    fi ;;
+esac
 if [ "$INSTALLED_WITH_UV" = 1 ]; then
   echo "[setup] writing the bytecode of what the processes import"
   "$PY" "$ROOT/scripts/warm_bytecode.py" || true

@@ -22,6 +22,7 @@ from distbatch import wire
 from distbatch.batch.columns import Column, pack_rows
 from distbatch.batch.meta import BatchMeta, pick
 from distbatch.batch.ragged import RaggedViews
+from distbatch.client.fetches import gather_lost
 from distbatch.client.planning import Product, cut_points
 from distbatch.client.shard_client import ShardClient
 from distbatch.errors import InvalidArgumentError, WireFormatError, WorkerUnavailableError
@@ -217,22 +218,12 @@ async def fetch(
 
 
 def lost_to(error: WorkerUnavailableError, plan: FetchPlan) -> WorkerUnavailableError:
-    """`error` (a worker the gather could not reach) said for the gather: that the worker died or
-    cannot be reached, and which of the batch's tasks and fields it held (what the gather lost)."""
+    """`error` (a worker the gather could not reach) said for the gather: which of the batch's
+    tasks and fields that worker held (what the gather lost)."""
     held = [(ids, fields) for node, ids, fields, _ in plan.requests if node == error.node]
     tasks = [t for ids, _ in held for t in ids]
     fields = sorted({f for _, names in held for f in names})
-    shown = ", ".join(tasks[:8]) + (f" (+{len(tasks) - 8} more)" if len(tasks) > 8 else "")
-    why = error.reason or error.detail
-    out = WorkerUnavailableError(
-        error.node,
-        f"distbatch worker unreachable ({why}): it died, was stopped, or the network to it is down; "
-        f"this gather of {len(plan.meta)} task(s) lost the {len(tasks)} it holds "
-        f"(fields {', '.join(fields)}): {shown}",
-    )
-    out.reason = error.reason
-    out.partial_results = getattr(error, "partial_results", None)
-    return out
+    return gather_lost(error, len(plan.meta), tasks, fields)
 
 
 def progress_bar(plan: FetchPlan, min_bytes: int) -> Any:

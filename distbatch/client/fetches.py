@@ -15,8 +15,30 @@ from distbatch import wire
 from distbatch.client.planning import Product, key_products
 from distbatch.client.responses import all_results
 from distbatch.client.shard_paths import Progress, ShardPath
-from distbatch.errors import RequestError, WireFormatError
+from distbatch.errors import RequestError, WireFormatError, WorkerUnavailableError
 from distbatch.ids import ShardKey
+
+SHOWN_TASKS = 8  # a lost gather names this many of the tasks it lost, then counts the rest
+
+
+def gather_lost(
+    error: WorkerUnavailableError, asked: int, tasks: list[str], fields: list[str]
+) -> WorkerUnavailableError:
+    """`error` (a worker a gather of `asked` tasks could not reach) said for the gather: that the
+    worker died or cannot be reached, and which `tasks` and `fields` it held (what was lost)."""
+    shown = ", ".join(tasks[:SHOWN_TASKS])
+    if len(tasks) > SHOWN_TASKS:
+        shown += f" (+{len(tasks) - SHOWN_TASKS} more)"
+    why = error.detail  # the whole of it: a stall says how long and what that means
+    out = WorkerUnavailableError(
+        error.node,
+        f"distbatch worker unreachable ({why}): it died, was stopped, or the network to it is down; "
+        f"this gather of {asked} task(s) lost the {len(tasks)} it holds "
+        f"(fields {', '.join(fields)}): {shown}",
+    )
+    out.reason = error.reason
+    out.partial_results = getattr(error, "partial_results", None)
+    return out
 
 
 def _too_large_alone(node: str, task_id: str, fields: list[str], refused: RequestError) -> RequestError:
@@ -123,5 +145,14 @@ class Gatherer:
         results = await asyncio.gather(
             *(self._node_keys(node, per_node[node], progress) for node in nodes), return_exceptions=True
         )
-        found = dict(zip(nodes, all_results(results)))
+        try:
+            found = dict(zip(nodes, all_results(results)))
+        except WorkerUnavailableError as exc:
+            if exc.node not in per_node:
+                raise
+            held = per_node[exc.node]
+            tasks = list(dict.fromkeys(key.task_id for key in held))
+            fields = sorted({key.field for key in held})
+            asked = len({key.task_id for _, key in order})
+            raise gather_lost(exc, asked, tasks, fields) from exc
         return [found[node][key] for node, key in order]

@@ -199,7 +199,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("samplers", ("distbatch.samplers",)),
     ("controller", ("distbatch.controller",)),
     ("launch", ("distbatch.launch", "distbatch.ray_group")),
-    ("applications", ("distbatch.dataloader", "distbatch.cli", "distbatch.transferqueue")),
+    ("applications", ("distbatch.dataloader", "distbatch.cli", "distbatch.transferqueue", "distbatch.areal")),
 ]
 # What the worker may use of the library: its data path needs the bytes and the shared pieces;
 # only the engine host (rpc_server.engine) reaches for batches, the client and engine calls.

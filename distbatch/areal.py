@@ -1,0 +1,180 @@
+"""distbatch as AReaL's RTensor backend: `distbatch.areal.install()` in every AReaL process.
+
+AReaL (1.0.4) moves each tensor between its controller and engines as an `RTensor`: an engine
+`store`s its results' tensors and hands on shard ids; whoever needs the data `fetch`es them;
+the controller `delete`s them at the end of a step. Its backend is chosen per process with
+`areal.infra.rpc.rtensor.set_backend`. `install()` sets `DistbatchRTensorBackend` there:
+
+- `store(tensor)` puts the tensor on a distbatch worker (one named by `worker=`, or one this
+  process starts for itself on first use, on `host`): binary, any dtype as it is (bfloat16
+  stays bfloat16), through shared memory when the worker is on this host;
+- `fetch(shards)` gathers them straight from the workers that hold them, every worker at once,
+  many shards per request, within the client's connection and request-size bounds;
+- `delete(node_addr, shard_ids)` deletes them on their workers.
+
+A shard id is `distbatch://<worker host:port>/<task id>`, so any process can fetch it without
+knowing which AReaL node made it. AReaL's engine workers are separate processes: each needs
+`install()` before its first RTensor (in the module that names your engine or workflow, or for
+Ray workers `runtime_env={"worker_process_setup_hook": "distbatch.areal.install"}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from distbatch.client.shard_client import ShardClient
+from distbatch.errors import InvalidArgumentError, InvalidIdError
+from distbatch.ids import KEY_SEPARATOR, validate_id, validate_node
+from distbatch.launch.flags import byte_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from distbatch.launch.local import WorkerProcess
+
+SHARD_PREFIX = "distbatch://"
+FIELD = "tensor"  # the one field of each stored tensor's task
+SUPPORTED_VERSIONS = ("1.0.4",)
+
+
+def shard_id(node: str, task_id: str) -> str:
+    """The RTensor shard id of the tensor stored as task `task_id` on worker `node`."""
+    return f"{SHARD_PREFIX}{node}{KEY_SEPARATOR}{task_id}"
+
+
+def parse_shard_id(value: Any) -> tuple[str, str]:
+    """`(worker, task id)` of one of our shard ids; `InvalidArgumentError` for anything else
+    (an id AReaL's own HTTP or Ray backend made, say: each process must use the same backend)."""
+    if isinstance(value, str) and value.startswith(SHARD_PREFIX):
+        node, _, task_id = value[len(SHARD_PREFIX) :].rpartition(KEY_SEPARATOR)
+        try:
+            return validate_node(node), validate_id(task_id, "task id")
+        except (InvalidArgumentError, InvalidIdError):
+            pass
+    raise InvalidArgumentError(
+        f"RTensor shard id {value!r} was not made by distbatch (expected "
+        f"'{SHARD_PREFIX}host:port/task-id'): every AReaL process must install the same backend "
+        "(distbatch.areal.install()) before it stores or fetches an RTensor"
+    )
+
+
+class DistbatchRTensorBackend:
+    """AReaL's `RTensorBackend` protocol over distbatch workers.
+
+    Args:
+        worker: the worker that keeps this process's tensors (`host:port`). None: this process
+            starts its own on first `store` (it exits with this process; `close()` stops it).
+        host: where a worker this process starts listens. Loopback by default; on several
+            hosts give an address the others reach (AReaL's `gethostip()`), and a token.
+        capacity: bytes that worker may hold (`"32G"`, `"512M"` or a number); a put past it is
+            refused (507) naming `--max-bytes`.
+        client: the `ShardClient` to use; None makes one from `token`, `timeout`, `same_host`.
+        token: the workers' bearer token (default `DISTBATCH_TOKEN`).
+        timeout: seconds one request may take, retries included.
+        same_host: reach workers on this host through shared memory (False: HTTP only).
+    """
+
+    def __init__(
+        self,
+        worker: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        capacity: int | str | None = None,
+        client: ShardClient | None = None,
+        token: str | None = None,
+        timeout: float = 60.0,
+        same_host: bool = True,
+    ) -> None:
+        self._worker = validate_node(worker) if worker is not None else None
+        self._host = host
+        self._capacity = None if capacity is None else byte_size(str(capacity))
+        self._token = token
+        self._own_client = client is None
+        self.client = client or ShardClient(token=token, timeout=timeout, same_host=same_host)
+        self._started: WorkerProcess | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def worker(self) -> str:
+        """The worker this process stores on (started here on first use if none was given)."""
+        with self._lock:
+            if self._worker is None:
+                self._started = self._start_worker()
+                self._worker = self._started.node
+            return self._worker
+
+    def _start_worker(self) -> WorkerProcess:
+        from distbatch.launch.local import spawn_worker
+
+        args = [] if self._capacity is None else ["--max-bytes", str(self._capacity)]
+        env = {} if self._token is None else {"DISTBATCH_TOKEN": self._token}
+        return spawn_worker(host=self._host, args=args, env=env)
+
+    def store(self, tensor: torch.Tensor) -> str:
+        """Put `tensor` on this process's worker; its shard id."""
+        node, task_id = self.worker, uuid.uuid4().hex
+        self.client.put(node, {(task_id, FIELD): tensor})
+        return shard_id(node, task_id)
+
+    def fetch(self, shards: Sequence[Any]) -> list[torch.Tensor]:
+        """The tensors of `shards` (AReaL's `TensorShardInfo`s), in their order, every worker at
+        once. A shard deleted or never stored raises `ShardNotFoundError` naming each."""
+        refs = [(*parse_shard_id(shard.shard_id), FIELD) for shard in shards]
+        return self.client.fetch(refs) if refs else []
+
+    async def delete(self, node_addr: str, shard_ids: Iterable[Any]) -> None:
+        """Delete `shard_ids` from the workers that hold them (`node_addr`, AReaL's address of the
+        node that stored them, is not needed: each id names its worker). Ids already gone count
+        nothing; an unreachable worker raises."""
+        tasks: dict[str, list[str]] = defaultdict(list)
+        for value in shard_ids:
+            node, task_id = parse_shard_id(value)
+            tasks[node].append(task_id)
+        if tasks:
+            await asyncio.gather(
+                *(self.client.adelete(node, task_ids=task_ids) for node, task_ids in tasks.items())
+            )
+
+    def close(self) -> None:
+        """Stop the worker this backend started (its tensors go with it) and its own client."""
+        with self._lock:
+            started, self._started = self._started, None
+            if started is not None:
+                self._worker = None
+        if started is not None:
+            started.stop()
+        if self._own_client:
+            self.client.close()
+
+
+def _check_version() -> None:
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("areal")
+    except importlib.metadata.PackageNotFoundError:
+        return  # a source checkout without metadata: the protocol is checked by use
+    if version not in SUPPORTED_VERSIONS:
+        raise ImportError(
+            f"distbatch.areal supports AReaL {', '.join(SUPPORTED_VERSIONS)}, this is {version}: "
+            "its RTensor backend API may change between releases; install a supported one"
+        )
+
+
+def install(worker: str | None = None, **options: Any) -> DistbatchRTensorBackend:
+    """Make distbatch this process's RTensor backend (AReaL's `set_backend`) and return it.
+
+    `worker` and `options` are `DistbatchRTensorBackend`'s. Call it once in each AReaL process,
+    before its first RTensor; with no arguments it also serves as Ray's
+    `worker_process_setup_hook`."""
+    _check_version()
+    from areal.infra.rpc import rtensor
+
+    backend = DistbatchRTensorBackend(worker, **options)
+    rtensor.set_backend(backend)
+    return backend

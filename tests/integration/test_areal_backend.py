@@ -1,0 +1,178 @@
+"""distbatch as AReaL's RTensor backend, driven through AReaL's own `RTensor` code.
+
+AReaL (installed without its dependencies: `scripts/test` does, `DISTBATCH_REQUIRE_AREAL=1`
+makes a broken install fail here instead of skipping) calls the backend as its engines and
+controller do: `RTensor.remotize` stores every tensor of a result, `RTensor.localize` fetches
+them (in another process too), `RTensor.clear_node` deletes them at the end of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from distbatch import ShardClient
+from distbatch.areal import FIELD, DistbatchRTensorBackend, install, parse_shard_id
+from distbatch.errors import CapacityError, InvalidArgumentError, ShardNotFoundError, WorkerUnavailableError
+from distbatch.launch import WorkerProcess
+
+if os.environ.get("DISTBATCH_REQUIRE_AREAL") == "1":
+    rtensor = importlib.import_module("areal.infra.rpc.rtensor")
+else:
+    rtensor = pytest.importorskip("areal.infra.rpc.rtensor")
+serialization = importlib.import_module("areal.infra.rpc.serialization")
+RTensor, TensorShardInfo = rtensor.RTensor, rtensor.TensorShardInfo
+
+
+@pytest.fixture
+def backend(shared_workers: list[WorkerProcess]) -> Iterator[DistbatchRTensorBackend]:
+    """distbatch installed as this process's RTensor backend, storing on a shared worker; AReaL's
+    default backend and its fetch buffer come back afterwards."""
+    chosen = install(shared_workers[0].node, timeout=30.0)
+    yield chosen
+    rtensor.set_backend(None)
+    rtensor.clear_fetch_buffer()
+    chosen.close()
+
+
+def result_of_an_engine() -> dict[str, Any]:
+    """What an engine's call returns: tensors of several dtypes and shapes beside plain values."""
+    generator = torch.Generator().manual_seed(7)
+    return {
+        "logprobs": torch.randn(3, 5, generator=generator, dtype=torch.float32),
+        "values": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
+        "input_ids": torch.randint(0, 50_000, (3, 5), generator=generator),
+        "loss_mask": torch.rand(3, 5, generator=generator) > 0.5,
+        "seqlens": [torch.tensor(4), torch.arange(0)],  # a 0-d and an empty tensor
+        "transposed": torch.arange(12, dtype=torch.int16).reshape(3, 4).t(),  # not contiguous
+        "meta": {"step": 3, "tags": ("a", "b")},
+    }
+
+
+def assert_same(got: Any, want: Any) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert_same(got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    else:
+        assert got == want
+
+
+def test_remotize_then_localize_gives_back_every_tensor_as_it_was(backend: DistbatchRTensorBackend) -> None:
+    result = result_of_an_engine()
+    remote = RTensor.remotize(result, node_addr="engine-0")
+    assert isinstance(remote["values"], RTensor) and remote["values"].data.is_meta
+    assert remote["values"].dtype == torch.bfloat16  # AReaL's own HTTP backend sends it as float32
+    assert parse_shard_id(remote["logprobs"].shard.shard_id)[0] == backend.worker
+    rtensor.clear_fetch_buffer()  # no shortcut through AReaL's cache: every tensor is fetched
+    assert_same(RTensor.localize(remote), result)
+
+
+def test_a_tensor_stored_in_one_process_is_fetched_in_another(
+    backend: DistbatchRTensorBackend, tmp_path: Any
+) -> None:
+    """An engine process remotizes its result and returns it as AReaL's RPC does (serialized
+    JSON); the controller here deserializes it and localizes: the data comes from the worker."""
+    script = f"""
+import json, torch
+from areal.infra.rpc.rtensor import RTensor
+from areal.infra.rpc.serialization import serialize_value
+from distbatch.areal import install
+install({backend.worker!r})
+result = {{"old_logp": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "ids": torch.arange(4)}}
+print(json.dumps(serialize_value(RTensor.remotize(result, node_addr="engine-1"))))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    remote = serialization.deserialize_value(json.loads(out.stdout.strip().splitlines()[-1]))
+    want = {"old_logp": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "ids": torch.arange(4)}
+    assert_same(RTensor.localize(remote), want)
+
+
+def test_clear_node_deletes_the_shards_on_their_workers(
+    backend: DistbatchRTensorBackend, module_client: ShardClient
+) -> None:
+    remote = RTensor.remotize({"a": torch.ones(4), "b": torch.zeros(2, 2)}, node_addr="engine-0")
+    tasks = sorted(parse_shard_id(r.shard.shard_id)[1] for r in remote.values())
+    held = {task for task, *_ in module_client.list_tasks(backend.worker)["tasks"]}
+    assert set(tasks) <= held
+    for node, shard_ids in RTensor.collect_shards(remote).items():
+        asyncio.run(RTensor.clear_node(node, shard_ids))
+    held = {task for task, *_ in module_client.list_tasks(backend.worker)["tasks"]}
+    assert not set(tasks) & held
+    asyncio.run(RTensor.clear_node("engine-0", [r.shard.shard_id for r in remote.values()]))  # again: nothing
+    with pytest.raises(ShardNotFoundError) as info:
+        RTensor.localize(remote)
+    assert tasks[0] in str(info.value) and FIELD in str(info.value)
+
+
+def test_a_shard_id_another_backend_made_is_refused_naming_the_fix(backend: DistbatchRTensorBackend) -> None:
+    foreign = RTensor(shard=TensorShardInfo(shard_id="9b2c3f0e-uuid-of-the-http-backend", node_addr="n:1"),
+                      data=torch.empty(2, device="meta"))  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match=r"distbatch.areal.install\(\)"):
+        RTensor.localize(foreign)
+    with pytest.raises(InvalidArgumentError, match="was not made by distbatch"):
+        asyncio.run(backend.delete("n:1", ["distbatch://not an address/x"]))
+
+
+def test_stores_from_many_threads_each_get_their_own_shard(backend: DistbatchRTensorBackend) -> None:
+    tensors = [torch.full((3,), float(i)) for i in range(16)]
+    ids: list[str | None] = [None] * len(tensors)
+
+    def store(i: int) -> None:
+        ids[i] = backend.store(tensors[i])
+
+    threads = [threading.Thread(target=store, args=(i,)) for i in range(len(tensors))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(ids)) == len(tensors)
+    shards = [TensorShardInfo(shard_id=i, node_addr="x") for i in ids]
+    assert_same(backend.fetch(shards), tensors)
+
+
+def test_without_a_worker_it_starts_its_own_and_close_stops_it() -> None:
+    backend = DistbatchRTensorBackend(capacity="64K", timeout=30.0)
+    try:
+        small = backend.store(torch.arange(100))
+        assert backend.worker in small
+        started = backend._started
+        assert started is not None and started.alive()
+        with pytest.raises(CapacityError, match="--max-bytes"):
+            backend.store(torch.zeros(1 << 16))  # 256 KiB past its 64 KiB
+        assert_same(backend.fetch([TensorShardInfo(shard_id=small, node_addr="")]), [torch.arange(100)])
+    finally:
+        backend.close()
+    assert not started.alive()
+
+
+def test_a_dead_worker_is_named_with_the_tasks_the_fetch_lost(fresh_workers: list[WorkerProcess]) -> None:
+    backend = DistbatchRTensorBackend(fresh_workers[0].node, timeout=10.0)
+    try:
+        lost = backend.store(torch.ones(3))
+        kept = DistbatchRTensorBackend(fresh_workers[1].node, client=backend.client).store(torch.zeros(2))
+        fresh_workers[0].kill()
+        with pytest.raises(WorkerUnavailableError) as info:
+            backend.fetch([TensorShardInfo(shard_id=i, node_addr="") for i in (kept, lost)])
+        assert fresh_workers[0].node in str(info.value) and parse_shard_id(lost)[1] in str(info.value)
+        assert_same(backend.fetch([TensorShardInfo(shard_id=kept, node_addr="")]), [torch.zeros(2)])
+    finally:
+        backend.close()
