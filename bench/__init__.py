@@ -6,8 +6,9 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
 - `__main__` (the CLI), `workloads` (the batches), `measure` (shared timing and checks), `rss`
   (whether a worker gives memory back over put + clear cycles);
 - `baselines` (raw TCP, pickle/HTTP, base64 JSON, Ray), `transferqueue` (TransferQueue's
-  SimpleStorage and our backend), `servers` (the worker app on other WSGI servers), `same_host`
-  (shared memory next to Ray's same-node put/get and a memcpy);
+  SimpleStorage and our backend), `areal` (AReaL's RTensor: its HTTP backend and ours),
+  `servers` (the worker app on other WSGI servers), `same_host` (shared memory next to Ray's
+  same-node put/get and a memcpy);
 - `scaling` (1k-100k tasks), `control_plane` (hundreds of ranks polling one controller),
   `soak` (load, every byte checked), `suite_cpu` (where a command's CPU goes, every process
   counted: the test suite's profile);

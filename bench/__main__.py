@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import baselines, control_plane, same_host, scaling, transferqueue
+from bench import areal, baselines, control_plane, same_host, scaling, transferqueue
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
@@ -332,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even if installed")
     parser.add_argument("--no-tq", action="store_true", help="skip TransferQueue even if installed")
+    parser.add_argument("--no-areal", action="store_true", help="skip AReaL's RTensor rows even if installed")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the main job's step times")
     parser.add_argument("--pipeline-steps", type=int, default=3)
     parser.add_argument(
@@ -461,7 +462,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     r = args.repeats
     steps = {
-        n: 2 * r + (r + 1) + use_ray + 1 + (2 * r + 1 + 4 * r if n in args.peer_names else 0) for n in names
+        n: 2 * r + (r + 1) + use_ray + 1 + (2 * r + 1 + 4 * r + 1 if n in args.peer_names else 0)
+        for n in names
     }
     with tqdm(total=sum(steps.values()), desc="bench", unit="step", disable=not names) as bar:
         for name in names:
@@ -498,6 +500,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if peer:
                 bar.set_postfix_str(f"{name} same host")
                 result["same_host"] = same_host.run(name, args.seed, args.workers, args.repeats, use_ray, bar)
+                if not args.no_areal:
+                    bar.set_postfix_str(f"{name} AReaL RTensor")
+                    result["areal"] = areal.run(name, args.seed, args.repeats, args.peer_timeout, args.out)
+                bar.update()
             if not args.no_pipeline:
                 bar.set_postfix_str(f"{name} main job")
                 result["pipeline"] = bench_pipeline(name, args.pipeline_steps)
@@ -559,6 +565,8 @@ def summary(results: dict[str, Any]) -> str:
             lines.append(backend_summary(name, r))
         if r.get("same_host"):
             lines.append(same_host.table(name, r["same_host"]))
+        if r.get("areal"):
+            lines.append(areal.table(name, r["areal"]))
     if SCALING in results:
         lines.append(scaling.table(results[SCALING]))
     if CONTROL_PLANE in results:

@@ -24,6 +24,7 @@ from distbatch.errors import InvalidArgumentError, ResponseError
 T = TypeVar("T")
 
 MAX_HEAD_BYTES = 64 << 10
+PAST_THE_BODY_BYTES = 256  # where bytes after a complete body land (see `get_buffer`)
 # A stalled transfer is noticed within this share of the stall timeout past it.
 STALL_CHECKS_PER_TIMEOUT = 4
 
@@ -102,14 +103,20 @@ class _BodyProtocol(asyncio.BufferedProtocol):
         self.received = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
+        self._past_the_body = bytearray(PAST_THE_BODY_BYTES)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.view is not None:
+        if self.view is None:
+            return memoryview(self.head)[self.head_len :]
+        if self.received < len(self.view):
             return self.view[self.received :]
-        return memoryview(self.head)[self.head_len :]
+        # The body is complete (or empty), yet the loop asks again: uvloop does, before it sees
+        # the caller close the connection, and it calls an empty buffer a fatal error. Whatever
+        # lands here is past the body: `buffer_updated` ignores it once the response is done.
+        return memoryview(self._past_the_body)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.done.done():

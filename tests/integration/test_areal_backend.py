@@ -85,6 +85,35 @@ def test_remotize_then_localize_gives_back_every_tensor_as_it_was(backend: Distb
     assert_same(RTensor.localize(remote), result)
 
 
+def test_one_remotize_is_one_put_however_many_tensors_it_holds(
+    backend: DistbatchRTensorBackend, module_client: ShardClient
+) -> None:
+    trajectories = [{"input_ids": torch.arange(n), "logprobs": torch.zeros(n)} for n in range(1, 41)]
+    before = backend.client.traffic()
+    remote = RTensor.remotize(trajectories, node_addr="engine-0")
+    moved = backend.client.traffic() - before
+    assert moved.requests + moved.same_host_requests == 1
+    rtensor.clear_fetch_buffer()
+    assert_same(RTensor.localize(remote), trajectories)
+    # Outside remotize, a store is sent at once (AReaL may call the backend directly).
+    alone = backend.store(torch.ones(2))
+    assert_same(backend.fetch([TensorShardInfo(shard_id=alone, node_addr="")]), [torch.ones(2)])
+
+
+def test_a_remotize_that_fails_midway_stores_nothing(
+    backend: DistbatchRTensorBackend, module_client: ShardClient
+) -> None:
+    held_before = module_client.list_tasks(backend.worker)["total"]
+
+    class Unstorable(list):  # AReaL's remotize recurses into lists: this one fails it midway
+        def __iter__(self) -> Iterator[Any]:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        RTensor.remotize([torch.ones(3), {"x": torch.zeros(2)}, [torch.ones(1), Unstorable()]], "engine-0")
+    assert module_client.list_tasks(backend.worker)["total"] == held_before
+
+
 def test_a_tensor_stored_in_one_process_is_fetched_in_another(
     backend: DistbatchRTensorBackend, tmp_path: Any
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ray_support import import_ray
 
-from bench import baselines, control_plane, scaling, transferqueue
+from bench import areal, baselines, control_plane, scaling, transferqueue
 from bench.__main__ import main, parse_args, summary
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 
@@ -120,6 +120,28 @@ def test_transferqueue_backends_put_and_get_the_same_batches(
         assert (
             figures["put"]["bytes"] == figures["get"]["bytes"] == payload_bytes(columns(WORKLOADS["tiny"], 0))
         )
+
+
+def test_areal_rows_fetch_the_batch_both_ways_and_check_it(tmp_path: Path) -> None:
+    """The bench's AReaL RTensor rows on AReaL's HTTP backend and ours: an engine process each
+    (importing AReaL takes 6 CPU-s), remotize and localize checked against the batch."""
+    reason = areal.available()
+    if reason:
+        pytest.skip(reason)
+    result = areal.run("tiny", 0, 2, 120, tmp_path, modes=("areal_http", "distbatch_same_host"))
+    want = areal.trajectories("tiny", 0)
+    assert result["tasks"] == len(want) == WORKLOADS["tiny"].tasks
+    for row in ("areal_http", "distbatch_same_host"):
+        assert "error" not in result[row], result[row]
+        assert len(result[row]["fetch"]["seconds"]) == 2  # each repeat checked what came back
+        assert (
+            result[row]["fetch"]["bytes"]
+            == result["bytes"]
+            == payload_bytes(make_columns(WORKLOADS["tiny"], 0))
+        )
+    table = areal.table("tiny", result)
+    assert "AReaL HttpRTensorBackend" in table and "distbatch, same host" in table
+    assert "distbatch, HTTP" not in table  # not run
 
 
 def test_ray_object_store_times_the_ragged_and_padded_dense_batch() -> None:
