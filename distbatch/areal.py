@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import threading
 import uuid
 from collections import defaultdict
@@ -30,9 +31,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from distbatch import wire
+from distbatch.client.fetches import gather_lost
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import InvalidArgumentError, InvalidIdError
-from distbatch.ids import KEY_SEPARATOR, validate_id, validate_node
+from distbatch.errors import InvalidArgumentError, InvalidIdError, WorkerUnavailableError
+from distbatch.ids import KEY_SEPARATOR, ShardKey, validate_id, validate_node
 from distbatch.launch.flags import byte_size
 
 if TYPE_CHECKING:
@@ -48,6 +51,21 @@ SUPPORTED_VERSIONS = ("1.0.4",)
 def shard_id(node: str, task_id: str) -> str:
     """The RTensor shard id of the tensor stored as task `task_id` on worker `node`."""
     return f"{SHARD_PREFIX}{node}{KEY_SEPARATOR}{task_id}"
+
+
+def _where(values: Iterable[Any]) -> list[tuple[str, str]]:
+    """`(worker, task id)` of many shard ids: each distinct worker checked once; the task ids are
+    checked by the fetch, all at once (`parse_shard_id` checks one id whole)."""
+    nodes: dict[str, str] = {}
+    out = []
+    for value in values:
+        if not (isinstance(value, str) and value.startswith(SHARD_PREFIX)):
+            parse_shard_id(value)  # raises, saying what is wrong
+        node, _, task_id = value[len(SHARD_PREFIX) :].rpartition(KEY_SEPARATOR)
+        if node not in nodes:
+            nodes[node] = parse_shard_id(value)[0]
+        out.append((node, task_id))
+    return out
 
 
 def parse_shard_id(value: Any) -> tuple[str, str]:
@@ -110,10 +128,17 @@ class DistbatchRTensorBackend:
         self._started: WorkerProcess | None = None
         self._lock = threading.Lock()
         self._pending = threading.local()
+        # Task ids: random per backend (so no two processes collide), then counted (uuid4 for
+        # each tensor was a quarter of a remotize: one os.urandom call each).
+        self._id_prefix = uuid.uuid4().hex
+        self._stored = itertools.count()
 
     @property
     def worker(self) -> str:
         """The worker this process stores on (started here on first use if none was given)."""
+        known = self._worker
+        if known is not None:  # every store asks: no lock once it is known
+            return known
         with self._lock:
             if self._worker is None:
                 self._started = self._start_worker()
@@ -154,7 +179,7 @@ class DistbatchRTensorBackend:
     def store(self, tensor: torch.Tensor) -> str:
         """Put `tensor` on this process's worker (inside `batched`, when the block ends); its
         shard id."""
-        node, task_id = self.worker, uuid.uuid4().hex
+        node, task_id = self.worker, f"{self._id_prefix}.{next(self._stored)}"
         pending = self._pending_here()
         if pending.depth:
             pending.shards[(task_id, FIELD)] = tensor
@@ -164,9 +189,22 @@ class DistbatchRTensorBackend:
 
     def fetch(self, shards: Sequence[Any]) -> list[torch.Tensor]:
         """The tensors of `shards` (AReaL's `TensorShardInfo`s), in their order, every worker at
-        once. A shard deleted or never stored raises `ShardNotFoundError` naming each."""
-        refs = [(*parse_shard_id(shard.shard_id), FIELD) for shard in shards]
-        return self.client.fetch(refs) if refs else []
+        once, each worker's as one product (its tasks x our one field: the columnar path, no
+        per-shard request planning). A shard deleted or never stored raises
+        `ShardNotFoundError` naming each; a worker that cannot be reached, which tasks it lost."""
+        wanted = _where(shard.shard_id for shard in shards)
+        tasks: dict[str, dict[str, None]] = {}
+        for node, task_id in wanted:
+            tasks.setdefault(node, {})[task_id] = None  # a shard asked twice is fetched once
+        nodes = list(tasks)
+        try:
+            bundles = self.client.fetch_products([(node, list(tasks[node]), [FIELD]) for node in nodes])
+        except WorkerUnavailableError as exc:
+            if exc.node not in tasks:
+                raise
+            raise gather_lost(exc, len(wanted), list(tasks[exc.node]), [FIELD]) from exc
+        found = {node: wire.bundle_to_shards(bundle) for node, bundle in zip(nodes, bundles)}
+        return [found[node][ShardKey(task_id, FIELD)] for node, task_id in wanted]
 
     async def delete(self, node_addr: str, shard_ids: Iterable[Any]) -> None:
         """Delete `shard_ids` from the workers that hold them (`node_addr`, AReaL's address of the
