@@ -72,6 +72,7 @@ def run(
     want = trajectories(workload, seed)
     out: dict[str, Any] = {"tasks": len(want), "bytes": _tensor_bytes(want)}
     worker = spawn_worker()
+    policy = asyncio.get_event_loop_policy()  # importing AReaL installs uvloop's
     try:
         for row, backend, same_host in MODES:
             if modes is not None and row not in modes:
@@ -85,6 +86,7 @@ def run(
                 out[row] = {"error": f"{type(exc).__name__}: {exc} (log: {log})"}
     finally:
         worker.stop()
+        asyncio.set_event_loop_policy(policy)  # the rest of the bench runs on the loop it had
     return out
 
 

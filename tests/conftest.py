@@ -21,19 +21,24 @@ run ends when the short ones do.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from distbatch import ShardClient
-from distbatch.controller import Controller
-from distbatch.controller.server import ControllerServer, serve_controller
 from distbatch.launch import WorkerProcess, spawn_worker
+
+if TYPE_CHECKING:
+    # The controller imports torch (1.4 CPU-s): pytest-xdist's own process loads this file and
+    # runs no test, so it does not pay for it (the `serve` fixture imports it when used).
+    from distbatch.controller import Controller
+    from distbatch.controller.server import ControllerServer
 from distbatch.transport.shm import ENV_STRICT, ENV_SWITCH
 
 TEST_PROCESS_GC_THRESHOLD0 = 10_000
@@ -59,6 +64,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # Only this process: the workers and scripts the tests start keep Python's defaults, and the
     # tests of `distbatch.gc_pause` set the thresholds they check.
     gc.set_threshold(TEST_PROCESS_GC_THRESHOLD0, *gc.get_threshold()[1:])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Importing AReaL (tests/integration/test_areal_backend.py, collected by every xdist worker)
+    # installs uvloop's event-loop policy process-wide. The suite runs on asyncio's own loop;
+    # the AReaL tests put uvloop's back for themselves, as a process that imported AReaL has it.
+    asyncio.set_event_loop_policy(None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -274,6 +286,8 @@ def module_client() -> Iterator[ShardClient]:
 def serve() -> Iterator[Callable[..., ControllerServer]]:
     """Factory: serve a Controller on loopback; every server is shut down at teardown."""
     servers: list[ControllerServer] = []
+
+    from distbatch.controller.server import serve_controller
 
     def start(controller: Controller, **kwargs: Any) -> ControllerServer:
         server = serve_controller(controller, **kwargs)

@@ -34,6 +34,16 @@ serialization = importlib.import_module("areal.infra.rpc.serialization")
 RTensor, TensorShardInfo = rtensor.RTensor, rtensor.TensorShardInfo
 
 
+@pytest.fixture(autouse=True, scope="module")
+def areal_event_loops() -> Iterator[None]:
+    """Loops made here are uvloop's, as in a process that imported AReaL (it installs uvloop's
+    policy; the suite's conftest puts asyncio's back after collection): so is our client's."""
+    uvloop = importlib.import_module("uvloop")
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    yield
+    asyncio.set_event_loop_policy(None)
+
+
 @pytest.fixture
 def backend(shared_workers: list[WorkerProcess]) -> Iterator[DistbatchRTensorBackend]:
     """distbatch installed as this process's RTensor backend, storing on a shared worker; AReaL's
@@ -205,3 +215,79 @@ def test_a_dead_worker_is_named_with_the_tasks_the_fetch_lost(fresh_workers: lis
         assert_same(backend.fetch([TensorShardInfo(shard_id=kept, node_addr="")]), [torch.zeros(2)])
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------- against AReaL's own
+
+
+@pytest.fixture(scope="module")
+def areal_data_server() -> Iterator[str]:
+    """AReaL's own storage server: its data blueprint on werkzeug's threaded server, as its RPC
+    server runs it, serving this process's RTensor store (where `HttpRTensorBackend.store` puts)."""
+    from flask import Flask
+    from werkzeug.serving import make_server
+
+    data_bp = importlib.import_module("areal.infra.rpc.guard.data_blueprint").data_bp
+    app = Flask("areal-engine")
+    app.register_blueprint(data_bp)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def trajectories_of_a_step(seed: int) -> list[dict[str, Any]]:
+    """What AReaL's rollout hands its trainer: padded [1, L] trajectories with an attention mask
+    (remotize trims the padding), ragged lengths, bf16 values, nested metadata."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(12):
+        length = int(torch.randint(1, 40, (), generator=generator))
+        width = length + int(torch.randint(0, 6, (), generator=generator))  # padding to trim
+        mask = torch.zeros(1, width, dtype=torch.bool)
+        mask[:, :length] = True
+        out.append({
+            "input_ids": torch.randint(0, 151_000, (1, width), generator=generator) * mask,
+            "attention_mask": mask,
+            "loss_mask": mask & (torch.rand(1, width, generator=generator) > 0.3),
+            "logprobs": -torch.rand(1, width, generator=generator) * mask,
+            "values": torch.randn(1, width, generator=generator).to(torch.bfloat16),
+            "rewards": torch.rand(1, generator=generator),
+            "versions": torch.full((1, width), i // 4, dtype=torch.int32),
+            "info": {"group": f"prompt-{i // 4}", "scores": [torch.tensor(0.5), {"len": length}]},
+        })  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_step_round_trips_as_on_areals_http_backend(
+    seed: int, areal_data_server: str, shared_workers: list[WorkerProcess], module_client: ShardClient
+) -> None:
+    """The differential check: remotize, localize in a fresh view (AReaL's fetch buffer cleared)
+    and clear_node give the same tensors, dtypes and structure on AReaL's HTTP backend and ours."""
+    results, leftovers = {}, {}
+    ours = DistbatchRTensorBackend(shared_workers[1].node, timeout=30.0)
+    for name, backend, node in (
+        ("areal", rtensor.HttpRTensorBackend(), areal_data_server),
+        ("distbatch", ours, "e"),
+    ):
+        rtensor.set_backend(backend)
+        try:
+            remote = RTensor.remotize(trajectories_of_a_step(seed), node_addr=node)
+            wire_form = serialization.deserialize_value(
+                json.loads(json.dumps(serialization.serialize_value(remote)))
+            )
+            rtensor.clear_fetch_buffer()
+            results[name] = RTensor.localize(wire_form)
+            for where, shard_ids in RTensor.collect_shards(remote).items():
+                asyncio.run(RTensor.clear_node(where, shard_ids))
+            leftovers[name] = rtensor.storage_stats()["num_tensors"] if name == "areal" else (
+                module_client.list_tasks(ours.worker)["total"])  # fmt: skip
+        finally:
+            rtensor.set_backend(None)
+            rtensor.clear_fetch_buffer()
+    ours.close()
+    assert_same(results["distbatch"], results["areal"])
+    assert leftovers == {"areal": 0, "distbatch": 0}
