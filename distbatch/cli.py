@@ -3,12 +3,14 @@
     distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime, engine;
                                                            a served controller: its partitions
     distbatch ls HOST:PORT [--after ID] [--limit N] [--all] [--json]   task ids and their fields
+    distbatch show HOST:PORT ID [ID ...] [--json]             each field of these tasks: dtype, shape, bytes
     distbatch clear HOST:PORT (--tasks ID [ID ...] | --all --yes)      delete tasks
     distbatch worker [worker flags]                            the same as `python -m rpc_server`
 
 The token comes from `DISTBATCH_TOKEN`, as for every client; `--timeout S` (seconds per worker,
 default 10) goes before or after the sub-command. Exit status: 0, or 1 when a worker could not
-be reached or refused (its row says why), or 2 for a bad command line.
+be reached or refused (its row says why) or does not hold a task `show` or `clear --tasks`
+names (it says which; `clear` deletes the others), or 2 for a bad command line.
 
 `status` takes workers and served controllers (`serve_controller`) alike: a worker is a row of
 the worker table; a controller (an address that has no worker stats but answers the controller's
@@ -223,11 +225,76 @@ def ls(client: ShardClient, node: str, after: str | None, limit: int, every: boo
     return 0
 
 
+def _not_held(node: str, missing: Sequence[str]) -> None:
+    shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+    print(f"{node} holds no task {shown}", file=sys.stderr)
+
+
+def show(client: ShardClient, node: str, tasks: Sequence[str], as_json: bool) -> int:
+    """Each field of the named tasks: its dtype (or json), shape and bytes, read from the
+    worker's own answer for those shards (one request per set of fields)."""
+    fields_of, missing = client.task_fields(node, tasks)
+    by_fields: dict[tuple[str, ...], list[str]] = {}
+    for task, fields in fields_of.items():
+        by_fields.setdefault(tuple(fields), []).append(task)
+    bundles = client.fetch_products([(node, ids, list(fields)) for fields, ids in by_fields.items()])
+    described: dict[str, list[dict[str, Any]]] = {}
+    for bundle in bundles:
+        described.update(describe_bundle(bundle))
+    ordered = {task: described[task] for task in dict.fromkeys(tasks) if task in described}
+    if as_json:
+        print(json.dumps({"node": node, "tasks": ordered, "missing": missing}, indent=1))
+    else:
+        header = ["task", "field", "dtype", "shape", "bytes"]
+        rows = [[task, r["field"], r["dtype"], _shape(r["shape"]), _bytes(r["bytes"])]
+                for task, fields in ordered.items() for r in fields]  # fmt: skip
+        if rows:
+            print(_table(header, rows))
+    if missing:
+        _not_held(node, missing)
+    return 1 if missing else 0
+
+
+def describe_bundle(bundle: Any) -> dict[str, list[dict[str, Any]]]:
+    """Per task of a fetched bundle, per field (in name order): dtype (`json` for a JSON value),
+    shape (a list; None for JSON) and bytes as stored."""
+    from distbatch import wire
+
+    out: dict[str, list[dict[str, Any]]] = {task: [] for task in bundle.task_ids}
+    for key, column in bundle.columns.items():
+        field = wire.column_field(key)
+        rows = range(len(bundle.task_ids)) if column.rows is None else column.rows.tolist()
+        if column.dtype is None:
+            sizes = [len(json.dumps(v, separators=(",", ":"))) for v in column.values or []]
+            for i, size in zip(rows, sizes):
+                out[bundle.task_ids[i]].append(_field_row(field, "json", None, size))
+            continue
+        shapes, nbytes = column.tensor_shapes, column.row_nbytes().tolist()
+        for n, (i, size) in enumerate(zip(rows, nbytes)):
+            shape = list(shapes.row(n))
+            out[bundle.task_ids[i]].append(_field_row(field, column.dtype, shape, size))
+    for fields in out.values():
+        fields.sort(key=lambda r: r["field"])
+    return out
+
+
+def _shape(shape: list[int] | None) -> str:
+    """`2x3` for a tensor's shape, `()` for a 0-d one, `-` for a JSON value."""
+    return "-" if shape is None else "x".join(map(str, shape)) or "()"
+
+
+def _field_row(field: str, dtype: str, shape: list[int] | None, nbytes: int) -> dict[str, Any]:
+    return {"field": field, "dtype": dtype, "shape": shape, "bytes": nbytes}
+
+
 def clear(client: ShardClient, node: str, tasks: Sequence[str] | None, everything: bool) -> int:
-    """Delete the named tasks, or every task the worker holds (a page at a time)."""
+    """Delete the named tasks (saying which the worker does not hold), or every task the worker
+    holds (a page at a time)."""
     deleted = freed = 0
+    missing: list[str] = []
     if tasks:
-        result = client.delete(node, task_ids=list(tasks))
+        _, missing = client.task_fields(node, tasks)
+        result = client.delete(node, task_ids=list(dict.fromkeys(tasks)))
         deleted, freed = result.deleted, result.bytes_freed
     elif everything:
         while True:
@@ -237,7 +304,9 @@ def clear(client: ShardClient, node: str, tasks: Sequence[str] | None, everythin
             result = client.delete(node, task_ids=[task_id for task_id, _ in page["tasks"]])
             deleted, freed = deleted + result.deleted, freed + result.bytes_freed
     print(f"deleted {deleted:,} shard(s), {_bytes(freed)} on {node}")
-    return 0
+    if missing:
+        _not_held(node, missing)
+    return 1 if missing else 0
 
 
 def worker(flags: Sequence[str]) -> int:
@@ -298,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=PAGE, help=f"tasks per page (default: {PAGE})")
     p.add_argument("--all", action="store_true", help="every page, not just the first")
     p.add_argument("--json", action="store_true")
+    p = commands.add_parser("show", help="each field of some tasks: dtype, shape, bytes")
+    _timeout_flag(p, argparse.SUPPRESS)
+    p.add_argument("node", type=_node, metavar="HOST:PORT")
+    p.add_argument("tasks", nargs="+", metavar="ID")
+    p.add_argument("--json", action="store_true")
     p = commands.add_parser("clear", help="delete tasks from a worker")
     p.add_argument("node", nargs="?", type=_node, metavar="HOST:PORT")
     which = p.add_mutually_exclusive_group(required=True)
@@ -329,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return status(client, args.nodes, args.json)
             if args.command == "ls":
                 return ls(client, args.node, args.after, args.limit, args.all, args.json)
+            if args.command == "show":
+                return show(client, args.node, args.tasks, args.json)
             return clear(client, args.node, args.tasks, args.all)
         except DistBatchError as exc:
             print(f"distbatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

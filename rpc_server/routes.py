@@ -324,7 +324,11 @@ def delete_shards() -> Response:
 @data_routes.get("/v1/tasks")
 def list_tasks() -> Response:
     """`?after=ID&limit=N`: the held tasks in id order after ID, with their fields (for operators:
-    `distbatch ls`); `next` is the id to ask after for the next page, null at the end."""
+    `distbatch ls`); `next` is the id to ask after for the next page, null at the end.
+    `?ids=A,B,...` (at most the page limit): those tasks' fields, and which of them it does not
+    hold (`missing`: `distbatch show` and `clear --tasks`)."""
+    if "ids" in request.args:
+        return _named_tasks(request.args["ids"])
     after = request.args.get("after")
     if after is not None:
         validate_id(after, "after")
@@ -337,6 +341,17 @@ def list_tasks() -> Response:
     tasks, total = state().store.list_tasks(after, limit)
     following = tasks[-1][0] if len(tasks) == limit else None
     return jsonify({"tasks": [[t, f] for t, f in tasks], "next": following, "total": total})
+
+
+def _named_tasks(text: str) -> Response:
+    task_ids = text.split(",") if text else []
+    if not 1 <= len(task_ids) <= MAX_LIST_LIMIT:
+        raise ApiError(400, "bad_request", f"'ids' must name 1 to {MAX_LIST_LIMIT} tasks")
+    task_ids = wire.validate_id_list(list(dict.fromkeys(task_ids)))
+    fields = state().store.fields_of(task_ids)
+    held = [[t, f] for t, f in zip(task_ids, fields) if f]
+    missing = [t for t, f in zip(task_ids, fields) if not f]
+    return jsonify({"tasks": held, "missing": missing})
 
 
 @data_routes.get("/v1/shm")

@@ -21,7 +21,6 @@ run ends when the short ones do.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import os
@@ -64,13 +63,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # Only this process: the workers and scripts the tests start keep Python's defaults, and the
     # tests of `distbatch.gc_pause` set the thresholds they check.
     gc.set_threshold(TEST_PROCESS_GC_THRESHOLD0, *gc.get_threshold()[1:])
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    # Importing AReaL (tests/integration/test_areal_backend.py, collected by every xdist worker)
-    # installs uvloop's event-loop policy process-wide. The suite runs on asyncio's own loop;
-    # the AReaL tests put uvloop's back for themselves, as a process that imported AReaL has it.
-    asyncio.set_event_loop_policy(None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -371,6 +371,20 @@ class ShardClient:
         query = f"?limit={int(limit)}" + ("" if after is None else f"&after={validate_id(after, 'after')}")
         return self.request_json(validate_node(node), "GET", f"/v1/tasks{query}")
 
+    def task_fields(self, node: str, task_ids: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+        """The fields `node` holds of each of `task_ids` (at most 1,000), and the ids it does not
+        hold at all: what `distbatch show` describes and `distbatch clear --tasks` checks."""
+        node = validate_node(node)
+        ids = wire.validate_id_list(list(dict.fromkeys(task_ids)))
+        held: dict[str, list[str]] = {}
+        missing: list[str] = []
+        for start in range(0, len(ids), TASKS_PER_LOOKUP):  # a query string of a few KB at most
+            chunk = ",".join(ids[start : start + TASKS_PER_LOOKUP])
+            answer = self.request_json(node, "GET", f"/v1/tasks?ids={chunk}")
+            held.update((task, fields) for task, fields in answer["tasks"])
+            missing += answer["missing"]
+        return held, missing
+
     def _stats_verb(self, node: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """The node's store statistics (shards, tasks, bytes, capacity, free)."""
         return self._transport.request(validate_node(node), "GET", "/v1/stats")
@@ -384,6 +398,9 @@ class ShardClient:
 
     health = blocking(_health_verb)
     ahealth = awaiting(_health_verb)
+
+
+TASKS_PER_LOOKUP = 20  # ids of up to 200 characters: 4 KB of query string
 
 
 def _key_plan(keys_by_node: Mapping[str, Iterable[Any]]) -> dict[str, list[Any]]:

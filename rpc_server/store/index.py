@@ -247,8 +247,21 @@ class ShardIndex:
         start = 0 if after is None else bisect.bisect_right(names, after)
         page = order[start : start + limit]
         rows = held[page] if page else np.zeros(0, dtype=np.int64)
-        fields: list[list[str]] = [[] for _ in page]
+        return [(ids[i], f) for i, f in zip(page, self._fields_at(rows))], len(ids)
+
+    def fields_of(self, task_ids: Sequence[str]) -> list[list[str]]:
+        """Each task's fields in name order (empty for a task not held)."""
+        rows = self.rows.lookup(task_ids)
+        out: list[list[str]] = [[] for _ in task_ids]
+        present = np.flatnonzero(rows >= 0)
+        for i, names in zip(present.tolist(), self._fields_at(rows[present])):
+            out[i] = names
+        return out
+
+    def _fields_at(self, rows: np.ndarray) -> list[list[str]]:
+        """The fields (in name order) of the tasks at `rows`: a pass per field, not per task."""
+        fields: list[list[str]] = [[] for _ in range(len(rows))]
         for name in sorted(self.fields):
             for i in np.flatnonzero(self.fields[name].segs_at(rows) >= 0).tolist():
                 fields[i].append(name)
-        return [(ids[i], f) for i, f in zip(page, fields)], len(ids)
+        return fields

@@ -408,5 +408,11 @@ class ShardStore:
         with self._lock:
             return self._shards.index.tasks_page(after, limit)
 
+    def fields_of(self, task_ids: Sequence[str]) -> list[list[str]]:
+        """Each named task's fields in name order; empty for a task the store does not hold.
+        For operators (`distbatch show`, `clear --tasks`), not the data path."""
+        with self._lock:
+            return self._shards.index.fields_of(task_ids)
+
     def __len__(self) -> int:
         return self._shards.segments.shards

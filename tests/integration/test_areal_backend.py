@@ -1,9 +1,9 @@
 """distbatch as AReaL's RTensor backend, driven through AReaL's own `RTensor` code.
 
-AReaL (installed without its dependencies: `scripts/test` does, `DISTBATCH_REQUIRE_AREAL=1`
-makes a broken install fail here instead of skipping) calls the backend as its engines and
-controller do: `RTensor.remotize` stores every tensor of a result, `RTensor.localize` fetches
-them (in another process too), `RTensor.clear_node` deletes them at the end of a step.
+AReaL (installed without its dependencies: `scripts/test` does; imported only while this module
+runs, see areal_support) calls the backend as its engines and controller do: `RTensor.remotize`
+stores every tensor of a result, `RTensor.localize` fetches them (in another process too),
+`RTensor.clear_node` deletes them at the end of a step.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -20,28 +19,31 @@ from typing import Any
 
 import pytest
 import torch
+from areal_support import areal_imported
 
 from distbatch import ShardClient
 from distbatch.areal import FIELD, DistbatchRTensorBackend, install, parse_shard_id
 from distbatch.errors import CapacityError, InvalidArgumentError, ShardNotFoundError, WorkerUnavailableError
 from distbatch.launch import WorkerProcess
 
-if os.environ.get("DISTBATCH_REQUIRE_AREAL") == "1":
-    rtensor = importlib.import_module("areal.infra.rpc.rtensor")
-else:
-    rtensor = pytest.importorskip("areal.infra.rpc.rtensor")
-serialization = importlib.import_module("areal.infra.rpc.serialization")
-RTensor, TensorShardInfo = rtensor.RTensor, rtensor.TensorShardInfo
+# AReaL's modules, set by `areal_for_this_module` (AReaL is imported only while this module's
+# tests run: importing it reconfigures the whole process; see areal_support).
+rtensor: Any = None
+serialization: Any = None
+RTensor: Any = None
+TensorShardInfo: Any = None
 
 
 @pytest.fixture(autouse=True, scope="module")
-def areal_event_loops() -> Iterator[None]:
-    """Loops made here are uvloop's, as in a process that imported AReaL (it installs uvloop's
-    policy; the suite's conftest puts asyncio's back after collection): so is our client's."""
-    uvloop = importlib.import_module("uvloop")
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    yield
-    asyncio.set_event_loop_policy(None)
+def areal_for_this_module() -> Iterator[None]:
+    """AReaL imported, and loops made here are uvloop's, as in a process that imported AReaL
+    (it installs uvloop's policy): so is our client's. All put back after the module."""
+    global rtensor, serialization, RTensor, TensorShardInfo
+    with areal_imported() as areal:
+        rtensor, serialization = areal.rtensor, areal.serialization
+        RTensor, TensorShardInfo = areal.RTensor, areal.TensorShardInfo
+        asyncio.set_event_loop_policy(importlib.import_module("uvloop").EventLoopPolicy())
+        yield
 
 
 @pytest.fixture

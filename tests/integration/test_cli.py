@@ -1,4 +1,4 @@
-"""The `distbatch` command line against real workers: status, ls (paged), clear, worker."""
+"""The `distbatch` command line against real workers: status, ls (paged), show, clear, worker."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_timeout_goes_before_or_after_the_sub_command(
     assert run(capsys, "status", filled.node, "--timeout", "1")[0] == 0  # was "unrecognized arguments"
     assert run(capsys, "--timeout", "2", "status", filled.node)[0] == 0
     assert run(capsys, "ls", filled.node, "--timeout", "3", "--limit", "1")[0] == 0
-    assert run(capsys, "--timeout", "4", "clear", filled.node, "--tasks", "nope", "--timeout", "5")[0] == 0
+    assert run(capsys, "--timeout", "4", "clear", filled.node, "--tasks", "t00", "--timeout", "5")[0] == 0
     assert run(capsys, "status", filled.node)[0] == 0
     assert seen == [1.0, 2.0, 3.0, 5.0, 10.0]  # after the sub-command wins; 10 s when given nowhere
     with pytest.raises(SystemExit) as shown:
@@ -217,6 +217,44 @@ def test_ls_pages_through_task_ids_in_order_with_their_fields(
     assert [t for t, _ in every["tasks"]] == [f"t{i:02d}" for i in range(25)] and every["next"] is None
 
 
+def test_show_describes_each_field_of_the_named_tasks(
+    filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ShardClient() as client:
+        client.put(
+            filled.node, {("m", "h"): torch.zeros(2, 3, dtype=torch.bfloat16), ("m", "s"): torch.tensor(1.5)}
+        )
+    code, out, err = run(capsys, "show", filled.node, "t01", "m", "t00", "gone")
+    assert code == 1 and f"{filled.node} holds no task gone" in err
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[0] == ["task", "field", "dtype", "shape", "bytes"]
+    assert rows[1:] == [
+        ["t01", "x", "I64", "100", "800", "B"],
+        ["m", "h", "BF16", "2x3", "12", "B"],
+        ["m", "s", "F32", "()", "4", "B"],
+        ["t00", "x", "I64", "100", "800", "B"],
+        ["t00", "y", "json", "-", "9", "B"],  # '"label-0"'
+    ]
+    code, out, _ = run(capsys, "show", filled.node, "t00", "--json")
+    answer = json.loads(out)
+    assert code == 0 and answer["missing"] == []
+    assert answer["tasks"]["t00"] == [
+        {"field": "x", "dtype": "I64", "shape": [100], "bytes": 800},
+        {"field": "y", "dtype": "json", "shape": None, "bytes": 9},
+    ]
+
+
+def test_the_task_lookup_names_what_a_worker_does_not_hold(filled: WorkerProcess) -> None:
+    with ShardClient() as client:
+        many = [f"t{i:02d}" for i in range(25)] + ["x-1", "t00"]  # past one request's 20 ids; a repeat
+        held, missing = client.task_fields(filled.node, many)
+        assert list(held) == [f"t{i:02d}" for i in range(25)] and missing == ["x-1"]
+        assert held["t02"] == ["x", "y"] and held["t03"] == ["x"]
+        for query in ("?ids=", "?ids=a,,b", "?ids=../x"):
+            with pytest.raises(Exception, match="400|invalid|ids"):
+                client.request_json(filled.node, "GET", f"/v1/tasks{query}")
+
+
 def test_the_listing_endpoint_checks_its_arguments(filled: WorkerProcess) -> None:
     with ShardClient() as client:
         for query in ("?limit=0", "?limit=10001", "?limit=ten", "?after=../x"):
@@ -227,8 +265,9 @@ def test_the_listing_endpoint_checks_its_arguments(filled: WorkerProcess) -> Non
 def test_clear_named_tasks_or_everything_with_confirmation(
     filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = run(capsys, "clear", filled.node, "--tasks", "t00", "t01", "nope")
-    assert code == 0 and "deleted 3 shard(s)" in out
+    code, out, err = run(capsys, "clear", filled.node, "--tasks", "t00", "t01", "nope")
+    assert code == 1 and "deleted 3 shard(s)" in out  # the ids it holds are deleted all the same
+    assert f"{filled.node} holds no task nope" in err  # and the one it does not is named
     with pytest.raises(SystemExit) as refused:
         main(["clear", filled.node, "--all"])
     assert refused.value.code == 2 and "--yes" in capsys.readouterr().err

@@ -4,12 +4,11 @@ home page, the guide and the API reference's pages points at a file that exists.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
 from pathlib import Path
 
 import pytest
+from areal_support import areal_imported
 from docs_support import GUIDE, README, ROOT, python_blocks, relative_links, run_blocks
 
 PAGES = sorted(GUIDE.glob("*.md"))
@@ -25,13 +24,9 @@ def test_the_guide_has_its_pages_and_sessions() -> None:
 
 @pytest.mark.parametrize("page", SESSIONS, ids=[page.stem for page in SESSIONS])
 def test_guide_page_sessions_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    if "from areal" in page.read_text():  # the AReaL backend's session needs AReaL
-        if os.environ.get("DISTBATCH_REQUIRE_AREAL") != "1":
-            pytest.importorskip("areal")
-        try:
+    if "from areal" in page.read_text():  # the AReaL backend's session: AReaL, then undone
+        with areal_imported():
             run_blocks(page)
-        finally:
-            asyncio.set_event_loop_policy(None)  # importing AReaL installs uvloop's
     else:
         run_blocks(page)
     assert capsys.readouterr().out.strip(), f"{page.name}'s sessions should print what they show"
