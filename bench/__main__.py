@@ -402,7 +402,7 @@ def backend_ratios(tq: dict[str, Any], peers: dict[str, Any], ragged: dict[str, 
     out: dict[str, float] = {}
     for key in ("tq_distbatch_http", "tq_distbatch_same_host"):
         ours = peers.get(key, {})
-        for kind in ("ragged", "dense"):
+        for kind in ("ragged", "strided", "dense"):
             if _ok(ours.get(kind)) and _ok(tq.get(kind)):
                 for op in ("put", "get"):
                     out[f"{kind}_{key}_{op}_vs_simple"] = ours[kind][op]["gbps"] / tq[kind][op]["gbps"]
@@ -421,7 +421,7 @@ def backend_summary(name: str, r: dict[str, Any]) -> str:
         f" {'ratio':>11}   {'same host put':>13} {'get':>6} {'ratio':>11}",
     ]
     nan = float("nan")
-    for kind in ("ragged", "dense"):
+    for kind in ("ragged", "strided", "dense"):
         cells = []
         for key in ("transferqueue", "tq_distbatch_http", "tq_distbatch_same_host"):
             stat = peers.get(key, {}).get(kind)
@@ -436,6 +436,7 @@ def backend_summary(name: str, r: dict[str, Any]) -> str:
             f"  {kind:<8} {cells[0]:>17.3f} {cells[1]:>6.3f}   {cells[2]:>18.3f} {cells[3]:>6.3f}"
             f" {http:>11}   {cells[4]:>13.3f} {cells[5]:>6.3f} {same:>11}"
         )
+    lines.append("  (strided: the ragged batch as strided nested tensors, TransferQueue's default layout)")
     if "ragged_tq_distbatch_get_vs_direct" in q:
         lines.append(
             f"  ragged get through TransferQueue over distbatch's own gather (HTTP): "

@@ -16,9 +16,10 @@ process group, bounded by a timeout, and reads the figures it writes as JSON. Th
 4. `transfer_queue.close()` and `ray.shutdown()`, also on SIGTERM.
 
 Dense fields go as [tasks, width] tensors, ragged ones as jagged nested tensors (TransferQueue
-has no list-of-tensors column), JSON-like values as a `NonTensorStack`. Gets are checked
-against what was put; TransferQueue returns every non-scalar tensor field as a jagged nested
-tensor, dense input included, and the check compares row by row.
+has no list-of-tensors column), and again (kind `strided`) as strided nested tensors, the
+default layout TransferQueue's own README and tests build; JSON-like values as a
+`NonTensorStack`. Gets are checked against what was put; TransferQueue returns every non-scalar
+tensor field as a jagged nested tensor, dense input included, and the check compares row by row.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.1.11"  # the release this baseline was written against (setup.cfg pins it in [bench])
-KINDS = ("dense", "ragged")
+KINDS = ("dense", "ragged", "strided")  # strided: the ragged batch as strided nested tensors
 _PARTITION = "bench"
 
 
@@ -129,8 +130,10 @@ def _stop_group(child: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------- child side
 
 
-def to_tensordict(columns: dict[str, Any]) -> Any:
-    """The batch as TransferQueue takes it: a TensorDict with one entry per field."""
+def to_tensordict(columns: dict[str, Any], strided: bool = False) -> Any:
+    """The batch as TransferQueue takes it: a TensorDict with one entry per field; ragged fields
+    as jagged nested tensors, or (`strided`) as the strided ones TransferQueue's README and
+    tests build with `torch.nested.nested_tensor(rows)`."""
     from tensordict import NonTensorStack, TensorDict
 
     fields: dict[str, Any] = {}
@@ -141,7 +144,8 @@ def to_tensordict(columns: dict[str, Any]) -> Any:
         elif column and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in column):
             fields[name] = torch.stack(column)
         elif column and all(isinstance(v, torch.Tensor) for v in column):
-            fields[name] = torch.nested.as_nested_tensor(column, layout=torch.jagged)
+            layout = torch.strided if strided else torch.jagged
+            fields[name] = torch.nested.as_nested_tensor(column, layout=layout)
         else:
             fields[name] = NonTensorStack.from_list(list(column))
         tasks = len(column)
@@ -168,7 +172,7 @@ def _comparable(got: Any, names: list[str]) -> dict[str, Any]:
 
 def measure(tq: Any, kind: str, columns: dict[str, Any], repeats: int) -> dict[str, Any]:
     """Put and get `columns` `repeats` times under fresh keys, clearing after each."""
-    fields = to_tensordict(columns)
+    fields = to_tensordict(columns, strided=kind == "strided")
     nbytes = payload_bytes(columns)
     tasks = fields.batch_size[0]
     put_times, get_times = [], []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,9 @@ class StartedWorkers:
 
 
 STARTED = StartedWorkers()
+# TransferQueue's controller actor, as `tq.init` names it.
+CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
+CONTROLLER_GONE_TIMEOUT = 30.0
 logger = logging.getLogger("distbatch.transferqueue")
 
 
@@ -63,6 +67,48 @@ def hook_interface(interface: Any) -> None:
     """
     _wrap(interface, "close", _closing_ours_too)
     _wrap(interface, "save_checkpoint", _keeping_our_storage)
+    discard_a_session_begun_without_us(interface)
+
+
+def discard_a_session_begun_without_us(interface: Any) -> bool:
+    """A `tq.init` for Distbatch that ran here before the backend was registered failed with
+    TransferQueue's `Unknown manager_type: Distbatch`, yet left its controller and config behind:
+    the next `tq.init` would attach to them and return, and the first put say `Storage manager
+    not initialized`. Such a session (this process made it: it holds TransferQueue's storage
+    table, without our entry) is shut down here, with a warning, so that the next `tq.init`
+    starts afresh. True if one was."""
+    controller = getattr(interface, "_TQ_CONTROLLER", None)
+    storage = getattr(interface, "_TQ_STORAGE", None)
+    if controller is None or not isinstance(storage, dict) or BACKEND_NAME in storage:
+        return False
+    import ray
+
+    try:
+        conf = ray.get(controller.get_config.remote(), timeout=30)
+        backend = OmegaConf.select(conf, "backend.storage_backend") if conf is not None else None
+    except Exception:  # an actor already gone: nothing to keep
+        backend = BACKEND_NAME
+    if backend != BACKEND_NAME:
+        return False
+    logger.warning(
+        "a TransferQueue session for %s began in this process before distbatch.transferqueue was "
+        "imported, so it has no storage; it is shut down: call tq.init again (and import "
+        "distbatch.transferqueue before the first tq.init)",
+        BACKEND_NAME,
+    )
+    client = getattr(interface, "_TQ_CLIENT", None)
+    if client is not None and hasattr(client, "close"):
+        client.close()
+    ray.kill(controller)
+    interface._TQ_CONTROLLER = interface._TQ_STORAGE = interface._TQ_CLIENT = None
+    deadline = time.monotonic() + CONTROLLER_GONE_TIMEOUT
+    while time.monotonic() < deadline:  # until its name is free: the next tq.init must not find it
+        try:
+            ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def _wrap(interface: Any, name: str, make: Callable[[Any, Callable[..., Any]], Callable[..., Any]]) -> None:

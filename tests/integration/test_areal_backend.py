@@ -2,8 +2,10 @@
 
 AReaL (installed without its dependencies: `scripts/test` does; imported only while this module
 runs, see areal_support) calls the backend as its engines and controller do: `RTensor.remotize`
-stores every tensor of a result, `RTensor.localize` fetches them (in another process too),
-`RTensor.clear_node` deletes them at the end of a step.
+stores every tensor of a result, `RTensor.localize` fetches them, `RTensor.clear_node` deletes
+them at the end of a step. Across processes (an engine process remotizes, the controller
+localizes what AReaL's `serialize_value` carried): the bench's AReaL rows, checked tensor by
+tensor (`tests/integration/test_bench.py::test_areal_rows_fetch_the_batch_both_ways_and_check_it`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -124,27 +124,6 @@ def test_a_remotize_that_fails_midway_stores_nothing(
     with pytest.raises(RuntimeError, match="boom"):
         RTensor.remotize([torch.ones(3), {"x": torch.zeros(2)}, [torch.ones(1), Unstorable()]], "engine-0")
     assert module_client.list_tasks(backend.worker)["total"] == held_before
-
-
-def test_a_tensor_stored_in_one_process_is_fetched_in_another(
-    backend: DistbatchRTensorBackend, tmp_path: Any
-) -> None:
-    """An engine process remotizes its result and returns it as AReaL's RPC does (serialized
-    JSON); the controller here deserializes it and localizes: the data comes from the worker."""
-    script = f"""
-import json, torch
-from areal.infra.rpc.rtensor import RTensor
-from areal.infra.rpc.serialization import serialize_value
-from distbatch.areal import install
-install({backend.worker!r})
-result = {{"old_logp": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "ids": torch.arange(4)}}
-print(json.dumps(serialize_value(RTensor.remotize(result, node_addr="engine-1"))))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    remote = serialization.deserialize_value(json.loads(out.stdout.strip().splitlines()[-1]))
-    want = {"old_logp": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "ids": torch.arange(4)}
-    assert_same(RTensor.localize(remote), want)
 
 
 def test_clear_node_deletes_the_shards_on_their_workers(

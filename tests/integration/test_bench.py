@@ -114,7 +114,7 @@ def test_transferqueue_backends_put_and_get_the_same_batches(
     assert "error" not in result, result
     assert result["backend"] == backend and result["units"] == 2
     assert result.get("same_host", False) == same_host
-    for kind, columns in (("dense", make_dense_columns), ("ragged", make_columns)):
+    for kind, columns in (("dense", make_dense_columns), ("ragged", make_columns), ("strided", make_columns)):
         figures = result[kind]
         assert "error" not in figures, figures
         assert figures["checked"] and figures["keys_left_after_clear"] == 0
@@ -125,7 +125,10 @@ def test_transferqueue_backends_put_and_get_the_same_batches(
 
 def test_areal_rows_fetch_the_batch_both_ways_and_check_it(tmp_path: Path) -> None:
     """The bench's AReaL RTensor rows on AReaL's HTTP backend and ours: an engine process each
-    (importing AReaL takes 6 CPU-s), remotize and localize checked against the batch."""
+    remotizes the batch and returns the RTensors as AReaL's RPC does (`serialize_value`), this
+    process localizes them, checked tensor by tensor against the batch: AReaL across processes.
+    Long (20-40 s under load): each engine process imports AReaL (6 CPU-s, more the first time,
+    when its bytecode is written)."""
     with areal_imported():  # the bench imports AReaL in this process too: undone afterwards
         result = areal.run("tiny", 0, 2, 120, tmp_path, modes=("areal_http", "distbatch_same_host"))
     want = areal.trajectories("tiny", 0)

@@ -257,3 +257,33 @@ def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[
     expected = tq.kv_batch_get(keys=["r0", "r1"], partition_id="p").get("input_ids").offsets().tolist()
     pid, offsets = ray.get(read.remote(), timeout=120)
     assert pid != os.getpid() and offsets == expected
+
+
+def test_a_session_begun_before_the_backend_was_registered_is_discarded(
+    distbatch_backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`tq.init` for Distbatch before `import distbatch.transferqueue` (TransferQueue's two
+    registries as they are before that import) fails as TransferQueue fails it, yet leaves its
+    controller behind: another `tq.init` used to attach to it and the first put said `Storage
+    manager not initialized`. Registering (what the import does) discards that session, and the
+    next `tq.init` works."""
+    import transfer_queue.interface as interface
+    from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
+    from transfer_queue.storage.managers.base import StorageManagerFactory
+
+    from distbatch.transferqueue import provider
+
+    monkeypatch.delitem(StorageBootstrapProvider._providers, "distbatch")
+    monkeypatch.delitem(StorageManagerFactory._registry, "Distbatch")
+    with pytest.raises(AssertionError, match="Unknown manager_type: Distbatch"):
+        tq.init(config("Distbatch", workers=1))
+    assert interface._TQ_CONTROLLER is not None  # the half session TransferQueue leaves
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="distbatch.transferqueue"):
+        provider.hook_interface(interface)  # what registering runs
+    assert "call tq.init again" in caplog.text and interface._TQ_CONTROLLER is None
+    assert not provider.discard_a_session_begun_without_us(interface)  # nothing left to discard
+    distbatch_backend(workers=1)
+    tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields=rollout(2, 4))
+    got = tq.kv_batch_get(keys=["a", "b"], partition_id="p")
+    assert got["input_ids"].offsets().tolist() == rollout(2, 4)["input_ids"].offsets().tolist()
