@@ -32,20 +32,28 @@ Shape = tuple[int, ...]
 # --------------------------------------------------------------------------- shape lists
 
 
+# Strategies made once (hypothesis works out a new strategy object's properties before its first
+# draw: building them inside the composites below at every draw was a large share of this module).
+TASK_COUNTS = st.integers(0, 9)
+LAYOUTS = st.sampled_from(["uniform", "ragged", "general"])
+DIM = st.integers(0, 5)
+UP_TO_3_DIMS = st.lists(DIM, max_size=3)
+UP_TO_2_DIMS = st.lists(DIM, max_size=2)
+
+
 @st.composite
 def shape_lists(draw: st.DrawFn, n: int | None = None, kind: str | None = None) -> list[Shape]:
     """One shape per task, laid out uniform, ragged (same tail, own first dim) or anyhow."""
     if n is None:
-        n = draw(st.integers(0, 9))
-    kind = kind or draw(st.sampled_from(["uniform", "ragged", "general"]))
-    dim = st.integers(0, 5)
+        n = draw(TASK_COUNTS)
+    kind = kind or draw(LAYOUTS)
     if kind == "uniform":
-        shape = tuple(draw(st.lists(dim, max_size=3)))
+        shape = tuple(draw(UP_TO_3_DIMS))
         return [shape] * n
     if kind == "ragged":
-        tail = tuple(draw(st.lists(dim, max_size=2)))
-        return [(draw(dim), *tail) for _ in range(n)]
-    return [tuple(draw(st.lists(dim, max_size=3))) for _ in range(n)]
+        tail = tuple(draw(UP_TO_2_DIMS))
+        return [(draw(DIM), *tail) for _ in range(n)]
+    return [tuple(draw(UP_TO_3_DIMS)) for _ in range(n)]
 
 
 def reference_kind(shapes: list[Shape]) -> str:
@@ -200,6 +208,7 @@ def test_constructors_refuse_overflow_and_negative_dims() -> None:
 
 NODES = [f"127.0.0.1:{9000 + i}" for i in range(5)]
 DTYPES = [None, "F32", "I32", "BF16", "U8"]
+DTYPE_CHOICES = st.sampled_from(DTYPES)
 
 
 @st.composite
@@ -212,7 +221,15 @@ def schemas(draw: st.DrawFn) -> dict[str, str | None]:
             max_size=3,
         )
     )
-    return {name: draw(st.sampled_from(DTYPES)) for name in names}
+    return {name: draw(DTYPE_CHOICES) for name in names}
+
+
+SCHEMAS = schemas()
+
+
+NODE_LISTS = st.lists(st.sampled_from(NODES), min_size=1, max_size=4, unique=True)
+NODE_PLACEMENTS = st.sampled_from(["one", "runs", "any"])
+POSITION = st.integers(0, 2**16)
 
 
 @st.composite
@@ -223,24 +240,24 @@ def metas(
     prefix: str = "task",
 ) -> tuple[BatchMeta, list[dict[str, Any]]]:
     """A random meta and its reference: per task, `{field: (node, dtype, shape)}`."""
-    schema = schema if schema is not None else draw(schemas())
+    schema = schema if schema is not None else draw(SCHEMAS)
     if task_ids is None:
-        n = draw(st.integers(0, 9))
+        n = draw(TASK_COUNTS)
         task_ids = [f"{prefix}-{i}" for i in range(n)]
     n = len(task_ids)
-    nodes = draw(st.lists(st.sampled_from(NODES), min_size=1, max_size=4, unique=True))
+    nodes = draw(NODE_LISTS)
     fields: dict[str, FieldMeta] = {}
     rows: list[dict[str, Any]] = [{} for _ in range(n)]
     for name, dtype in schema.items():
         shapes = [()] * n if dtype is None else draw(shape_lists(n=n))
-        # Nodes per task: one for all, in runs, or anyhow.
-        how = draw(st.sampled_from(["one", "runs", "any"]))
+        # Nodes per task: one for all, in runs, or anyhow (positions mapped onto `nodes`).
+        how = draw(NODE_PLACEMENTS)
         if how == "one":
-            index = [draw(st.integers(0, len(nodes) - 1))] * n
-        elif how == "runs":
-            index = sorted(draw(st.lists(st.integers(0, len(nodes) - 1), min_size=n, max_size=n)))
+            index = [draw(POSITION) % len(nodes)] * n
         else:
-            index = draw(st.lists(st.integers(0, len(nodes) - 1), min_size=n, max_size=n))
+            index = [p % len(nodes) for p in draw(st.lists(POSITION, min_size=n, max_size=n))]
+            if how == "runs":
+                index.sort()
         fields[name] = FieldMeta(dtype, index, RowShapes.from_list(shapes))
         for i in range(n):
             rows[i][name] = (nodes[index[i]], dtype, shapes[i])

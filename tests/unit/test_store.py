@@ -460,35 +460,73 @@ def _bytes_for(dtype: str, count: int, seed: int) -> bytes:
     return data
 
 
+# The strategies a put is drawn from, made once: hypothesis works out each new strategy object's
+# properties before its first draw, which was a third of this module's time when `puts` built
+# them afresh at every draw.
+KINDS = st.sampled_from(["json", "uniform", "ragged", "general"])
+SHAPES = st.lists(st.integers(0, 3), max_size=2)
+DTYPE_CHOICES = st.sampled_from(DTYPES)
+TASK_LISTS = st.lists(st.sampled_from(TASKS), min_size=1, max_size=5, unique=True)
+FIELD_LISTS = st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True)
+KEEP_KEY = st.integers(0, 3)  # a task x field pair is in the put unless this draws 0
+SEEDS = st.integers(0, 2**31)
+ROUTES = st.sampled_from(["raw", "torch", "wire"])
+GHOSTS = st.lists(st.sampled_from(TASKS + ["ghost"]), max_size=2, unique=True)
+EMPTY_COLUMNS = st.sampled_from([None, *FIELDS])
+
+
 @st.composite
 def field_plans(draw: st.DrawFn) -> tuple[str, Any]:
     """How one field of one put is made: JSON, or tensors with a layout and dtype(s)."""
-    kind = draw(st.sampled_from(["json", "uniform", "ragged", "general"]))
+    kind = draw(KINDS)
     if kind == "json":
         return kind, None
-    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
-    return kind, (draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DTYPES)), shape)
+    shape = tuple(draw(SHAPES))
+    return kind, (draw(DTYPE_CHOICES), draw(DTYPE_CHOICES), shape)
+
+
+FIELD_PLANS = field_plans()
+# A rule's choice among what the model holds now, as positions drawn from strategies made once
+# (`st.sampled_from(pool)` would be a new strategy at every step): `_chosen` maps them onto the
+# pool, every member as likely as with `sampled_from`.
+POSITION_LISTS = {
+    (min_size, max_size): st.lists(st.integers(0, 2**16), min_size=min_size, max_size=max_size)
+    for min_size in (0, 1)
+    for max_size in (3, 4, 5, 6)
+}
+ONE_IN_FIVE = st.integers(0, 4)
+UP_TO_SIX = st.integers(0, 6)
+
+
+def _chosen(
+    data: st.DataObject, pool: list[Any], max_size: int, min_size: int = 1, unique: bool = False
+) -> list[Any]:
+    """Members of `pool` (non-empty), drawn as `st.lists(st.sampled_from(pool), ...)` would be;
+    with `unique`, repeats dropped (at least one stays)."""
+    picked = [pool[i % len(pool)] for i in data.draw(POSITION_LISTS[(min_size, max_size)])]
+    return list(dict.fromkeys(picked)) if unique else picked
 
 
 @st.composite
 def puts(draw: st.DrawFn, keys: list[tuple[str, str]] | None = None) -> dict[str, Any]:
-    """A put: which keys, how each field is laid out, and extras (ghost tasks, an empty column)."""
+    """A put: which keys, how each field is laid out, and extras (ghost tasks, an empty column).
+    JSON values are drawn for the keys of JSON fields only (the others never read one)."""
     if keys is None:
-        tasks = draw(st.lists(st.sampled_from(TASKS), min_size=1, max_size=5, unique=True))
-        fields = draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True))
-        keys = [(t, f) for t in tasks for f in fields if draw(st.integers(0, 3))]
+        tasks = draw(TASK_LISTS)
+        fields = draw(FIELD_LISTS)
+        keys = [(t, f) for t in tasks for f in fields if draw(KEEP_KEY)]
         if not keys:
             keys = [(tasks[0], fields[0])]
     keys = draw(st.permutations(keys))
-    plans = {f: draw(field_plans()) for f in dict.fromkeys(f for _, f in keys)}
+    plans = {f: draw(FIELD_PLANS) for f in dict.fromkeys(f for _, f in keys)}
     return {
         "keys": keys,
         "plans": plans,
-        "seed": draw(st.integers(0, 2**31)),
-        "json": [draw(json_values) for _ in keys],
-        "route": draw(st.sampled_from(["raw", "torch", "wire"])),
-        "ghosts": draw(st.lists(st.sampled_from(TASKS + ["ghost"]), max_size=2, unique=True)),
-        "empty_column": draw(st.sampled_from([None, *FIELDS])),
+        "seed": draw(SEEDS),
+        "json": [draw(json_values) if plans[f][0] == "json" else None for _, f in keys],
+        "route": draw(ROUTES),
+        "ghosts": draw(GHOSTS),
+        "empty_column": draw(EMPTY_COLUMNS),
         "mixed": draw(st.booleans()),  # torch route: a field's tasks in two dtypes (`f#1` layers)
     }
 
@@ -605,7 +643,7 @@ class StoreModel(RuleBasedStateMachine):
     def replace(self, data: st.DataObject) -> None:
         if not self.values:
             return
-        keys = data.draw(st.lists(st.sampled_from(sorted(self.values)), min_size=1, max_size=4, unique=True))
+        keys = _chosen(data, sorted(self.values), max_size=4, unique=True)
         self._do_put(data.draw(puts(keys=keys)))
 
     @rule(
@@ -644,13 +682,13 @@ class StoreModel(RuleBasedStateMachine):
     def _some_tasks(self, data: st.DataObject, max_size: int = 4) -> list[str]:
         """Tasks mostly among those stored (and sometimes one the store never held)."""
         held = sorted({t for t, _ in self.values}) or TASKS[:1]
-        tasks = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=max_size, unique=True))
-        return tasks + (["absent"] if data.draw(st.integers(0, 4)) == 0 else [])
+        tasks = _chosen(data, held, max_size=max_size, unique=True)
+        return tasks + (["absent"] if data.draw(ONE_IN_FIVE) == 0 else [])
 
     def _some_fields(self, data: st.DataObject) -> list[str]:
         held = sorted({f for _, f in self.values}) or FIELDS[:1]
-        fields = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3, unique=True))
-        return fields + (["nope"] if data.draw(st.integers(0, 4)) == 0 else [])
+        fields = _chosen(data, held, max_size=3, unique=True)
+        return fields + (["nope"] if data.draw(ONE_IN_FIVE) == 0 else [])
 
     @precondition(lambda self: bool(self.values))
     @rule(data=st.data())
@@ -670,7 +708,7 @@ class StoreModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def delete_keys(self, data: st.DataObject) -> None:
         pool = sorted(self.values) + [("absent", "a"), (TASKS[0], "nope")]
-        keys = data.draw(st.lists(st.sampled_from(pool), max_size=5))
+        keys = _chosen(data, pool, max_size=5, min_size=0)
         wanted = [k for k in dict.fromkeys(keys) if k in self.values]
         self._forget(wanted, self.store.delete_keys([ShardKey(*k) for k in keys]))
 
@@ -689,7 +727,7 @@ class StoreModel(RuleBasedStateMachine):
         fields = self._some_fields(data)
         if data.draw(st.booleans()):  # mostly a product the store holds in full
             holding = sorted({t for t, _ in self.values if all((t, f) in self.values for f in fields)})
-            tasks = data.draw(st.permutations(holding))[: data.draw(st.integers(0, 6))]
+            tasks = data.draw(st.permutations(holding))[: data.draw(UP_TO_SIX)]
         else:
             tasks = self._some_tasks(data, max_size=6)
             tasks = data.draw(st.permutations(tasks))
@@ -709,7 +747,7 @@ class StoreModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def fetch_keys(self, data: st.DataObject) -> None:
         pool = sorted(self.values) + [("absent", "a"), (TASKS[0], "nope")]
-        keys = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=6))
+        keys = _chosen(data, pool, max_size=6)
         missing = {k for k in keys if k not in self.values}
         if missing:
             with pytest.raises(MissingShardsError) as info:
