@@ -70,21 +70,32 @@ json_values = st.recursive(
 bundles = st.dictionaries(keys, st.one_of(tensors, json_values), max_size=8)
 
 
+# What `batches` draws from, made once (a strategy built inside the composite is a new object at
+# every draw, whose properties hypothesis works out again before drawing from it).
+TASK_ID_LISTS = {n: st.lists(short_ids, min_size=n, max_size=n, unique=True) for n in range(8)}
+FIELD_KINDS = st.sampled_from(["uniform", "ragged", "mixed", "json"])
+BATCH_DTYPES = st.sampled_from(AVAILABLE_DTYPES)
+TAILS = st.lists(st.integers(0, 3), max_size=2).map(tuple)
+FIRST_DIMS = st.integers(0, 5)
+RANKED_SHAPES = [st.lists(st.integers(0, 3), min_size=rank, max_size=rank).map(tuple) for rank in range(3)]
+SEEDS = st.integers(0, 2**31)
+
+
 @st.composite
 def batches(draw: st.DrawFn) -> tuple[list[str], dict[tuple[str, str], Any]]:
     """A batch as a trainer makes one: tasks x fields, each field uniform, ragged (0-length rows
     too), of mixed ranks (0-d values too) or JSON, over every task or some of them (`rows`)."""
     n = draw(st.integers(0, 7))
-    task_ids = draw(st.lists(short_ids, min_size=n, max_size=n, unique=True))
+    task_ids = draw(TASK_ID_LISTS[n])
     shards: dict[tuple[str, str], Any] = {}
     for f in range(draw(st.integers(1, 4))):
         field = f"f{f}"
         partial = draw(st.booleans())
         covered = [draw(st.booleans()) if partial else True for _ in task_ids]
-        kind = draw(st.sampled_from(["uniform", "ragged", "mixed", "json"]))
-        dtype = draw(st.sampled_from(AVAILABLE_DTYPES))
+        kind = draw(FIELD_KINDS)
+        dtype = draw(BATCH_DTYPES)
         fixed = draw(shapes)
-        tail = draw(st.lists(st.integers(0, 3), max_size=2).map(tuple))
+        tail = draw(TAILS)
         for i, (task_id, keep) in enumerate(zip(task_ids, covered)):
             if not keep:
                 continue
@@ -94,10 +105,10 @@ def batches(draw: st.DrawFn) -> tuple[list[str], dict[tuple[str, str], Any]]:
             if kind == "uniform":
                 shape = fixed
             elif kind == "ragged":
-                shape = (draw(st.integers(0, 5)), *tail)
+                shape = (draw(FIRST_DIMS), *tail)
             else:  # ranks 0, 1, 2, 0, ...: 0-d values beside others
-                shape = tuple(draw(st.lists(st.integers(0, 3), min_size=i % 3, max_size=i % 3)))
-            shards[(task_id, field)] = random_tensor(dtype, shape, seed=draw(st.integers(0, 2**31)))
+                shape = draw(RANKED_SHAPES[i % 3])
+            shards[(task_id, field)] = random_tensor(dtype, shape, seed=draw(SEEDS))
     order = draw(st.permutations(list(shards)))
     return task_ids, {key: shards[key] for key in order}
 
