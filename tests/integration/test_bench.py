@@ -69,10 +69,12 @@ def test_dense_variant_is_the_same_fields_padded() -> None:
 def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The dense comparison is wired into the same run; TransferQueue skipped here (--no-tq)."""
+    """The dense comparison is wired into the same run; TransferQueue skipped here (--no-tq), and
+    AReaL's rows (--no-areal: `test_areal_rows_...` runs them, importing AReaL only inside
+    `areal_imported`, since importing it reconfigures this process's logging)."""
     monkeypatch.delenv("DISTBATCH_SHM")  # the suite's default; the same-host run needs the path on
     results = main(
-        ["--workloads", "tiny", "--repeats", "1", "--no-ray", "--no-pipeline", "--no-tq"]
+        ["--workloads", "tiny", "--repeats", "1", "--no-ray", "--no-pipeline", "--no-tq", "--no-areal"]
         + ["--peers", "tiny", "--out", str(tmp_path)]
     )
     peers = results["workloads"]["tiny"]["peers"]
@@ -80,6 +82,7 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
     assert dense["put"]["bytes"] == peers["dense_payload_bytes"] == dense["gather_all"]["bytes"]
     assert dense["left_bytes"] == 0
     assert peers["transferqueue"] == {"skipped": "--no-tq"}
+    assert "areal" not in results["workloads"]["tiny"]
     # The transport figures above are HTTP's; the same-host run beside them took shared memory.
     same = results["workloads"]["tiny"]["same_host"]
     for kind in ("ragged", "dense"):
