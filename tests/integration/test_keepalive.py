@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -386,8 +387,9 @@ def test_expect_100_continue_is_answered_once(start_server: StartServer) -> None
 # ---------------------------------------------------------------- request turns
 
 
-def turns_app(state: dict[str, int]) -> Flask:
-    """/work takes 0.2 s holding its turn; /wait gives its turn back, then waits 0.2 s."""
+def turns_app(state: dict[str, Any]) -> Flask:
+    """/work takes 0.2 s holding its turn; /wait gives its turn back, then waits 0.2 s. `state`
+    counts how many run at once (`now`, `most`) and when each began and ended (`spans`)."""
     app = Flask("turns")
     lock = threading.Lock()
 
@@ -397,9 +399,11 @@ def turns_app(state: dict[str, int]) -> Flask:
         with lock:
             state["now"] += 1
             state["most"] = max(state["most"], state["now"])
+        began = time.monotonic()
         time.sleep(0.2)
         with lock:
             state["now"] -= 1
+            state.setdefault("spans", []).append((began, time.monotonic()))
         return Response(b"done", mimetype="text/plain")
 
     app.add_url_rule("/work", "work", lambda: busy(False))
@@ -414,7 +418,7 @@ def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> No
     waiting for them; a request that gives its turn back early no longer counts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    state = {"now": 0, "most": 0}
+    state: dict[str, Any] = {"now": 0, "most": 0}
     turns = {("GET", "/work"): 2, ("GET", "/wait"): 1}
     server = HttpServer(turns_app(state), request_turns=turns).start_background()
     try:
@@ -432,7 +436,10 @@ def test_request_turns_serve_one_kind_a_few_at_a_time_and_others_at_once() -> No
             assert not all(f.done() for f in work)  # answered while the six still run
             assert [f.result()[0] for f in work] == [b"done"] * 6
         assert state["most"] == 2
-        assert max(f.result()[1] for f in work) >= 0.55  # three rounds of two
+        # Three rounds of two, judged inside the server (a client thread that a busy machine
+        # starts late measures less than the rounds took): the six ran over at least 0.6 s.
+        began, ended = zip(*state["spans"])
+        assert len(began) == 6 and max(ended) - min(began) >= 0.6
 
         state["most"] = 0
         with ThreadPoolExecutor(4) as pool:
@@ -447,7 +454,7 @@ def test_an_encoded_path_takes_the_turns_of_the_path_it_routes_to() -> None:
     """`/wor%6B` is routed to `/work`: it waits for the same turns (no way around them)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    state = {"now": 0, "most": 0}
+    state: dict[str, Any] = {"now": 0, "most": 0}
     server = HttpServer(turns_app(state), request_turns={("GET", "/work"): 1}).start_background()
     try:
 
