@@ -187,15 +187,18 @@ class Engine:
             raise RuntimeError(f"the engine process exited with {self._child.wait()} (log: {self._log_path})")
         return box[0].decode()
 
-    def __exit__(self, *exc: object) -> None:
-        for pipe in (self._child.stdin, self._child.stdout):  # a write it is blocked in fails
-            if pipe is not None:
-                pipe.close()
+    def __exit__(self, failed: type[BaseException] | None = None, *exc: object) -> None:
+        if self._child.stdin is not None:
+            self._child.stdin.close()  # it exits when its stdin ends
         try:
+            if failed is not None:  # it may be stuck writing what nobody reads now
+                raise subprocess.TimeoutExpired(self._child.args, 0)
             self._child.wait(timeout=self._timeout)
         except subprocess.TimeoutExpired:
             self._child.kill()
             self._child.wait()
+        if self._child.stdout is not None:
+            self._child.stdout.close()  # after it exited: a reader blocked on it has had its EOF
         self._log.close()
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from distbatch import wire
 from distbatch.client.fetches import gather_lost
 from distbatch.client.shard_client import ShardClient
-from distbatch.errors import InvalidArgumentError, InvalidIdError, WorkerUnavailableError
+from distbatch.errors import InvalidArgumentError, InvalidIdError, StateError, WorkerUnavailableError
 from distbatch.ids import KEY_SEPARATOR, ShardKey, validate_id, validate_node
 from distbatch.launch.flags import byte_size
 
@@ -64,7 +64,7 @@ def _where(values: Iterable[Any]) -> list[tuple[str, str]]:
         node, _, task_id = value[len(SHARD_PREFIX) :].rpartition(KEY_SEPARATOR)
         if node not in nodes:
             nodes[node] = parse_shard_id(value)[0]
-        out.append((node, task_id))
+        out.append((nodes[node], task_id))
     return out
 
 
@@ -126,6 +126,7 @@ class DistbatchRTensorBackend:
         self._own_client = client is None
         self.client = client or ShardClient(token=token, timeout=timeout, same_host=same_host)
         self._started: WorkerProcess | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._pending = threading.local()
         # Task ids: random per backend (so no two processes collide), then counted (uuid4 for
@@ -140,6 +141,8 @@ class DistbatchRTensorBackend:
         if known is not None:  # every store asks: no lock once it is known
             return known
         with self._lock:
+            if self._closed:
+                raise StateError("this DistbatchRTensorBackend is closed: install a new one")
             if self._worker is None:
                 self._started = self._start_worker()
                 self._worker = self._started.node
@@ -211,8 +214,7 @@ class DistbatchRTensorBackend:
         node that stored them, is not needed: each id names its worker). Ids already gone count
         nothing; an unreachable worker raises."""
         tasks: dict[str, list[str]] = defaultdict(list)
-        for value in shard_ids:
-            node, task_id = parse_shard_id(value)
+        for node, task_id in _where(shard_ids):
             tasks[node].append(task_id)
         if tasks:
             await asyncio.gather(
@@ -220,11 +222,11 @@ class DistbatchRTensorBackend:
             )
 
     def close(self) -> None:
-        """Stop the worker this backend started (its tensors go with it) and its own client."""
+        """Stop the worker this backend started (its tensors go with it) and its own client; a
+        store afterwards raises `StateError`."""
         with self._lock:
             started, self._started = self._started, None
-            if started is not None:
-                self._worker = None
+            self._worker, self._closed = None, True
         if started is not None:
             started.stop()
         if self._own_client:

@@ -15,6 +15,7 @@ import functools
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import numpy as np
 
@@ -368,18 +369,20 @@ class ShardClient:
         """One page of the tasks `node` holds, in id order after `after`: `{"tasks": [[task_id,
         [fields]], ...], "next": the id to pass as `after` for the next page (None at the end),
         "total": tasks held}`."""
-        query = f"?limit={int(limit)}" + ("" if after is None else f"&after={validate_id(after, 'after')}")
+        query = f"?limit={int(limit)}"
+        if after is not None:  # quoted: an id may hold a '+', which a query reads as a space
+            query += f"&after={quote(validate_id(after, 'after'))}"
         return self.request_json(validate_node(node), "GET", f"/v1/tasks{query}")
 
     def task_fields(self, node: str, task_ids: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
-        """The fields `node` holds of each of `task_ids` (at most 1,000), and the ids it does not
-        hold at all: what `distbatch show` describes and `distbatch clear --tasks` checks."""
+        """The fields `node` holds of each of `task_ids`, and the ids it does not hold at all: what
+        `distbatch show` describes and `distbatch clear --tasks` checks (20 ids a request)."""
         node = validate_node(node)
         ids = wire.validate_id_list(list(dict.fromkeys(task_ids)))
         held: dict[str, list[str]] = {}
         missing: list[str] = []
         for start in range(0, len(ids), TASKS_PER_LOOKUP):  # a query string of a few KB at most
-            chunk = ",".join(ids[start : start + TASKS_PER_LOOKUP])
+            chunk = ",".join(quote(task_id) for task_id in ids[start : start + TASKS_PER_LOOKUP])
             answer = self.request_json(node, "GET", f"/v1/tasks?ids={chunk}")
             held.update((task, fields) for task, fields in answer["tasks"])
             missing += answer["missing"]

@@ -23,7 +23,13 @@ from areal_support import areal_imported
 
 from distbatch import ShardClient
 from distbatch.areal import FIELD, DistbatchRTensorBackend, install, parse_shard_id
-from distbatch.errors import CapacityError, InvalidArgumentError, ShardNotFoundError, WorkerUnavailableError
+from distbatch.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    ShardNotFoundError,
+    StateError,
+    WorkerUnavailableError,
+)
 from distbatch.launch import WorkerProcess
 
 # AReaL's modules, set by `areal_for_this_module` (AReaL is imported only while this module's
@@ -182,6 +188,8 @@ def test_without_a_worker_it_starts_its_own_and_close_stops_it() -> None:
     finally:
         backend.close()
     assert not started.alive()
+    with pytest.raises(StateError, match="closed"):
+        backend.store(torch.ones(1))  # not a new worker behind a closed client
 
 
 def test_a_dead_worker_is_named_with_the_tasks_the_fetch_lost(fresh_workers: list[WorkerProcess]) -> None:
@@ -250,25 +258,27 @@ def test_a_step_round_trips_as_on_areals_http_backend(
     and clear_node give the same tensors, dtypes and structure on AReaL's HTTP backend and ours."""
     results, leftovers = {}, {}
     ours = DistbatchRTensorBackend(shared_workers[1].node, timeout=30.0)
-    for name, backend, node in (
-        ("areal", rtensor.HttpRTensorBackend(), areal_data_server),
-        ("distbatch", ours, "e"),
-    ):
-        rtensor.set_backend(backend)
-        try:
-            remote = RTensor.remotize(trajectories_of_a_step(seed), node_addr=node)
-            wire_form = serialization.deserialize_value(
-                json.loads(json.dumps(serialization.serialize_value(remote)))
-            )
-            rtensor.clear_fetch_buffer()
-            results[name] = RTensor.localize(wire_form)
-            for where, shard_ids in RTensor.collect_shards(remote).items():
-                asyncio.run(RTensor.clear_node(where, shard_ids))
-            leftovers[name] = rtensor.storage_stats()["num_tensors"] if name == "areal" else (
-                module_client.list_tasks(ours.worker)["total"])  # fmt: skip
-        finally:
-            rtensor.set_backend(None)
-            rtensor.clear_fetch_buffer()
-    ours.close()
+    sides = (("areal", rtensor.HttpRTensorBackend(), areal_data_server), ("distbatch", ours, "e"))
+    try:
+        for name, backend, node in sides:
+            rtensor.set_backend(backend)
+            try:
+                remote = RTensor.remotize(trajectories_of_a_step(seed), node_addr=node)
+                carried = json.loads(json.dumps(serialization.serialize_value(remote)))
+                rtensor.clear_fetch_buffer()
+                results[name] = RTensor.localize(serialization.deserialize_value(carried))
+                stored = RTensor.collect_shards(remote)
+                for where, shard_ids in stored.items():
+                    asyncio.run(RTensor.clear_node(where, shard_ids))
+                if name == "areal":
+                    leftovers[name] = rtensor.storage_stats()["num_tensors"]
+                else:  # this test's own tasks, still held on the shared worker
+                    mine = [parse_shard_id(i)[1] for ids in stored.values() for i in ids]
+                    leftovers[name] = len(module_client.task_fields(ours.worker, mine)[0])
+            finally:
+                rtensor.set_backend(None)
+                rtensor.clear_fetch_buffer()
+    finally:
+        ours.close()
     assert_same(results["distbatch"], results["areal"])
     assert leftovers == {"areal": 0, "distbatch": 0}

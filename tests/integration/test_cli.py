@@ -221,17 +221,16 @@ def test_show_describes_each_field_of_the_named_tasks(
     filled: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with ShardClient() as client:
-        client.put(
-            filled.node, {("m", "h"): torch.zeros(2, 3, dtype=torch.bfloat16), ("m", "s"): torch.tensor(1.5)}
-        )
-    code, out, err = run(capsys, "show", filled.node, "t01", "m", "t00", "gone")
+        half = torch.zeros(2, 3, dtype=torch.bfloat16)
+        client.put(filled.node, {("m+1", "h"): half, ("m+1", "s"): torch.tensor(1.5)})  # "+": an id char
+    code, out, err = run(capsys, "show", filled.node, "t01", "m+1", "t00", "gone")
     assert code == 1 and f"{filled.node} holds no task gone" in err
     rows = [line.split() for line in out.splitlines()]
     assert rows[0] == ["task", "field", "dtype", "shape", "bytes"]
     assert rows[1:] == [
         ["t01", "x", "I64", "100", "800", "B"],
-        ["m", "h", "BF16", "2x3", "12", "B"],
-        ["m", "s", "F32", "()", "4", "B"],
+        ["m+1", "h", "BF16", "2x3", "12", "B"],
+        ["m+1", "s", "F32", "()", "4", "B"],
         ["t00", "x", "I64", "100", "800", "B"],
         ["t00", "y", "json", "-", "9", "B"],  # '"label-0"'
     ]
