@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -374,19 +374,24 @@ class ShardClient:
             query += f"&after={quote(validate_id(after, 'after'))}"
         return self.request_json(validate_node(node), "GET", f"/v1/tasks{query}")
 
-    def task_fields(self, node: str, task_ids: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+    async def _task_fields_verb(
+        self, node: str, task_ids: Sequence[str]
+    ) -> tuple[dict[str, list[str]], list[str]]:
         """The fields `node` holds of each of `task_ids`, and the ids it does not hold at all: what
-        `distbatch show` describes and `distbatch clear --tasks` checks (20 ids a request)."""
+        `distbatch show` describes, `distbatch clear --tasks` checks, and the TransferQueue
+        backend asks after a failed put (as many ids a request as fit a few KB of query)."""
         node = validate_node(node)
         ids = wire.validate_id_list(list(dict.fromkeys(task_ids)))
         held: dict[str, list[str]] = {}
         missing: list[str] = []
-        for start in range(0, len(ids), TASKS_PER_LOOKUP):  # a query string of a few KB at most
-            chunk = ",".join(quote(task_id) for task_id in ids[start : start + TASKS_PER_LOOKUP])
-            answer = self.request_json(node, "GET", f"/v1/tasks?ids={chunk}")
+        for chunk in _query_chunks([quote(task_id) for task_id in ids]):
+            answer = await self._transport.request(node, "GET", f"/v1/tasks?ids={','.join(chunk)}")
             held.update((task, fields) for task, fields in answer["tasks"])
             missing += answer["missing"]
         return held, missing
+
+    task_fields = blocking(_task_fields_verb)
+    atask_fields = awaiting(_task_fields_verb)
 
     def _stats_verb(self, node: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """The node's store statistics (shards, tasks, bytes, capacity, free)."""
@@ -403,7 +408,23 @@ class ShardClient:
     ahealth = awaiting(_health_verb)
 
 
-TASKS_PER_LOOKUP = 20  # ids of up to 200 characters: 4 KB of query string
+TASKS_QUERY_CHARS = 4096  # the ids of one `GET /v1/tasks?ids=` lookup, quoted and joined
+
+
+def _query_chunks(quoted: list[str]) -> Iterator[list[str]]:
+    """`quoted` ids in runs that fit one lookup: at most `TASKS_QUERY_CHARS` characters joined
+    (one id always goes, however long: ids are bounded); so never more than the server's page
+    limit either."""
+    chunk: list[str] = []
+    size = 0
+    for task_id in quoted:
+        if chunk and size + len(task_id) + 1 > TASKS_QUERY_CHARS:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(task_id)
+        size += len(task_id) + 1
+    if chunk:
+        yield chunk
 
 
 def _key_plan(keys_by_node: Mapping[str, Iterable[Any]]) -> dict[str, list[Any]]:

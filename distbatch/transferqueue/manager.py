@@ -15,8 +15,9 @@ A worker that dies (or cannot be reached) mid-put or mid-get fails the call with
 `WorkerUnavailableError` naming it and saying what that means for the call (the client's own
 error is its `__cause__`). A put is one bundle to one worker, committed there at once, and
 TransferQueue's controller hears of its fields only after that: a put whose worker dies leaves
-no field of it anywhere, and the samples read as before it (keys TransferQueue registered for
-the put stay listed, with none of its fields, as with its own storage).
+no field of it anywhere, and the samples read as before it; keys and samples TransferQueue
+registered for the put alone are released again (`rollback`), unless the dead worker is the one
+that could say whether they held anything.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
 
 logger = logging.getLogger("distbatch.transferqueue")
+
+# The attribute a failed put's error carries: its TransferQueue metadata (see `rollback`).
+FAILED_PUT = "distbatch_failed_put"
 
 # A gather never shows a progress bar here: TransferQueue's callers are programs, not people.
 NO_PROGRESS_BAR = 1 << 62
@@ -126,8 +130,9 @@ class DistbatchStorageManager(StorageManager):
             return
         try:
             where, moved = await self._store(data, metadata)
-        except Exception:
+        except Exception as error:
             await self._announce_without_fields(metadata)
+            setattr(error, FAILED_PUT, metadata)  # what `rollback` releases, where the put allocated it
             raise
         await self.notify_data_update(
             metadata.partition_ids[0], list(metadata.global_indexes), field_schema(data), where
@@ -193,6 +198,27 @@ class DistbatchStorageManager(StorageManager):
         self.home = home_worker(others, self.here, os.getpid())
         self.slot = self.options.endpoints.index(self.home)
         return True
+
+    async def samples_holding_fields(self, global_indexes: Sequence[int]) -> set[int]:
+        """Which of these samples some worker holds a field of (asked of every worker at once); a
+        worker that cannot be asked counts as holding them all, so nothing it may hold is taken
+        for empty."""
+        if not global_indexes:
+            return set()
+        by_task = dict(zip(task_ids(list(global_indexes)), global_indexes))
+        endpoints = list(self.options.endpoints)
+        answers = await asyncio.gather(
+            *(self.client.atask_fields(node, list(by_task)) for node in endpoints), return_exceptions=True
+        )
+        held: set[int] = set()
+        for node, answer in zip(endpoints, answers):
+            if isinstance(answer, NodeError):
+                logger.warning("could not ask %s which samples it holds: %s", node, answer)
+                return set(global_indexes)
+            if isinstance(answer, BaseException):
+                raise answer
+            held.update(by_task[task] for task in answer[0])
+        return held
 
     # ------------------------------------------------------------------ get
 

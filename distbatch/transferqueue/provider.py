@@ -63,10 +63,22 @@ def hook_interface(interface: Any) -> None:
       cannot close them;
     - `save_checkpoint(include_storage=False)` saves the storage anyway, with TransferQueue's own
       warning, as it does for SimpleStorage: the workers hold the data in memory, and a
-      checkpoint without it would restore samples that have none.
+      checkpoint without it would restore samples that have none;
+    - a kv put, or a `put` without metadata, that our storage failed releases the keys and
+      samples it registered for the put (`rollback`).
     """
+    from transfer_queue.client import AsyncTransferQueueClient as Client
+
+    from distbatch.transferqueue import rollback
+
     _wrap(interface, "close", _closing_ours_too)
     _wrap(interface, "save_checkpoint", _keeping_our_storage)
+    _wrap(interface, "async_kv_put", rollback.releasing_keys)
+    _wrap(interface, "async_kv_batch_put", rollback.releasing_keys)
+    if not getattr(Client.async_put, "_distbatch_hooked", False):  # the sync client's too
+        async_put = rollback.releasing_samples(Client.async_put)
+        async_put._distbatch_hooked = True  # type: ignore[attr-defined]
+        Client.async_put = async_put
     discard_a_session_begun_without_us(interface)
 
 

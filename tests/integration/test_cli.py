@@ -245,9 +245,11 @@ def test_show_describes_each_field_of_the_named_tasks(
 
 def test_the_task_lookup_names_what_a_worker_does_not_hold(filled: WorkerProcess) -> None:
     with ShardClient() as client:
-        many = [f"t{i:02d}" for i in range(25)] + ["x-1", "t00"]  # past one request's 20 ids; a repeat
+        # Past one request's 4 KB of ids (30 of 190 characters), and a repeat.
+        unknown = [f"x-{i:02d}-" + "y" * 185 for i in range(30)]
+        many = [f"t{i:02d}" for i in range(25)] + unknown + ["t00"]
         held, missing = client.task_fields(filled.node, many)
-        assert list(held) == [f"t{i:02d}" for i in range(25)] and missing == ["x-1"]
+        assert list(held) == [f"t{i:02d}" for i in range(25)] and missing == unknown
         assert held["t02"] == ["x", "y"] and held["t03"] == ["x"]
         for query in ("?ids=", "?ids=a,,b", "?ids=../x"):
             with pytest.raises(Exception, match="400|invalid|ids"):

@@ -219,6 +219,66 @@ def test_a_refused_put_leaves_the_partition_clearable_and_reusable(
     client.clear_partition("p")
 
 
+def test_a_refused_kv_put_registers_none_of_its_keys_and_changes_no_stored_key(
+    distbatch_backend: Callable[..., Any],
+) -> None:
+    """A refused kv put leaves TransferQueue as it found it: its new keys are not listed (they
+    once stayed, as `{}`, and every read of them said "Some fields are not ready"); a key that
+    held a field or a tag before keeps them; putting the keys again then works."""
+    from distbatch import WireFormatError
+
+    distbatch_backend(workers=1)
+    tq.kv_batch_put(
+        keys=["old"],
+        partition_id="p",
+        fields=TensorDict({"a": torch.arange(2)[None]}, batch_size=1),
+        tags=[{"s": 1}],
+    )
+    tq.kv_batch_put(keys=["tagged"], partition_id="p", tags=[{"only": "a tag"}])
+    refused = TensorDict({"w": NonTensorStack({1}, {2}, {3}, {4})}, batch_size=4)
+    with pytest.raises(WireFormatError, match=r"field 'w'.*set"):
+        tq.kv_batch_put(
+            keys=["new0", "old", "tagged", "new1"],
+            partition_id="p",
+            fields=refused,
+            tags=[{"t": i} for i in range(4)],
+        )
+    with pytest.raises(WireFormatError, match=r"field 'w'.*set"):
+        tq.kv_put(key="new2", partition_id="p", fields=TensorDict({"w": NonTensorStack({1})}, batch_size=1))
+    assert tq.kv_list(partition_id="p")["p"] == {"old": {"s": 1}, "tagged": {"only": "a tag"}}
+    assert tq.kv_batch_get(keys=["old"], partition_id="p")["a"][0].tolist() == [0, 1]
+    # The same keys put again, with values the backend takes.
+    fine = TensorDict({"v": torch.arange(4)[:, None]}, batch_size=4)
+    tq.kv_batch_put(keys=["new0", "old", "tagged", "new1"], partition_id="p", fields=fine)
+    got = tq.kv_batch_get(keys=["new0", "new1"], partition_id="p")["v"]  # nested, as TransferQueue gives
+    assert [t.tolist() for t in got.unbind()] == [[0], [3]]
+    assert sorted(tq.kv_list(partition_id="p")["p"]) == ["new0", "new1", "old", "tagged"]
+
+
+def test_a_refused_put_without_metadata_leaves_no_sample_it_allocated(
+    distbatch_backend: Callable[..., Any],
+) -> None:
+    """`put(data, partition_id=...)` allocates its samples itself: refused, it releases them, so
+    the partition's production status is not held back by samples nobody will produce."""
+    from distbatch import WireFormatError
+
+    distbatch_backend(workers=1)
+    client = tq.get_client()
+    with pytest.raises(WireFormatError, match=r"field 'v'.*set"):
+        client.put(TensorDict({"v": NonTensorStack({1}, {2})}, batch_size=2), partition_id="q")
+    stored = client.put(TensorDict({"v": torch.arange(3)}, batch_size=3), partition_id="q")
+    assert client.check_production_status(["v"], "q")  # only the three stored samples
+    assert client.get_data(stored)["v"].tolist() == [0, 1, 2]
+    # Samples the caller allocated stay allocated: a put to them may be tried again.
+    meta = client.get_meta(data_fields=["v"], batch_size=2, partition_id="q", mode="insert")
+    with pytest.raises(WireFormatError):
+        client.put(TensorDict({"v": NonTensorStack({1}, {2})}, batch_size=2), meta)
+    assert not client.check_production_status(["v"], "q")
+    client.put(TensorDict({"v": torch.arange(2)}, batch_size=2), meta)
+    assert client.check_production_status(["v"], "q")
+    client.clear_partition("q")
+
+
 def test_a_checkpoint_always_keeps_the_workers_data(
     distbatch_backend: Callable[..., Any], tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
