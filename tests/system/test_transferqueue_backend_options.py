@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
-from tq_backend_support import config, ray, rollout, tq, tq_ray_cluster
+from tq_backend_support import config, ray, rollout, same, tq, tq_ray_cluster
 
 import distbatch.transferqueue as dtq
 
@@ -296,6 +296,34 @@ def test_a_checkpoint_always_keeps_the_workers_data(
     tq.load_checkpoint(tmp_path / "ckpt")
     got = tq.kv_batch_get(keys=["n0"], partition_id="p")["x"]  # a nested tensor, as TransferQueue gives
     assert [t.tolist() for t in got.unbind()] == [[0, 1]]
+
+
+def test_a_checkpoint_restores_onto_another_number_of_workers(
+    distbatch_backend: Callable[..., Any], start_worker: Callable[..., Any], tmp_path: Any
+) -> None:
+    """SimpleStorage refuses to restore onto another number of storage units ("Storage unit
+    count mismatch"); Distbatch puts each saved worker's samples back on the worker in its slot
+    modulo the workers there are now, which is where the restored metadata looks: a run saved on
+    several workers restarts on one, samples, tags and all."""
+    from distbatch import ShardClient
+
+    count = next(n for n in range(2, 8) if os.getpid() % n)  # the put's home, slot pid % count, is not 0
+    before = [start_worker() for _ in range(count)]
+    distbatch_backend(endpoints=[w.node for w in before])
+    keys = [f"k{i}" for i in range(4)]
+    tq.kv_batch_put(keys=keys, partition_id="p", fields=rollout(4, seed=5), tags=[{"i": i} for i in range(4)])
+    saved = tq.kv_batch_get(keys=keys, partition_id="p")
+    tq.save_checkpoint(tmp_path / "ckpt")
+    dtq.close()
+    with ShardClient(timeout=5) as shards:
+        held = [shards.stats(w.node)["tasks"] for w in before]
+    assert held[os.getpid() % count] == 4 and sum(held) == 4, held
+
+    after = start_worker()
+    distbatch_backend(endpoints=[after.node])
+    tq.load_checkpoint(tmp_path / "ckpt")
+    assert same(tq.kv_batch_get(keys=keys, partition_id="p"), saved)
+    assert tq.kv_list(partition_id="p")["p"] == {k: {"i": i} for i, k in enumerate(keys)}
 
 
 def test_a_ray_worker_registers_with_the_setup_hook(distbatch_backend: Callable[..., Any]) -> None:
