@@ -51,8 +51,9 @@ SIMPLE_STORAGE_FILES = {
         "asserts SimpleStorage's simple_storage/ directory exists (storage_saved is True on both)"
     ),
     "test_checkpoint_e2e.py::TestCheckpointErrors::test_load_raises_on_storage_unit_count_mismatch": (
-        "edits storage_unit_info.json and expects a refusal to restore onto another number of storage "
-        "units; Distbatch restores onto any number of workers (test_transferqueue_backend_options.py)"
+        "edits storage_unit_info.json and expects a refusal to restore onto another number of "
+        "storage units; Distbatch restores onto any number of workers "
+        "(tests/system/test_transferqueue_backend_options.py)"
     ),
 }
 

@@ -83,12 +83,16 @@ SHARED_GROUPS = {
         "test_cluster_ray.py",
         "test_cluster_tq.py",
     ),
-    "ray-a": ("test_bench.py", "test_transferqueue_faults.py", "test_ray.py"),
+    "ray-a": (
+        "test_bench.py",
+        "test_transferqueue_faults.py",
+        "test_ray.py",
+        "test_transferqueue_example.py",
+    ),
     "ray-b": (
         "test_transferqueue_backend.py",
         "test_transferqueue_backend_options.py",
         "test_ray_cluster.py",
-        "test_transferqueue_example.py",
     ),
 }
 # The longest modules and groups (seconds alone, `--durations=0`), handed out first while the

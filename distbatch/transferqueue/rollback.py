@@ -54,8 +54,8 @@ def releasing_keys(interface: Any, original: Callable[..., Awaitable[Any]]) -> C
 
 
 def releasing_samples(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """`TransferQueueClient.async_put`, releasing the samples a failed put without metadata
-    allocated (see the module's docstring)."""
+    """TransferQueue's ``AsyncTransferQueueClient.async_put``, releasing the samples a failed
+    put without metadata allocated (see the module's docstring)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)

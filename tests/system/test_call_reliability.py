@@ -317,8 +317,10 @@ def _spread(client: ShardClient, nodes: list[str], prefix: str) -> DistributedBa
 
 def test_clear_with_a_stalled_worker_reports_per_node_and_a_retry_finishes(data_workers) -> None:
     nodes = [w.node for w in data_workers]
-    with ShardClient(timeout=1.5, retries=0) as client:
-        batch = _spread(client, nodes, "stalled")
+    # The put before the stall with the default timeout (a busy machine may take over 1.5 s to
+    # answer it); the clear, which meets the stalled worker, with a short one.
+    with ShardClient() as patient, ShardClient(timeout=1.5, retries=0) as client:
+        batch = DistributedBatchMemory.from_meta(_spread(patient, nodes, "stalled").meta, client)
         stalled = data_workers[1]
         os.kill(stalled.pid, signal.SIGSTOP)
         try:

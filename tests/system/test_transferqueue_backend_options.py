@@ -279,32 +279,20 @@ def test_a_refused_put_without_metadata_leaves_no_sample_it_allocated(
     client.clear_partition("q")
 
 
-def test_a_checkpoint_always_keeps_the_workers_data(
-    distbatch_backend: Callable[..., Any], tmp_path: Any, caplog: pytest.LogCaptureFixture
+def test_a_checkpoint_keeps_the_workers_data_and_restores_onto_another_number_of_workers(
+    distbatch_backend: Callable[..., Any],
+    start_worker: Callable[..., Any],
+    tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`save_checkpoint(include_storage=False)` saves the data anyway, as TransferQueue does for
-    its own in-memory storage (it says so): the workers hold it in memory."""
+    its own in-memory storage (it says so): the workers hold it in memory. SimpleStorage refuses
+    to restore onto another number of storage units ("Storage unit count mismatch"); Distbatch
+    puts each saved worker's samples back on the worker in its slot modulo the workers there are
+    now, which is where the restored metadata looks: a run saved on several workers restarts on
+    one, samples, tags and all."""
     import json
 
-    distbatch_backend(workers=1)
-    fields = TensorDict({"x": torch.arange(2)[None]}, batch_size=1)
-    tq.kv_batch_put(keys=["n0"], partition_id="p", fields=fields)
-    tq.save_checkpoint(tmp_path / "ckpt", include_storage=False)
-    assert json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["storage_saved"] is True
-    assert "Forcing include_storage=True" in caplog.text
-    tq.kv_clear(keys=["n0"], partition_id="p")
-    tq.load_checkpoint(tmp_path / "ckpt")
-    got = tq.kv_batch_get(keys=["n0"], partition_id="p")["x"]  # a nested tensor, as TransferQueue gives
-    assert [t.tolist() for t in got.unbind()] == [[0, 1]]
-
-
-def test_a_checkpoint_restores_onto_another_number_of_workers(
-    distbatch_backend: Callable[..., Any], start_worker: Callable[..., Any], tmp_path: Any
-) -> None:
-    """SimpleStorage refuses to restore onto another number of storage units ("Storage unit
-    count mismatch"); Distbatch puts each saved worker's samples back on the worker in its slot
-    modulo the workers there are now, which is where the restored metadata looks: a run saved on
-    several workers restarts on one, samples, tags and all."""
     from distbatch import ShardClient
 
     count = next(n for n in range(2, 8) if os.getpid() % n)  # the put's home, slot pid % count, is not 0
@@ -313,7 +301,9 @@ def test_a_checkpoint_restores_onto_another_number_of_workers(
     keys = [f"k{i}" for i in range(4)]
     tq.kv_batch_put(keys=keys, partition_id="p", fields=rollout(4, seed=5), tags=[{"i": i} for i in range(4)])
     saved = tq.kv_batch_get(keys=keys, partition_id="p")
-    tq.save_checkpoint(tmp_path / "ckpt")
+    tq.save_checkpoint(tmp_path / "ckpt", include_storage=False)
+    assert json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["storage_saved"] is True
+    assert "Forcing include_storage=True" in caplog.text
     dtq.close()
     with ShardClient(timeout=5) as shards:
         held = [shards.stats(w.node)["tasks"] for w in before]
