@@ -14,6 +14,6 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
   counted: the test suite's profile);
 - `cluster`, a package: the jobs run on simulated hosts (network namespaces, brought up and down
   and their links shaped by `simcluster`, beside `bench/` at the repo root): `cluster.job` (the
-  main job across them), `cluster.tcp` (plain TCP on the same links), `cluster.ray_peer` (Ray's
+  traffic job across them), `cluster.tcp` (plain TCP on the same links), `cluster.ray_peer` (Ray's
   object store there), `cluster.tq_peer` (TransferQueue's SimpleStorage there).
 """

@@ -175,7 +175,7 @@ def bench_peers(
 
 
 def bench_pipeline(name: str, steps: int) -> dict[str, Any] | None:
-    """Median step time of the main job, distributed vs centralised (needs the repo's examples/)."""
+    """Median step time of the traffic job, distributed vs centralised (needs the repo's examples/)."""
     example = ROOT / "examples" / "grpo_pipeline.py"
     if not example.exists():
         return None
@@ -333,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even if installed")
     parser.add_argument("--no-tq", action="store_true", help="skip TransferQueue even if installed")
     parser.add_argument("--no-areal", action="store_true", help="skip AReaL's RTensor rows even if installed")
-    parser.add_argument("--no-pipeline", action="store_true", help="skip the main job's step times")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the traffic job's step times")
     parser.add_argument("--pipeline-steps", type=int, default=3)
     parser.add_argument(
         "--peers",
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     result["areal"] = areal.run(name, args.seed, args.repeats, args.peer_timeout, args.out)
                 bar.update()
             if not args.no_pipeline:
-                bar.set_postfix_str(f"{name} main job")
+                bar.set_postfix_str(f"{name} traffic job")
                 result["pipeline"] = bench_pipeline(name, args.pipeline_steps)
             bar.update()
             result["ratios"] = ratios(result)
@@ -551,14 +551,14 @@ def summary(results: dict[str, Any]) -> str:
         p = r.get("pipeline")
         if p:
             lines.append(
-                f"{'':<8} main job step: distributed {p['distributed']['median_s']:.2f}s, "
+                f"{'':<8} traffic job step: distributed {p['distributed']['median_s']:.2f}s, "
                 f"centralised {p['centralised']['median_s']:.2f}s "
                 f"({q['centralised_over_distributed_step']:.2f}x)"
             )
     if results["workloads"]:
         lines.append(
             "(GB/s, medians; ratios are distbatch gather-all over the baseline, same run; distbatch"
-            " over HTTP here, DISTBATCH_SHM=0; the main job runs as users do, same-host path on)"
+            " over HTTP here, DISTBATCH_SHM=0; the traffic job runs as users do, same-host path on)"
         )
     for name, r in results["workloads"].items():
         if r.get("peers"):

@@ -72,7 +72,7 @@ def wait_for_free_cpus(expected: float, timeout: float = 15.0) -> float:
 
 
 def run_pipeline_on_ray_and_locally(job: list[str]) -> tuple[Any, Any]:
-    """The main job (examples/grpo_pipeline.py) with `--launcher ray`, then with local workers.
+    """The traffic job (examples/grpo_pipeline.py) with `--launcher ray`, then with local workers.
 
     Checks what must hold for any cluster: stores empty, metadata-only controller, and step
     for step the same tasks, tokens, per-rank balance, worker-to-worker bytes and loss.

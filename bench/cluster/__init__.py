@@ -1,7 +1,7 @@
 """The jobs run on simulated hosts (`simcluster`: network namespaces on a bridge, tbf-shaped NICs;
 root only). Each module is a `python -m` entry point, run from the repo root:
 
-- `job` (`python -m bench.cluster.job`, `scripts/bench cluster`): the main job across the hosts,
+- `job` (`python -m bench.cluster.job`, `scripts/bench cluster`): the traffic job across the hosts,
   distributed vs centralised, against the link bound and plain TCP;
 - `tcp` (`python -m bench.cluster.tcp --bind ADDR`, started by `job` in each host): plain TCP
   moving the same bytes between the same hosts;

@@ -1,4 +1,4 @@
-"""The main job across simulated hosts: distributed (peer to peer) vs centralised (through the
+"""The traffic job across simulated hosts: distributed (peer to peer) vs centralised (through the
 controller's host), against what the links allow and what plain TCP achieves on them.
 
 Host 0 runs the controller; hosts 1..N each run a rollout worker and a train worker
@@ -13,7 +13,7 @@ Two measures per N, medians over `--repeats`:
   balanced chunk. Distributed: straight from the rollout workers. Centralised: the controller
   relays every chunk, in pieces, pulls of some overlapping pushes of others (both directions
   of its link busy: its best case), then the train workers read what was pushed to them.
-- **main job step**: examples/grpo_pipeline.py's step (rollout, advantages, balance, train;
+- **traffic job step**: examples/grpo_pipeline.py's step (rollout, advantages, balance, train;
   its centralised mode pulls the whole batch, then pushes the chunks).
 
 Next to each data step: the link lower bound, the bytes the busiest NIC must carry (from the
@@ -60,7 +60,7 @@ CONTROLLER_TIMEOUT = 1800.0
 
 
 def grpo_pipeline() -> Any:
-    """examples/grpo_pipeline.py, the main job (examples/ is not a package)."""
+    """examples/grpo_pipeline.py, the traffic job (examples/ is not a package)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     return importlib.import_module("grpo_pipeline")
@@ -71,7 +71,7 @@ def _train_engine_base() -> type:
 
 
 class ClusterTrainEngine(_train_engine_base()):  # type: ignore[misc]
-    """The main job's train engine, plus `receive`: gather a chunk (every field at once), no
+    """The traffic job's train engine, plus `receive`: gather a chunk (every field at once), no
     compute, so a data step times the data alone."""
 
     def receive(self, batch: Any) -> dict[str, float]:
@@ -424,7 +424,7 @@ def summarise(hosts: int, raw: dict[str, Any], rate: int) -> dict[str, Any]:
 
 def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
     """Step time against hosts: the data step (both modes, their link bounds, plain TCP) and,
-    when measured, the main job's step (None without matplotlib)."""
+    when measured, the traffic job's step (None without matplotlib)."""
     try:
         import matplotlib
 
@@ -450,7 +450,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
         job_ax = axes[0][1]
         for mode, color in (("distributed", "tab:blue"), ("centralised", "tab:red")):
             job_ax.plot(hosts, [r[f"main_job_{mode}_s"] for r in results], "o-", color=color, label=mode)
-        job_ax.set_title("Main job step: rollout, advantages, balance, train")
+        job_ax.set_title("Traffic job step: rollout, advantages, balance, train")
     layout = results[0].get("layout", "colocated")
     xlabel = (
         "hosts (a rollout and a train worker each)"
@@ -471,7 +471,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
 
 def report(results: list[dict[str, Any]]) -> list[str]:
     """The table a person reads: per host count, the data step both ways with the link bound
-    and plain TCP's time for the same bytes, the CPU use, then the main job's step."""
+    and plain TCP's time for the same bytes, the CPU use, then the traffic job's step."""
     lines = [
         f"{'hosts':>5} {'distributed':>12} {'TCP':>7} {'bound':>7} {'x bound':>8} {'centralised':>12} "
         f"{'bound':>7} {'speed-up':>9} {'cpu d/c':>9} {'job d':>7} {'job c':>7} {'job x':>6}"
@@ -495,7 +495,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     """The results as the guide and README show them (tests check those match the saved run)."""
     rows = [
         "| hosts | data step, distributed | plain TCP, same bytes | link bound | centralised | "
-        "speed-up | main job step, distributed / centralised |",
+        "speed-up | whole step, distributed / centralised |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
@@ -535,7 +535,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", default="100mbit", help="every host's NIC, each way (tc units)")
     add_batch_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="data steps per mode")
-    parser.add_argument("--steps", type=int, default=2, help="main job steps per mode (0: none)")
+    parser.add_argument("--steps", type=int, default=2, help="traffic job steps per mode (0: none)")
     parser.add_argument(
         "--layout",
         choices=["colocated", "disaggregated"],

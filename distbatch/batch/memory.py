@@ -431,8 +431,39 @@ class DistributedBatchMemory:
         task_lengths = self._balance_lengths(length_field, lengths)
         return [self._take(rows) for rows in ops.balanced_rows(task_lengths, n, group_size)]
 
-    def _balance_lengths(self, length_field: str | None, lengths: Any) -> np.ndarray:
-        """The per-task lengths `chunk_balanced` balances (see there)."""
+    def split_micro_batches(
+        self,
+        max_tokens: int,
+        *,
+        count: int | None = None,
+        length_field: str | None = None,
+        lengths: Any = None,
+    ) -> list[DistributedBatchMemory]:
+        """This batch cut into micro-batches of at most `max_tokens` tokens each, from metadata
+        alone (a REMOTE batch is cut without fetching a byte), balanced by tokens; tasks keep
+        their relative order inside each. Tokens per task as `chunk_balanced` reads them
+        (`lengths=`, `length_field=`, else the default length field).
+
+        The fewest that fit, or exactly `count`: a data-parallel trainer's ranks must run the
+        same number of micro-batches (each gradient all-reduce, each accumulation step, in step
+        with the others), so the controller takes `micro_batch_count(chunks, max_tokens)` over
+        every rank's chunk and each rank splits with that count (a rank with fewer tasks gets
+        empty micro-batches at the end). A task longer than `max_tokens` is an
+        `InvalidArgumentError` naming it, as is a `count` that cannot hold the batch."""
+        task_lengths = self._micro_batch_lengths(length_field, lengths)
+        rows = ops.micro_batch_rows(task_lengths, max_tokens, count)
+        return [self._take(part) for part in sorted(rows, key=lambda r: r[0] if len(r) else len(self))]
+
+    def _micro_batch_lengths(self, length_field: str | None, lengths: Any) -> np.ndarray:
+        """Tokens per task for a micro-batch budget: as `chunk_balanced` reads lengths, where a
+        padded field's width is what a micro-batch computes over (no warning)."""
+        if not len(self) and lengths is None and length_field is None:
+            return np.zeros(0, np.int64)
+        return self._balance_lengths(length_field, lengths, warn=False)
+
+    def _balance_lengths(self, length_field: str | None, lengths: Any, warn: bool = True) -> np.ndarray:
+        """The per-task lengths `chunk_balanced` balances (see there); `warn=False` for a caller
+        to whom a padded field's width is the right length (a micro-batch's token budget)."""
         if lengths is not None:
             if length_field is not None:
                 raise InvalidArgumentError("pass lengths= or length_field=, not both")
@@ -446,7 +477,7 @@ class DistributedBatchMemory:
         name = self._default_length_field()
         task_lengths = np.asarray(self.lengths(name), dtype=np.int64)
         fm = self.schema_meta().fields[name]
-        if len(self) > 1 and not fm.ragged:
+        if warn and len(self) > 1 and not fm.ragged:
             if fm.shapes.shape == ():  # one scalar per task: no sequence at all, padded or not
                 why = (
                     f"no field gives a task's length (the default, {name!r}, holds one scalar per "
@@ -500,6 +531,25 @@ class DistributedBatchMemory:
         with self._state.reading():
             self._state = result._state
         return self
+
+    @staticmethod
+    def micro_batch_count(
+        batches: Sequence[DistributedBatchMemory], max_tokens: int, *, length_field: str | None = None
+    ) -> int:
+        """How many micro-batches of at most `max_tokens` tokens each rank of a data-parallel
+        group runs, given each rank's batch (`chunk_balanced`'s chunks): the smallest count at
+        which every batch splits under the budget; pass it to each rank's
+        `split_micro_batches(max_tokens, count=...)`. From metadata alone."""
+        lengths = [b._micro_batch_lengths(length_field, None) for b in batches]
+        fewest = [len(ops.micro_batch_rows(task_lengths, max_tokens)) for task_lengths in lengths]
+        count = max(fewest, default=1)
+        while True:  # each batch fits at the count some batch needs, or a count above it does
+            try:
+                for task_lengths in lengths:
+                    ops.micro_batch_rows(task_lengths, max_tokens, count)
+                return count
+            except InvalidArgumentError:
+                count += 1
 
     @staticmethod
     def concat(batches: Sequence[DistributedBatchMemory]) -> DistributedBatchMemory:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distbatch.batch.balance import balanced_group_partitions
+from distbatch.batch.balance import balanced_group_partitions, karmarkar_karp
 from distbatch.errors import InvalidArgumentError, InvalidTypeError, OutOfRangeError
 
 
@@ -112,3 +112,32 @@ def union_rows(mine: list[str], theirs: list[str]) -> np.ndarray | None:
         )
     position = dict(zip(theirs, range(len(theirs))))
     return np.fromiter(map(position.__getitem__, mine), dtype=np.int64, count=len(mine))
+
+
+def micro_batch_rows(lengths: np.ndarray, max_tokens: int, count: int | None = None) -> list[np.ndarray]:
+    """The rows of the fewest micro-batches whose token totals are each at most `max_tokens`,
+    balanced by tokens (Karmarkar-Karp, counts free), each in ascending order; exactly `count`
+    of them when given (an empty one where there are fewer tasks), or InvalidArgumentError
+    when `count` cannot hold them under the budget. A task longer than the budget is refused,
+    naming it: it fits no micro-batch."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if count is not None:
+        check_chunk_count(count)
+    if len(lengths) and int(lengths.max()) > max_tokens:
+        task = int(np.argmax(lengths))
+        raise InvalidArgumentError(
+            f"task {task} has {int(lengths[task])} tokens, more than max_tokens={max_tokens}: raise the "
+            "budget to at least the longest task"
+        )
+    first = count or max(1, -(-int(lengths.sum()) // max_tokens))
+    for k in range(first, max(first, len(lengths)) + 1):
+        parts = karmarkar_karp(lengths.tolist(), k, equal_size=False)
+        if all(int(lengths[part].sum()) <= max_tokens for part in parts):
+            return [np.asarray(part, dtype=np.int64) for part in parts]
+        if count is not None:
+            break
+    raise InvalidArgumentError(
+        f"{len(lengths)} tasks of {int(lengths.sum())} tokens do not fit {count} micro-batches of at most "
+        f"{max_tokens} tokens: take the count from micro_batch_count() over every rank's batch"
+    )

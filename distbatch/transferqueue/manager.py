@@ -60,14 +60,11 @@ from distbatch.transferqueue.layout import (
     tensordict_of,
     value_types,
 )
-from distbatch.transferqueue.options import BACKEND_NAME, BackendOptions, plain_config
+from distbatch.transferqueue.options import BACKEND_NAME, FAILED_PUT, BackendOptions, plain_config
 from distbatch.twins import AWAITED
 from distbatch.wire.shapes import RowShapes
 
 logger = logging.getLogger("distbatch.transferqueue")
-
-# The attribute a failed put's error carries: its TransferQueue metadata (see `rollback`).
-FAILED_PUT = "distbatch_failed_put"
 
 # A gather never shows a progress bar here: TransferQueue's callers are programs, not people.
 NO_PROGRESS_BAR = 1 << 62

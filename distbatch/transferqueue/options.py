@@ -17,6 +17,9 @@ from distbatch.launch.flags import byte_size
 
 # The name TransferQueue's config gives the backend (`storage_backend`, and its options' section).
 BACKEND_NAME = "Distbatch"
+# The attribute a failed put's error carries: its TransferQueue metadata, which `rollback`
+# releases where the put allocated it (set by the storage manager).
+FAILED_PUT = "distbatch_failed_put"
 
 
 def plain_config(config: Any) -> dict[str, Any]:

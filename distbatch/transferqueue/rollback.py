@@ -30,7 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from distbatch.transferqueue.manager import FAILED_PUT, DistbatchStorageManager
+from distbatch.transferqueue.options import FAILED_PUT
 
 logger = logging.getLogger("distbatch.transferqueue")
 
@@ -74,14 +74,16 @@ def releasing_samples(original: Callable[..., Awaitable[Any]]) -> Callable[..., 
 
 async def release_keys(client: Any, keys: list[str], partition_id: str) -> int:
     """Clear those of `keys` that hold no tag and no field (after a failed put); how many."""
-    manager = getattr(client, "storage_manager", None)
-    if not isinstance(manager, DistbatchStorageManager):
+    # Our storage manager (`manager.DistbatchStorageManager`, which imports this module): only it
+    # can say which samples its workers hold.
+    held_by = getattr(getattr(client, "storage_manager", None), "samples_holding_fields", None)
+    if held_by is None:
         return 0
     after = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
     if after.size == 0 or after.field_names:  # every key holds a field: none is new
         return 0
     untagged = [i for i, tags in enumerate(after.custom_meta) if not tags]
-    held = await manager.samples_holding_fields([after.global_indexes[i] for i in untagged])
+    held = await held_by([after.global_indexes[i] for i in untagged])
     empty = [i for i in untagged if after.global_indexes[i] not in held]
     if empty:
         await client.async_clear_samples(after.select_samples(empty))

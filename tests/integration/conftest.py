@@ -24,7 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def grpo() -> Iterator[ModuleType]:
-    """The main job's module, examples/grpo_pipeline.py (imported from examples/ for a module)."""
+    """The traffic job's module, examples/grpo_pipeline.py (imported from examples/ for a module)."""
     sys.path.insert(0, str(EXAMPLES))
     try:
         import grpo_pipeline

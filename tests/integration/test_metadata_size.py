@@ -1,6 +1,6 @@
 """What the README and the Batches guide say a REMOTE batch's metadata costs, measured.
 
-The measured batch is the main job's (examples/grpo_pipeline.py, default sizes) step-0 batch, as
+The measured batch is the traffic job's (examples/grpo_pipeline.py, default sizes) step-0 batch, as
 its controller gets it: 512 GRPO tasks x 5 fields (ragged `input_ids` / `logprobs` /
 `loss_mask`, scalar `rewards`, string `uid`) that two rollout workers generated and hold, with
 ids such as `s0-p12-r3`. Sizes: `len(batch.to_json())` and `len(pickle.dumps(batch))`, in bytes.
@@ -39,7 +39,7 @@ def rollout(grpo: ModuleType) -> Iterator[WorkerGroup]:
 
 
 def generated(grpo: ModuleType, rollout: WorkerGroup, **sizes: int) -> DBM:
-    """The main job's step-0 batch (what its controller gets from the rollout workers)."""
+    """The traffic job's step-0 batch (what its controller gets from the rollout workers)."""
     args = grpo.parse_args([])
     prompts = list(range(args.prompts))
     kwargs = {"n": args.n, "mean_len": args.mean_len, "max_len": args.max_len, **sizes}

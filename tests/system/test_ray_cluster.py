@@ -172,7 +172,7 @@ def test_a_lost_node_surfaces_as_worker_unavailable(cluster: Cluster) -> None:
 
 
 def test_grpo_pipeline_over_two_nodes_matches_local(cluster: Cluster) -> None:
-    """Long (10-30 s): the main job runs on the two-node Ray cluster and again on local workers, step
+    """Long (10-30 s): the traffic job runs on the two-node Ray cluster and again on local workers, step
     for step."""
     job = ["--steps", "2", "--prompts", "4", "--n", "4", "--mean-len", "2048", "--max-len", "8192"]
     on_ray, _ = run_pipeline_on_ray_and_locally([*job, "--rollout-workers", "2", "--train-workers", "2"])
