@@ -69,6 +69,7 @@ import torch.utils.data
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.checks import check_int
 from distbatch.controller.api import ControllerAPI
+from distbatch.controller.arguments import check_staleness
 from distbatch.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -108,6 +109,8 @@ _RESERVED_CONFIG_KEYS = frozenset(
         "batch_index",
         "partition",
         "request_id",
+        "max_staleness",
+        "stale",
     }
 )
 # Errors worth asking again for (the same tasks): the network, a timeout, a server's 5xx;
@@ -181,6 +184,23 @@ def split_micro_batches(
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def _token_budget(
+    max_tokens: Any, micro_batches: Any, micro_batch_size: Any, process_batch_fn: Any
+) -> tuple[int | None, int | None]:
+    """`max_tokens` and `micro_batches`, checked: a budget excludes a task count per micro-batch
+    and a `process_batch_fn` (each is a way of cutting a batch), and a count needs a budget."""
+    if max_tokens is None:
+        if micro_batches is not None:
+            raise InvalidArgumentError("micro_batches= needs max_tokens= (the token budget it divides)")
+        return None, None
+    if micro_batch_size is not None or process_batch_fn is not None:
+        raise InvalidArgumentError(
+            "max_tokens= cuts batches by tokens: pass it without micro_batch_size= or process_batch_fn="
+        )
+    count = None if micro_batches is None else check_int(micro_batches, "micro_batches", 1)
+    return check_int(max_tokens, "max_tokens", 1), count
 
 
 def _fields(value: Any) -> tuple[str, ...]:
@@ -277,6 +297,13 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             (both modes); None waits forever.
         fetch_retries: how many times a batch whose fetch failed with a
             transient error is asked again (same tasks) before the error is raised.
+        max_staleness, stale: only tasks at most `max_staleness` policy versions older than
+            the controller's `policy_version()`; older ones wait (``"wait"``) or are dropped
+            (``"drop"``), as `Controller.get_meta` says. Passed to `fetch_batch_fn` only when set.
+        max_tokens: cut each batch into micro-batches of at most this many tokens
+            (`DistributedBatchMemory.split_micro_batches`, balanced by tokens) instead of
+            `micro_batch_size` tasks; `micro_batches` fixes their count, the same on every
+            rank (gradient accumulation in step), or the fewest that fit when None.
     """
 
     def __init__(
@@ -295,6 +322,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         sampling_config: Mapping[str, Any] | None = None,
         max_empty_polls: int | None = None,
         fetch_retries: int = 3,
+        max_staleness: int | None = None,
+        stale: str = "wait",
+        max_tokens: int | None = None,
+        micro_batches: int | None = None,
     ) -> None:
         super().__init__()
         _check_hooks(controller, fetch_batch_fn, process_batch_fn, should_check_consumption_status)
@@ -316,6 +347,11 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             None if max_empty_polls is None else check_int(max_empty_polls, "max_empty_polls", 1)
         )
         self.fetch_retries = check_int(fetch_retries, "fetch_retries", 0)
+        self.max_staleness = check_staleness(max_staleness, stale)
+        self.stale = stale
+        self.max_tokens, self.micro_batches = _token_budget(
+            max_tokens, micro_batches, micro_batch_size, process_batch_fn
+        )
         # (partition_id, batch_index, request_id) of the batch being fetched, until it is buffered:
         # a re-ask after a failure (also in a later iteration) reuses the id and gets the same tasks.
         self._pending: tuple[str, int, str] | None = None
@@ -325,6 +361,17 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self._position = 0  # buffer index of the batch being yielded
         self._micro = 0  # micro-batches of that batch already yielded
         self._generation = 0  # bumped by reset() / step(): a live iterator drops its current batch
+
+    def _freshness(self) -> dict[str, Any]:
+        """`get_meta`'s staleness arguments, when this dataset sets them."""
+        return (
+            {} if self.max_staleness is None else {"max_staleness": self.max_staleness, "stale": self.stale}
+        )
+
+    def _micro_batches(self, batch: DistributedBatchMemory) -> Iterable[Any]:
+        if self.max_tokens is not None:
+            return batch.split_micro_batches(self.max_tokens, count=self.micro_batches)
+        return self.process_batch_fn(batch, micro_batch_size=self.micro_batch_size)
 
     # ------------------------------------------------------------------ state
 
@@ -446,6 +493,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             dp_rank=self.dp_rank,
             batch_index=batch_index,
             request_id=request_id,
+            **self._freshness(),
             **self._sampling_config,
         )
         if batch is None:
@@ -464,11 +512,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         while True:
             generation = self._generation
             if self._position < len(self._buffer):
-                micro_batches = list(
-                    self.process_batch_fn(
-                        self._buffer[self._position], micro_batch_size=self.micro_batch_size
-                    )
-                )
+                micro_batches = list(self._micro_batches(self._buffer[self._position]))
                 while self._micro < len(micro_batches):
                     item = micro_batches[self._micro]
                     self._micro += 1

@@ -26,8 +26,21 @@ class ControllerAPI(Protocol):
     """True when the controller lives in this process only: a copy sent to another process (a
     DataLoader worker) would be another controller, so such code must serve it over HTTP."""
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory) -> int:
-        """Record a REMOTE batch's tasks and fields in a partition; returns the task count."""
+    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
+        """Record a REMOTE batch's tasks and fields in a partition, with the policy version that
+        generated them (one for the batch or one per task); returns the task count."""
+        ...
+
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's current policy version, which staleness is measured against."""
+        ...
+
+    def policy_version(self) -> int:
+        """The trainer's current policy version, as last set."""
+        ...
+
+    def policy_versions(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, int]:
+        """The policy version each of `task_ids` was put with (those that have one)."""
         ...
 
     def create_partition(self, partition_id: str, expected_fields: Iterable[str] = ()) -> None:
@@ -43,9 +56,13 @@ class ControllerAPI(Protocol):
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        max_staleness: int | None = None,
+        stale: str = "wait",
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
-        """A REMOTE batch of ready tasks not yet consumed by `task_name`, chosen by the sampler."""
+        """A REMOTE batch of ready tasks not yet consumed by `task_name`, chosen by the sampler;
+        with `max_staleness`, only tasks at most that many policy versions old (older ones
+        wait, or are dropped with ``stale="drop"``)."""
         ...
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:

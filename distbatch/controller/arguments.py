@@ -13,6 +13,7 @@ import numpy as np
 
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.batch.meta import BatchMeta
+from distbatch.checks import check_int
 from distbatch.errors import BatchStatusError, InvalidArgumentError
 from distbatch.ids import validate_id, validate_node
 from distbatch.wire.container import ITEMSIZE
@@ -140,3 +141,30 @@ def check_put_meta(meta: BatchMeta) -> None:
             len(nodes) and not 0 <= int(nodes.min()) <= int(nodes.max()) < len(meta.nodes)
         ):
             raise InvalidArgumentError(f"field {name!r} names a node the batch does not list")
+
+
+# What `get_meta(max_staleness=k, stale=...)` does with ready tasks older than k policy versions.
+STALE_POLICIES = ("wait", "drop")
+
+
+def check_staleness(max_staleness: Any, stale: Any) -> int | None:
+    """`get_meta`'s staleness arguments: `max_staleness` None or an int >= 0, `stale` one of
+    `STALE_POLICIES`; returns `max_staleness`."""
+    if stale not in STALE_POLICIES:
+        raise InvalidArgumentError(f"stale must be one of {list(STALE_POLICIES)}, got {stale!r}")
+    if max_staleness is None:
+        return None
+    return check_int(max_staleness, "max_staleness", 0)
+
+
+def put_versions(version: Any, count: int) -> list[int] | None:
+    """A put's policy versions, one per task: `version` None (none), an int >= 0 for the whole
+    batch, or a sequence of `count` of them."""
+    if version is None:
+        return None
+    if isinstance(version, (list, tuple, np.ndarray)):
+        versions = [check_int(v, "a task's policy version", 0) for v in version]
+        if len(versions) != count:
+            raise InvalidArgumentError(f"version= gives {len(versions)} versions for {count} tasks")
+        return versions
+    return [check_int(version, "version", 0)] * count

@@ -41,6 +41,7 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
         "consumed": {name: sorted(s) for name, s in p.consumed.items()},
         "expected_fields": sorted(p.expected),
         "custom_meta": [[i, meta] for i, meta in sorted(p.custom_meta.items())],
+        "versions": [[i, v] for i, v in sorted(p.versions.items())],
     }
 
 
@@ -81,6 +82,10 @@ def _partition_from_state(pid: str, raw: Mapping[str, Any]) -> Partition:
         if _count(i) not in p.task_of:
             raise InvalidArgumentError(f"custom_meta names unknown task index {i}")
         p.custom_meta[i] = custom_meta_object(meta, p.task_of[i])
+    for i, version in raw.get("versions", []):
+        if _count(i) not in p.task_of:
+            raise InvalidArgumentError(f"versions names unknown task index {i}")
+        p.versions[i] = check_int(version, "a task's policy version", 0)
     return p
 
 

@@ -12,6 +12,13 @@ call waits (``timeout > 0``): a consumer may start before its producer. A field
 nobody has put into the partition, nor declared with `create_partition`, can
 never become ready: `UnknownFieldError` at once, waiting or not.
 
+**Policy versions.** A put may say which policy version generated its tasks (`version=`); the
+controller keeps it with each task (checkpointed, in `summary`, `policy_versions`), knows the
+trainer's current version (`set_policy_version`), and a consumer may ask for tasks at most
+`max_staleness` versions old: older ready tasks are left for later (``stale="wait"``) or
+deleted and counted (``stale="drop"``). What was served how stale, and how many were dropped,
+is in `summary()["staleness"]`.
+
 **Delivery is at-least-once.** A `get_meta` that hands out tasks marks them
 consumed. A caller that may lose the answer (a dropped reply, a failed fetch)
 passes a ``request_id``: the controller remembers recent answers (bounded by
@@ -29,10 +36,11 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
+from distbatch.checks import check_int
 from distbatch.client.default import default_client
 from distbatch.client.results import DeleteResult
 from distbatch.client.shard_client import ShardClient
@@ -40,9 +48,11 @@ from distbatch.controller.answers import DEFAULT_REQUEST_MEMORY, DEFAULT_REQUEST
 from distbatch.controller.arguments import (
     check_get_meta_args,
     check_put_meta,
+    check_staleness,
     checked_node,
     custom_meta_object,
     id_list,
+    put_versions,
     refuse_local_batch,
 )
 from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
@@ -95,6 +105,10 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         # get_meta calls now waiting for producers, per (partition id, task name)
         self._waiting: Counter[tuple[str, str]] = Counter()
+        self._policy_version = 0
+        # Tasks served per staleness (current policy version minus the task's), tasks dropped.
+        self._served_staleness: Counter[int] = Counter()
+        self._dropped = 0
 
     @property
     def client(self) -> ShardClient:
@@ -117,8 +131,12 @@ class Controller:
             partition.expected.update(names)
             self._changed.notify_all()
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory) -> int:
+    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
         """Register a REMOTE batch's tasks and fields in a partition; returns tasks added.
+
+        `version`: the policy version that generated the tasks, one int for the batch or one per
+        task (a task put again keeps the older of its versions); what `get_meta(max_staleness=)`
+        compares with `policy_version()`. Tasks put without one are never stale.
 
         Tasks already known get the new fields (a later stage's output joins
         the same rows). New tasks get one contiguous block of indexes, in batch
@@ -137,13 +155,37 @@ class Controller:
         if meta is None:  # REMOTE always has meta; keeps type checkers honest
             return 0
         check_put_meta(meta)
+        versions = put_versions(version, len(meta.task_ids))
         with self._changed:
             partition = self._partitions.get(partition_id) or Partition(partition_id)
             new = partition.check_put(meta, _group_size(self.sampler))
             self._partitions[partition_id] = partition
             partition.register(meta, new)
+            if versions is not None:
+                partition.set_versions(meta.task_ids, versions)
             self._changed.notify_all()
         return len(new)
+
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's current policy version (an int >= 0, from 0): staleness is measured
+        against it. Waiting consumers look again."""
+        version = check_int(version, "version", 0)
+        with self._changed:
+            self._policy_version = version
+            self._changed.notify_all()
+
+    def policy_version(self) -> int:
+        """The trainer's current policy version, as last set (0 until then)."""
+        with self._lock:
+            return self._policy_version
+
+    def policy_versions(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, int]:
+        """The policy version each of `task_ids` was put with (those that have one)."""
+        validate_id(partition_id, "partition_id")
+        ids = id_list(task_ids, "task_ids", "task_id")
+        with self._lock:
+            partition = self._partitions.get(partition_id)
+            return {} if partition is None else partition.versions_of(ids)
 
     # ------------------------------------------------------------------ consuming
 
@@ -156,6 +198,8 @@ class Controller:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        max_staleness: int | None = None,
+        stale: str = "wait",
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
         """A REMOTE batch of ready tasks not yet consumed by `task_name`, chosen by the sampler.
@@ -169,6 +213,12 @@ class Controller:
         failed fetch) gets the same tasks, from memory, instead of new ones;
         reusing an id for another request is an `InvalidArgumentError`.
 
+        `max_staleness`: only tasks generated by a policy at most this many versions older than
+        `policy_version()` are sampled (tasks put without a version always are). Older ready
+        tasks stay for later with ``stale="wait"`` (the call polls or waits for fresh ones), or
+        are deleted from the workers and the partition and counted with ``stale="drop"``
+        (a GRPO group shares its put's version, so groups go whole).
+
         Raises `UnknownPartitionError` for a partition the controller does not
         have (when not waiting), `UnknownFieldError` for a field the partition
         has never had nor declared, `InvalidArgumentError` for bad arguments.
@@ -176,7 +226,26 @@ class Controller:
         fields = check_get_meta_args(
             partition_id, task_name, fields, batch_size, timeout, request_id, sampling_config
         )
+        max_staleness = check_staleness(max_staleness, stale)
         request = (partition_id, task_name, tuple(fields), batch_size, sampling_config)
+        freshness = None if max_staleness is None else (max_staleness, stale)
+        drops: list[_Drop] = []
+        try:
+            return self._wait_for_batch(request, timeout, request_id, freshness, drops)
+        finally:
+            for drop in drops:  # outside the lock: deletes on the workers
+                self._finish_drop(drop)
+
+    def _wait_for_batch(
+        self,
+        request: tuple[Any, ...],
+        timeout: float | None,
+        request_id: str | None,
+        freshness: tuple[int, str] | None,
+        drops: list[_Drop],
+    ) -> DistributedBatchMemory:
+        """`get_meta` under the lock: sample, or wait for producers until the deadline."""
+        partition_id, task_name = request[0], request[1]
         deadline = None if not timeout else time.monotonic() + timeout
         with self._changed:
             while True:
@@ -188,7 +257,7 @@ class Controller:
                 if partition is None and deadline is None:
                     raise UnknownPartitionError(partition_id, self._partitions)
                 if partition is not None:
-                    batch = self._sample(partition, request, request_id)
+                    batch = self._sample(partition, request, request_id, freshness, drops)
                     if batch is not None:
                         return batch
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -203,7 +272,12 @@ class Controller:
                         del self._waiting[partition_id, task_name]
 
     def _sample(
-        self, partition: Partition, request: tuple[Any, ...], request_id: str | None
+        self,
+        partition: Partition,
+        request: tuple[Any, ...],
+        request_id: str | None,
+        freshness: tuple[int, str] | None = None,
+        drops: list[_Drop] | None = None,
     ) -> DistributedBatchMemory | None:
         """Ask the sampler for a batch of `partition`'s ready tasks; None when it gives none.
 
@@ -217,6 +291,13 @@ class Controller:
         if unknown:
             raise UnknownFieldError(partition_id, unknown, partition.known_fields())
         ready = partition.ready(task_name, fields)
+        if freshness is not None:
+            max_staleness, stale_policy = freshness
+            ready, stale = partition.split_stale(ready, self._policy_version - max_staleness)
+            if stale and stale_policy == "drop" and drops is not None:
+                # Hidden at once (being cleared); deleted once the lock is released.
+                partition.mark_clearing(stale, +1)
+                drops.append(_Drop(partition.partition_id, partition, stale, partition.keys_by_node(stale)))
         call = {
             "partition_id": partition_id,
             "task_name": task_name,
@@ -238,6 +319,10 @@ class Controller:
             raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
         meta = partition.meta_for(sampled, fields)
         partition.consume(task_name, consumed)
+        if partition.versions:
+            self._served_staleness.update(
+                self._policy_version - partition.versions[i] for i in sampled if i in partition.versions
+            )
         if request_id is not None:
             self._answers.remember(request_id, request, partition_id, meta.task_ids)
         return DistributedBatchMemory.from_meta(meta, self._client)
@@ -272,16 +357,28 @@ class Controller:
         ``{"waiting_consumers": n, "partitions": {id: {...}}}``; per partition: ``exists``,
         ``tasks``, ``ready`` (tasks with every field), ``clearing`` (tasks a clear is deleting),
         ``fields`` (per field: ``produced``, ``dtype``, ``ragged``), ``consumed`` (per consumer
-        task name: tasks it took) and ``waiting`` (per task name: `get_meta` calls waiting for
-        producers). A partition that consumers wait for but nobody created yet is listed too,
-        with ``"exists": false``.
+        task name: tasks it took), ``policy_versions`` (tasks per policy version they were put
+        with) and ``waiting`` (per task name: `get_meta` calls waiting for producers). A
+        partition that consumers wait for but nobody created yet is listed too, with
+        ``"exists": false``. Then ``policy_version`` (the trainer's, as set) and ``staleness``:
+        ``served`` (tasks handed out, by how many versions old they were) and ``dropped``.
         """
         with self._lock:
             out = {pid: {"exists": True, **p.summary(), "waiting": {}} for pid, p in self._partitions.items()}
             for (pid, task_name), count in self._waiting.items():
                 entry = out.setdefault(pid, {"exists": False, **Partition(pid).summary(), "waiting": {}})
                 entry["waiting"][task_name] = count
-            return {"waiting_consumers": sum(self._waiting.values()), "partitions": out}
+            return {
+                "waiting_consumers": sum(self._waiting.values()),
+                "partitions": out,
+                "policy_version": self._policy_version,
+                "staleness": self._staleness_summary(),
+            }
+
+    def _staleness_summary(self) -> dict[str, Any]:
+        """Tasks served per staleness (as string keys: JSON) and tasks dropped as stale."""
+        served = {str(age): n for age, n in sorted(self._served_staleness.items())}
+        return {"served": served, "dropped": self._dropped}
 
     def production_status(self, partition_id: str, fields: Sequence[str] | None = None) -> dict[str, Any]:
         """Tasks in the partition, how many have each field, and how many have all of `fields`.
@@ -399,8 +496,18 @@ class Controller:
             # While the deletes run (outside the lock), nobody is handed these tasks and no
             # producer adds a field to them: a new shard would outlive the forgotten task.
             partition.mark_clearing(indexes, +1)
-        deleted_by_node, failed = self._delete_marked({partition_id: (partition, indexes)}, plan)
+        deleted_by_node, failed = self._clear_marked(_Drop(partition_id, partition, indexes, plan))
         deleted = sum(deleted_by_node.values())
+        if failed:
+            raise ClearError(failed, deleted, {n: len(plan[n]) for n in failed}, deleted_by_node)
+        return deleted
+
+    def _clear_marked(self, clear: _Drop) -> tuple[dict[str, int], dict[str, NodeError]]:
+        """Delete the shards of tasks marked as being cleared, then forget those whose shards all
+        went (the others stay, for a retry); the shards deleted per node, and the nodes that
+        failed."""
+        partition_id, partition, indexes, plan = clear
+        deleted_by_node, failed = self._delete_marked({partition_id: (partition, indexes)}, plan)
         with self._changed:
             if self._partitions.get(partition_id) is partition:
                 forgotten = partition.settle_clear(indexes, plan, failed)
@@ -410,9 +517,28 @@ class Controller:
                 partition.forget(forgotten)
                 _forget_in_sampler(self.sampler, partition_id, forgotten)
                 self._changed.notify_all()
+        return deleted_by_node, failed
+
+    def _finish_drop(self, drop: _Drop) -> None:
+        """Delete the stale tasks a `get_meta(stale="drop")` hid, and count them; a worker that
+        cannot be reached is logged (the consumer's call does not fail for stale data), and its
+        tasks stay hidden until a clear or `forget_node` settles them."""
+        try:
+            _, failed = self._clear_marked(drop)
+        except Exception:
+            logger.warning(
+                "dropping %d stale task(s) of %r failed", len(drop.indexes), drop.partition_id, exc_info=True
+            )
+            return
+        with self._lock:
+            self._dropped += len(drop.indexes)
         if failed:
-            raise ClearError(failed, deleted, {n: len(plan[n]) for n in failed}, deleted_by_node)
-        return deleted
+            logger.warning(
+                "dropped %d stale task(s) of %r, but could not delete their shards on %s",
+                len(drop.indexes),
+                drop.partition_id,
+                sorted(failed),
+            )
 
     def clear_partition(self, partition_id: str) -> int:
         """Delete every shard of the partition on the workers, then drop the partition.
@@ -521,6 +647,8 @@ class Controller:
                 "version": CHECKPOINT_VERSION,
                 "partitions": partitions,
                 "sampler": sampler_state(),
+                "policy_version": self._policy_version,
+                "staleness": self._staleness_summary(),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -529,9 +657,11 @@ class Controller:
         Remembered `get_meta` answers are not part of a checkpoint: they are forgotten.
         """
         partitions = partitions_from_state(state)
+        policy_version, served, dropped = _staleness_from_state(state)
         with self._changed:
             self.sampler.load_state_dict(state.get("sampler", {}))
             self._partitions = partitions
+            self._policy_version, self._served_staleness, self._dropped = policy_version, served, dropped
             self._answers.clear()
             self._changed.notify_all()
 
@@ -582,3 +712,29 @@ def _group_size(sampler: BaseSampler) -> int:
     if isinstance(sampler, RankAwareSampler):
         sampler = sampler.sampler
     return sampler.n_samples_per_prompt if isinstance(sampler, GRPOGroupNSampler) else 1
+
+
+class _Drop(NamedTuple):
+    """Tasks of a partition marked as being cleared, and their shards by node: what a clear (or
+    a stale drop) deletes once the lock is released."""
+
+    partition_id: str
+    partition: Partition
+    indexes: list[int]
+    plan: dict[str, list[ShardKey]]
+
+
+def _staleness_from_state(state: Mapping[str, Any]) -> tuple[int, Counter[int], int]:
+    """A checkpoint's policy version and staleness counters (absent in older ones: zeros)."""
+    try:
+        version = check_int(state.get("policy_version", 0), "policy_version", 0)
+        staleness = state.get("staleness", {})
+        served = Counter(
+            {
+                check_int(int(age), "a staleness", 0): check_int(n, "a count", 0)
+                for age, n in staleness.get("served", {}).items()
+            }
+        )
+        return version, served, check_int(staleness.get("dropped", 0), "dropped", 0)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"invalid controller checkpoint: {exc}") from None

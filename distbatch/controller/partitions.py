@@ -129,6 +129,9 @@ class Partition:
     expected: set[str] = field(default_factory=set)
     # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
     custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The policy version each task was generated with (`put(..., version=)`); a task without one
+    # is never stale. A task is as old as its oldest part: a later put keeps the older version.
+    versions: dict[int, int] = field(default_factory=dict)
     # (task name, fields) -> indexes with every one of those fields, not consumed by that task
     # name (tasks being cleared included: `ready` leaves them out); see the module docstring.
     _ready: dict[tuple[str, tuple[str, ...]], _Ascending] = field(
@@ -241,6 +244,33 @@ class Partition:
                 for row in rows:
                     column.generation.pop(row, None)
         self._add_ready(rows, meta.fields.keys())
+
+    def set_versions(self, task_ids: Sequence[str], versions: Sequence[int]) -> None:
+        """Record each task's policy version (registered tasks; the older of two wins)."""
+        for task_id, version in zip(task_ids, versions):
+            row = self.index_of[task_id]
+            known = self.versions.get(row)
+            self.versions[row] = version if known is None else min(known, version)
+
+    def split_stale(self, indexes: Sequence[int], oldest: int) -> tuple[list[int], list[int]]:
+        """`indexes` as (fresh, stale): stale ones have a policy version below `oldest`."""
+        versions = self.versions
+        if not versions:
+            return list(indexes), []
+        fresh: list[int] = []
+        stale: list[int] = []
+        for i in indexes:
+            (stale if versions.get(i, oldest) < oldest else fresh).append(i)
+        return fresh, stale
+
+    def versions_of(self, task_ids: Iterable[str]) -> dict[str, int]:
+        """The policy versions of those `task_ids` that have one."""
+        out = {}
+        for task_id in task_ids:
+            i = self.index_of.get(task_id)
+            if i is not None and i in self.versions:
+                out[task_id] = self.versions[i]
+        return out
 
     def _add_ready(self, rows: Sequence[int], put_fields: AbstractSet[str]) -> None:
         """Rows that just got `put_fields`: into each kept ready set they now belong to."""
@@ -395,6 +425,7 @@ class Partition:
             gone.append(i)
             del self.index_of[task_id]
             self.custom_meta.pop(i, None)
+            self.versions.pop(i, None)
             for column in self.columns.values():
                 column.node.pop(i, None)
                 column.shape.pop(i, None)
@@ -420,12 +451,16 @@ class Partition:
                 "dtype": column.dtype if column is not None else None,
                 "ragged": column.ragged if column is not None else False,
             }
+        by_version: dict[int, int] = {}
+        for version in self.versions.values():
+            by_version[version] = by_version.get(version, 0) + 1
         return {
             "tasks": len(self.task_of),
             "ready": self.count_ready(self.known_fields()),
             "clearing": len(self.clearing),
             "fields": fields,
             "consumed": {name: len(indexes) for name, indexes in self.consumed.items()},
+            "policy_versions": {str(v): n for v, n in sorted(by_version.items())},
         }
 
     def set_custom_meta(self, checked: Mapping[str, dict[str, Any]]) -> None:

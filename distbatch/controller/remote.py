@@ -19,9 +19,15 @@ from typing import Any
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.calls import decode_value, encode_value
 from distbatch.batch.memory import DistributedBatchMemory
+from distbatch.checks import check_int
 from distbatch.client.default import default_client
 from distbatch.client.shard_client import ShardClient
-from distbatch.controller.arguments import refuse_local_batch, refuse_one_string
+from distbatch.controller.arguments import (
+    check_staleness,
+    put_versions,
+    refuse_local_batch,
+    refuse_one_string,
+)
 from distbatch.controller.http_errors import BY_CODE, MAX_WAIT_SECONDS
 from distbatch.controller.results import ForgottenNode
 from distbatch.errors import (
@@ -84,11 +90,22 @@ class RemoteController:
         except RequestError as exc:
             raise _local_error(exc) from None
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory) -> int:
+    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
         refuse_local_batch(batch)
-        return self._post("/v1/controller/put", {"partition_id": partition_id, "batch": encode_value(batch)})[
-            "added"
-        ]
+        body: dict[str, Any] = {"partition_id": partition_id, "batch": encode_value(batch)}
+        if version is not None:  # checked against the batch's tasks by the controller
+            body["version"] = put_versions(version, len(batch))
+        return self._post("/v1/controller/put", body)["added"]
+
+    def set_policy_version(self, version: int) -> None:
+        self._post("/v1/controller/policy_version", {"version": check_int(version, "version", 0)})
+
+    def policy_version(self) -> int:
+        return int(self._get("/v1/controller/policy_version")["version"])
+
+    def policy_versions(self, partition_id: str, task_ids: Iterable[str]) -> dict[str, int]:
+        body = {"partition_id": partition_id, "task_ids": list(task_ids)}
+        return self._post("/v1/controller/policy_versions", body)["versions"]
 
     def get_meta(
         self,
@@ -99,6 +116,8 @@ class RemoteController:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        max_staleness: int | None = None,
+        stale: str = "wait",
         **sampling_config: Any,
     ) -> DistributedBatchMemory:
         """`Controller.get_meta` over HTTP, delivered at least once.
@@ -111,6 +130,7 @@ class RemoteController:
         own `request_id` to re-ask yourself after this raises.
         """
         refuse_one_string(fields, "fields", "field")
+        max_staleness = check_staleness(max_staleness, stale)
         request_id = uuid.uuid4().hex if request_id is None else validate_id(request_id, "request_id")
         # The server waits at most MAX_WAIT_SECONDS (and refuses a bad timeout itself).
         wait = min(timeout, MAX_WAIT_SECONDS) if isinstance(timeout, (int, float)) and timeout > 0 else 0
@@ -129,6 +149,8 @@ class RemoteController:
                 "timeout": timeout if attempt == 0 or not wait else max(start + wait - now, 1e-3),
                 "request_id": request_id,
                 "sampling_config": sampling_config,
+                "max_staleness": max_staleness,
+                "stale": stale,
             }
             try:
                 # Not retried by the client once sent: the loop here re-sends with the same id,

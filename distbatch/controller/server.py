@@ -41,7 +41,17 @@ logger = logging.getLogger("distbatch.controller")
 MAX_BODY_BYTES = 256 << 20
 # get_meta keywords that are not sampling config (a body's sampling_config may not set them).
 _GET_META_KEYWORDS = frozenset(
-    {"partition_id", "task_name", "fields", "batch_size", "timeout", "request_id", "partition"}
+    {
+        "partition_id",
+        "task_name",
+        "fields",
+        "batch_size",
+        "timeout",
+        "request_id",
+        "partition",
+        "max_staleness",
+        "stale",
+    }
 )
 _ROUTES = Blueprint("controller", __name__)
 # get_meta calls served at once; more wait their turn, idle, once they have arrived
@@ -107,7 +117,7 @@ def put() -> Response:
     batch = decode_value(_required(body, "batch"), None)
     if not isinstance(batch, DistributedBatchMemory):
         raise InvalidArgumentError("'batch' must be a tagged batch")
-    return jsonify({"added": _controller().put(partition_id, batch)})
+    return jsonify({"added": _controller().put(partition_id, batch, version=body.get("version"))})
 
 
 @_ROUTES.post("/v1/controller/create_partition")
@@ -140,9 +150,31 @@ def get_meta() -> Response:
         _required(body, "batch_size"),
         timeout=min(float(timeout), MAX_WAIT_SECONDS) if timeout else None,
         request_id=body.get("request_id"),
+        max_staleness=body.get("max_staleness"),
+        stale=body.get("stale", "wait"),
         **config,
     )
     return jsonify({"batch": encode_value(batch)})
+
+
+@_ROUTES.get("/v1/controller/policy_version")
+def policy_version() -> Response:
+    return jsonify({"version": _controller().policy_version()})
+
+
+@_ROUTES.post("/v1/controller/policy_version")
+def set_policy_version() -> Response:
+    _controller().set_policy_version(_required(_body(), "version"))
+    return jsonify({"ok": True})
+
+
+@_ROUTES.post("/v1/controller/policy_versions")
+def policy_versions() -> Response:
+    body = _body()
+    task_ids = _required(body, "task_ids")
+    if not isinstance(task_ids, list):
+        raise InvalidArgumentError("'task_ids' must be a list")
+    return jsonify({"versions": _controller().policy_versions(_required(body, "partition_id"), task_ids)})
 
 
 @_ROUTES.post("/v1/controller/production_status")

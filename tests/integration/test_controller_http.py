@@ -40,7 +40,6 @@ def prefix() -> str:
     return uuid.uuid4().hex[:8]
 
 
-
 def groups(node: str, ids: Sequence[str], lengths: Sequence[int], n: int = 2) -> DistributedBatchMemory:
     return remote(
         node,
@@ -259,7 +258,13 @@ def test_summary_shows_partitions_consumers_and_who_waits_where(
     node = shared_workers[0].node
     server = serve(Controller())
     rc = RemoteController(server.address, timeout=30)
-    assert rc.summary() == {"waiting_consumers": 0, "partitions": {}}
+    nothing_served = {"served": {}, "dropped": 0}
+    assert rc.summary() == {
+        "waiting_consumers": 0,
+        "partitions": {},
+        "policy_version": 0,
+        "staleness": nothing_served,
+    }
     ids = [f"{prefix()}-{i}" for i in range(4)]
     rc.create_partition("p", expected_fields=["reward"])
     rc.put("p", remote(node, ids, x=[torch.arange(k) for k in range(1, 5)]))
@@ -288,6 +293,7 @@ def test_summary_shows_partitions_consumers_and_who_waits_where(
                 "reward": {"produced": 0, "dtype": None, "ragged": False},
             },
             "consumed": {"train": 3},
+            "policy_versions": {},
             "waiting": {"critic": 1, "judge": 1},
         }
         assert summary["partitions"]["later"] == {
@@ -297,6 +303,7 @@ def test_summary_shows_partitions_consumers_and_who_waits_where(
             "clearing": 0,
             "fields": {},
             "consumed": {},
+            "policy_versions": {},
             "waiting": {"gen": 1},
         }
         rc.put("p", remote(node, ids[2:], y=torch.zeros(2, 3)))
