@@ -297,9 +297,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             (both modes); None waits forever.
         fetch_retries: how many times a batch whose fetch failed with a
             transient error is asked again (same tasks) before the error is raised.
-        max_staleness, stale: only tasks at most `max_staleness` policy versions older than
-            the controller's `policy_version()`; older ones wait (``"wait"``) or are dropped
-            (``"drop"``), as `Controller.get_meta` says. Passed to `fetch_batch_fn` only when set.
+        max_staleness: only tasks at most this many policy versions older than the
+            controller's `policy_version()` (`Controller.get_meta`); passed to `fetch_batch_fn`
+            only when set.
+        stale: what happens to older ready tasks: ``"wait"`` (they stay) or ``"drop"``.
         max_tokens: cut each batch into micro-batches of at most this many tokens
             (`DistributedBatchMemory.split_micro_batches`, balanced by tokens) instead of
             `micro_batch_size` tasks; `micro_batches` fixes their count, the same on every

@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,15 @@ import torch
 from toy_policy import grpo_advantages, grpo_token_loss, make_policy, prompt_for, reward, sample
 from tqdm import tqdm
 
-from distbatch import DistributedBatchMemory, ShardClient, WorkerGroup, default_client, set_default_client
+from distbatch import (
+    Controller,
+    DistributedBatchMemory,
+    ShardClient,
+    WorkerGroup,
+    default_client,
+    set_default_client,
+)
+from distbatch.samplers import GRPOGroupNSampler
 
 ENGINE_MODULE = "grpo_train"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -227,6 +236,8 @@ class RunReport:
     steps: list[StepReport] = field(default_factory=list)
     weights: dict[int, torch.Tensor] = field(default_factory=dict)  # the final policy, by parameter
     shards_left: int = -1
+    seconds: float = 0.0  # the whole training loop, wall clock
+    staleness: dict[str, Any] = field(default_factory=dict)  # async: the controller's counters
 
     @property
     def rewards(self) -> list[float]:
@@ -261,6 +272,28 @@ class Job:
         self.stored.append(weights)
         self.rollout.call("load_weights", self.hand_over(weights, self.rollout.nodes), version=version)
 
+    def gradients(
+        self, chunks: list[DistributedBatchMemory], step: int
+    ) -> tuple[DistributedBatchMemory, int, int]:
+        """Each train rank's gradient of the step's loss over its chunk, in token-budget
+        micro-batches of one count for all ranks: the gradients (kept on the ranks), the step's
+        response tokens, the micro-batch count."""
+        args = self.args
+        tokens = sum(sum(chunk.lengths("logprobs")) for chunk in chunks)  # response tokens
+        count = DistributedBatchMemory.micro_batch_count(chunks, args.max_tokens, length_field="input_ids")
+        gradients = DistributedBatchMemory.concat(
+            self.train.call(
+                "compute_gradients",
+                chunks,
+                step=step,
+                total_tokens=tokens,
+                micro_batches=count,
+                max_tokens=args.max_tokens,
+            )
+        )
+        self.stored.append(gradients)
+        return gradients, tokens, count
+
     def clear(self) -> None:
         for batch in self.stored:
             batch.clear()
@@ -288,19 +321,7 @@ class Job:
         if self.centralised:
             chunks = [chunk.to_remote(node) for chunk, node in zip(chunks, self.train.nodes)]
             self.stored += chunks
-        tokens = sum(sum(chunk.lengths("logprobs")) for chunk in chunks)  # response tokens
-        count = DistributedBatchMemory.micro_batch_count(chunks, args.max_tokens, length_field="input_ids")
-        gradients = DistributedBatchMemory.concat(
-            self.train.call(
-                "compute_gradients",
-                chunks,
-                step=step,
-                total_tokens=tokens,
-                micro_batches=count,
-                max_tokens=args.max_tokens,
-            )
-        )
-        self.stored.append(gradients)
+        gradients, tokens, count = self.gradients(chunks, step)
         self.train.call("apply_gradients", self.hand_over(gradients, self.train.nodes))
         self.publish_weights(step + 1)
         rewards = self.rollout.call_all("take_metrics")
@@ -321,9 +342,112 @@ class Job:
         )
 
 
+class AsyncJob:
+    """Rollout up to `ahead` steps in front of training (`--async K`), through a distbatch
+    `Controller`: a producer thread generates step s as soon as the trainers have finished
+    step s - K, and puts it with the policy version that generated it; the training loop takes
+    a step's worth of whole groups at most K versions old (`get_meta(max_staleness=K)`), trains,
+    publishes the weights, and tells the controller the new version. Generation and weight
+    loading take turns on the rollout workers (a generation runs on one version)."""
+
+    def __init__(self, job: Job, ahead: int) -> None:
+        self.job, self.ahead = job, ahead
+        self.controller = Controller(GRPOGroupNSampler(n_samples_per_prompt=job.args.n))
+        self.turns = threading.Lock()  # generate / load_weights on the rollout workers
+        self.progress = threading.Condition()
+        self.trained = 0  # steps trained: the trainers' policy version
+        self.loaded = 0  # the version the rollout workers hold
+        self.rewards: dict[int, float] = {}
+        self.failure: BaseException | None = None
+
+    def produce(self) -> None:
+        """The producer thread: rollout steps, each at most `ahead` steps in front of training,
+        until training is done (more steps than training takes, when stale ones were dropped)."""
+        args, rollout = self.job.args, self.job.rollout
+        try:
+            prompts = list(range(args.prompts))
+            step = 0
+            while True:
+                with self.progress:
+                    while step - self.trained > self.ahead and self.trained < args.steps:
+                        self.progress.wait()
+                    if self.trained >= args.steps:
+                        return
+                with self.turns:
+                    version = self.loaded
+                    produced = DistributedBatchMemory.concat(
+                        rollout.call(
+                            "generate",
+                            [prompts[i :: len(rollout)] for i in range(len(rollout))],
+                            step=step,
+                            n=args.n,
+                            seed=args.seed,
+                        )
+                    )
+                    metrics = rollout.call_all("take_metrics")
+                self.controller.put("rollout", produced, version=version)
+                self.rewards[step] = sum(m["reward_sum"] for m in metrics) / max(
+                    sum(m["responses"] for m in metrics), 1
+                )
+                step += 1
+        except BaseException as exc:  # the training loop raises it
+            self.failure = exc
+
+    def next_batch(self, size: int) -> DistributedBatchMemory:
+        """A step's worth of whole groups, at most `ahead` versions old (older ones dropped)."""
+        while True:
+            batch = self.controller.get_meta(
+                "rollout", "train", TRAIN_FIELDS, size, timeout=1.0, max_staleness=self.ahead, stale="drop"
+            )
+            if len(batch):
+                return batch
+            if self.failure is not None:
+                raise RuntimeError("the rollout thread failed") from self.failure
+
+    def train(self, steps: tqdm) -> list[StepReport]:
+        job, args = self.job, self.job.args
+        reports = []
+        producer = threading.Thread(target=self.produce, name="rollout", daemon=True)
+        producer.start()
+        for step in steps:
+            started = time.perf_counter()
+            batch = self.next_batch(args.prompts * args.n)
+            chunks = batch.chunk_balanced(len(job.train), group_size=args.n, length_field="input_ids")
+            gradients, tokens, count = job.gradients(chunks, step)
+            job.train.call_all("apply_gradients", gradients)
+            with self.turns:
+                job.publish_weights(step + 1)
+                self.loaded = step + 1
+            self.controller.set_policy_version(step + 1)
+            with self.progress:
+                self.trained = step + 1
+                self.progress.notify_all()
+            losses = job.train.call_all("take_metrics")
+            self.controller.clear_tasks("rollout", batch.task_ids)
+            job.clear()
+            reports.append(
+                StepReport(
+                    step=step,
+                    reward=self.rewards.get(step, float("nan")),
+                    loss=sum(m["loss_sum"] for m in losses),
+                    tokens=tokens,
+                    micro_batches=count,
+                    controller_bytes=0,
+                    http_bytes=sum(m["http_bytes"] for m in losses),
+                    shm_bytes=sum(m["shm_bytes"] for m in losses),
+                    seconds=time.perf_counter() - started,
+                )
+            )
+            steps.set_postfix(reward=f"{reports[-1].reward:.3f}")
+        producer.join()
+        self.controller.clear_partition("rollout")  # what the producer made past the last step
+        return reports
+
+
 def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False) -> RunReport:
     """Start the workers, train `args.steps` steps, keep the final weights, stop the workers."""
-    report = RunReport("centralised" if centralised else "distributed")
+    mode = "centralised" if centralised else "distributed"
+    report = RunReport(mode if args.ahead is None else f"async-{args.ahead}")
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     if args.http:  # every process on HTTP, the workers too (DISTBATCH_SHM=0)
         env["DISTBATCH_SHM"] = "0"
@@ -348,9 +472,16 @@ def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False
         job.publish_weights(0)  # the rollout workers start from the trainers' weights
         job.clear()
         steps = tqdm(range(args.steps), desc=f"[{report.mode}]", unit="step", disable=quiet, leave=True)
-        for step in steps:
-            report.steps.append(job.step(step))
-            steps.set_postfix(reward=f"{report.steps[-1].reward:.3f}")
+        started = time.perf_counter()
+        if args.ahead is not None:
+            asynchronous = AsyncJob(job, args.ahead)
+            report.steps = asynchronous.train(steps)
+            report.staleness = asynchronous.controller.summary()["staleness"]
+        else:
+            for step in steps:
+                report.steps.append(job.step(step))
+                steps.set_postfix(reward=f"{report.steps[-1].reward:.3f}")
+        report.seconds = time.perf_counter() - started
         final = DistributedBatchMemory.concat(train.call_all("weights", version=args.steps))
         values, cu_seqlens = final.packed("value")
         for k, i in enumerate(final["index"].tolist()):
@@ -421,6 +552,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--http", action="store_true", help="HTTP only, even between processes on one host (no shared memory)"
     )
+    parser.add_argument(
+        "--async",
+        dest="ahead",
+        type=int,
+        metavar="K",
+        help="asynchronous: rollout runs up to K steps ahead of training, on a policy at most K versions old",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--centralised", action="store_true", help="every batch through the controller")
     mode.add_argument("--compare", action="store_true", help="distributed, then centralised; check identical")
@@ -431,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.launcher == "ray" and importlib.util.find_spec("ray") is None:
         print(RAY_MISSING, file=sys.stderr)
+        return 2
+    if args.ahead is not None and (args.compare or args.centralised or args.ahead < 0):
+        print("grpo_train.py: --async K (K >= 0) runs distributed only", file=sys.stderr)
         return 2
     modes = [False, True] if args.compare else [args.centralised]
     reports = [run(args, centralised) for centralised in modes]
@@ -453,6 +594,13 @@ def main(argv: list[str] | None = None) -> int:
             f"gradients and weights over HTTP and {shm / 1e6:.1f} MB through shared memory; "
             f"the controller moved {moved / 1e6:.2f} MB; stores empty: {empty}"
         )
+    for report in reports:
+        print(f"[{report.mode}] {args.steps / report.seconds:.2f} steps/s ({report.seconds:.1f} s in all)")
+        if report.staleness:
+            served = ", ".join(
+                f"{n} tasks {age} version(s) old" for age, n in report.staleness["served"].items()
+            )
+            print(f"[{report.mode}] trained on {served}; dropped as stale: {report.staleness['dropped']}")
     ok = all(r.shards_left == 0 for r in reports)
     if len(reports) == 2:
         same = identical(reports[0], reports[1])

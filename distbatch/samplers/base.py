@@ -4,6 +4,7 @@ batches and its checkpoint rows), the argument checks, and `probe_safe`."""
 from __future__ import annotations
 
 import logging
+import sys
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -105,10 +106,13 @@ def _checked_row(row: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[int] | None:
+def _complete_groups(
+    ready_indexes: Sequence[int], n: int, count: int, partition: Any = None
+) -> list[int] | None:
     """Ids of the first `count` complete groups (all n members ready), or None if fewer exist.
 
-    Group k is the aligned block [k*n, (k+1)*n); groups are taken in order of id.
+    Group k is the aligned block [k*n, (k+1)*n); groups are taken in order of id, oldest policy
+    version first where `partition` has versions (see `oldest_first`).
     """
     ready = set(ready_indexes)
     for i in ready:
@@ -118,7 +122,27 @@ def _complete_groups(ready_indexes: Sequence[int], n: int, count: int) -> list[i
     complete = sorted(g for g, c in members.items() if c == n)
     if len(complete) < count:
         return None
+    if _versions(partition):
+        return [i // n for i in oldest_first([g * n for g in complete], partition)[:count]]
     return complete[:count]
+
+
+def _versions(partition: Any) -> Mapping[int, int]:
+    """The policy version per task index a controller's partition keeps (empty: none known)."""
+    versions = getattr(partition, "versions", None)
+    return versions if isinstance(versions, Mapping) else {}
+
+
+def oldest_first(indexes: Sequence[int], partition: Any) -> list[int]:
+    """`indexes` in order of the policy version their tasks were put with, oldest first, then of
+    index (tasks without a version last): what an asynchronous consumer takes first, so fewer
+    tasks grow too old. Index order alone is not age: a cleared task's index is reused by a
+    later put. Unchanged where `partition` keeps no versions."""
+    versions = _versions(partition)
+    if not versions:
+        return list(indexes)
+    newest = sys.maxsize
+    return sorted(indexes, key=lambda i: (versions.get(i, newest), i))
 
 
 class BaseSampler(ABC):

@@ -23,7 +23,8 @@ class GRPOGroupNSampler(BaseSampler):
 
     Group k is the aligned block ``[k*n, (k+1)*n)`` (see the module docstring);
     it is complete when all n indexes are ready. A call takes the first
-    ``batch_size // n`` complete groups by index, or nothing. With ``dp_rank``
+    ``batch_size // n`` complete groups by index (oldest policy version first where the
+    controller's partition keeps versions), or nothing. With ``dp_rank``
     and ``batch_index`` in the sampling config the result is cached per rank
     (like `RankAwareSampler`); without them nothing is cached.
     """
@@ -50,10 +51,11 @@ class GRPOGroupNSampler(BaseSampler):
             )
         return n
 
-    def _select(self, ready_indexes: Sequence[int], n_groups: int) -> list[int] | None:
-        """Sample indexes of the first `n_groups` complete groups, or None."""
+    def _select(self, ready_indexes: Sequence[int], n_groups: int, partition: Any = None) -> list[int] | None:
+        """Sample indexes of the first `n_groups` complete groups (oldest policy version first,
+        where `partition` keeps versions), or None."""
         n = self.n_samples_per_prompt
-        groups = _complete_groups(ready_indexes, n, n_groups)
+        groups = _complete_groups(ready_indexes, n, n_groups, partition)
         if groups is None:
             return None
         return [g * n + j for g in groups for j in range(n)]
@@ -87,7 +89,7 @@ class GRPOGroupNSampler(BaseSampler):
             cached = self._cached(partition_id, task_name, *key, batch_size)
             if cached is not None:
                 return cached
-        sampled = self._select(ready_indexes, batch_size // n)
+        sampled = self._select(ready_indexes, batch_size // n, kwargs.get("partition"))
         if sampled is None:
             return [], []
         if key is not None:

@@ -147,7 +147,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         cached = self._cached(partition_id, task_name, rank, index, batch_size)
         if cached is not None:
             return cached
-        selected = self._select(ready_indexes, total // n)
+        selected = self._select(ready_indexes, total // n, partition)
         if selected is None:
             return [], []
         per_sample = self._lengths(selected, partition, lengths)

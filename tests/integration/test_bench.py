@@ -100,14 +100,15 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
     assert "same host, tiny" in summary(results)
 
 
-@pytest.mark.parametrize(
-    ("backend", "same_host"), [("SimpleStorage", False), ("Distbatch", False), ("Distbatch", True)]
-)
+# Distbatch over HTTP runs the same harness code with one flag turned off (the backend's HTTP path
+# is what tests/system/test_transferqueue_backend.py checks, the suite being on HTTP).
+@pytest.mark.parametrize(("backend", "same_host"), [("SimpleStorage", False), ("Distbatch", True)])
 def test_transferqueue_backends_put_and_get_the_same_batches(
     tmp_path: Path, backend: str, same_host: bool
 ) -> None:
-    """The bench's TransferQueue rows, each backend on each path. Long (10-15 s alone each): every
-    run starts Ray, TransferQueue's actors and, for Distbatch, our workers, as the bench does."""
+    """The bench's TransferQueue rows, each backend on its usual path. Long (10-15 s alone each):
+    every run starts Ray, TransferQueue's actors and, for Distbatch, our workers, as the bench
+    does."""
     reason = transferqueue.available()
     if reason:
         pytest.skip(reason)

@@ -247,3 +247,35 @@ def test_the_streaming_loader_takes_fresh_tasks_and_cuts_them_by_tokens(
     with pytest.raises(InvalidArgumentError, match="micro_batches= needs max_tokens="):
         StreamingDataset(ctl, "p", "train", ["input_ids"], 4, micro_batches=2)
     ctl.clear_partition("p")
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [SequentialSampler(), GRPOGroupNSampler(n_samples_per_prompt=N), SeqlenBalancedSampler(N, dp_size=1)],
+    ids=["sequential", "grpo", "balanced"],
+)
+def test_the_oldest_tasks_go_first(
+    shared_workers: list[WorkerProcess], make: Callable[..., Any], sampler: BaseSampler
+) -> None:
+    """A cleared task's index is reused by a later put, so index order is not age: with versions,
+    samplers take the oldest first (an asynchronous consumer then drops fewer as stale)."""
+    node = shared_workers[0].node
+    ctl = make(sampler)
+    tag = uuid.uuid4().hex[:6]
+    first, second = groups(node, f"{tag}a", 1), groups(node, f"{tag}b", 1)
+    ctl.put("p", first, version=0)
+    ctl.put("p", second, version=1)
+    ranked = {"dp_rank": 0} if isinstance(sampler, SeqlenBalancedSampler) else {}
+
+    def take(index: int) -> list[str]:
+        config = {**ranked, "batch_index": index} if ranked else {}
+        return sorted(ctl.get_meta("p", "train", ["input_ids"], N, **config).task_ids)
+
+    taken = take(0)
+    assert taken == sorted(first.task_ids)
+    ctl.clear_tasks("p", taken)
+    newest = groups(node, f"{tag}c", 1)
+    ctl.put("p", newest, version=2)  # into the block the first group freed: the lowest indexes
+    assert take(1) == sorted(second.task_ids)
+    assert take(2) == sorted(newest.task_ids)
+    ctl.clear_partition("p")
