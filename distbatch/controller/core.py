@@ -375,6 +375,12 @@ class Controller:
                 "staleness": self._staleness_summary(),
             }
 
+    def staleness(self) -> dict[str, Any]:
+        """Tasks handed out per staleness (how many policy versions old, as string keys) and
+        tasks dropped as stale: `summary()["staleness"]`, without the partitions' summaries."""
+        with self._lock:
+            return self._staleness_summary()
+
     def _staleness_summary(self) -> dict[str, Any]:
         """Tasks served per staleness (as string keys: JSON) and tasks dropped as stale."""
         served = {str(age): n for age, n in sorted(self._served_staleness.items())}

@@ -94,6 +94,7 @@ def metrics() -> Response:
     """Prometheus exposition: the request metrics every distbatch app keeps, and the
     controller's partitions and waiting consumers."""
     controller = _controller()
+    staleness = controller.staleness()
     text = current_app.extensions["metrics"].render(
         {
             "distbatch_controller_partitions": (
@@ -104,8 +105,20 @@ def metrics() -> Response:
                 "get_meta calls waiting for producers right now (starvation).",
                 controller.waiting_consumers(),
             ),
+            "distbatch_controller_policy_version": (
+                "The trainer's policy version, as last set.",
+                controller.policy_version(),
+            ),
             **connection_gauges(current_app),
-        }
+        },
+        {"distbatch_controller_stale_dropped_total": ("Tasks dropped as stale.", staleness["dropped"])},
+        {
+            "distbatch_controller_served_tasks_total": (
+                "Tasks handed out, by how many policy versions old they were.",
+                "staleness",
+                staleness["served"],
+            )
+        },
     )
     return Response(text, content_type=METRICS_CONTENT_TYPE)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,11 +31,16 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "P
 Values = dict[str, tuple[str, float | int | None]]
 
 
-class _Snapshot:
-    """A collector of values read at scrape time (the store's sizes): gauges and counters."""
+# name -> (help, label name, {label value: count}): a counter per label value, read at scrape time.
+LabelledCounters = Mapping[str, tuple[str, str, Mapping[str, float]]]
 
-    def __init__(self, gauges: Values, counters: Values) -> None:
-        self.gauges, self.counters = gauges, counters
+
+class _Snapshot:
+    """A collector of values read at scrape time (the store's sizes): gauges and counters, and
+    counters by one label (the controller's tasks served per staleness)."""
+
+    def __init__(self, gauges: Values, counters: Values, labelled: LabelledCounters) -> None:
+        self.gauges, self.counters, self.labelled = gauges, counters, labelled
 
     def collect(self) -> Iterator[Metric]:
         for name, (help_text, value) in self.gauges.items():
@@ -44,6 +49,11 @@ class _Snapshot:
         for name, (help_text, value) in self.counters.items():
             if value is not None:
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
+        for name, (help_text, label, values) in self.labelled.items():
+            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=[label])
+            for label_value, value in values.items():
+                family.add_metric([label_value], value)
+            yield family
 
 
 class Metrics:
@@ -101,11 +111,14 @@ class Metrics:
             rows = [self._by_endpoint[ep] for ep in endpoints if ep in self._by_endpoint]
             return sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
 
-    def render(self, gauges: Values, counters: Values | None = None) -> bytes:
-        """The exposition: `gauges` and `counters` (name -> (help, value), read now by the app)
-        and every request collector."""
+    def render(
+        self, gauges: Values, counters: Values | None = None, labelled: LabelledCounters | None = None
+    ) -> bytes:
+        """The exposition: `gauges` and `counters` (name -> (help, value), read now by the app),
+        `labelled` counters, and every request collector."""
         # generate_latest only calls collect(): the snapshot needs no registry of its own.
-        return generate_latest(_Snapshot(gauges, counters or {})) + generate_latest(self.registry)
+        snapshot = _Snapshot(gauges, counters or {}, labelled or {})
+        return generate_latest(snapshot) + generate_latest(self.registry)
 
 
 def record_requests(app: Flask, metrics: Metrics) -> None:

@@ -279,3 +279,26 @@ def test_the_oldest_tasks_go_first(
     assert take(1) == sorted(second.task_ids)
     assert take(2) == sorted(newest.task_ids)
     ctl.clear_partition("p")
+
+
+def test_the_served_controller_exports_versions_and_staleness(
+    shared_workers: list[WorkerProcess], serve: Callable[..., Any]
+) -> None:
+    """Its `/metrics`: the policy version, tasks served by staleness, tasks dropped as stale."""
+    import urllib.request
+
+    node = shared_workers[0].node
+    controller = Controller(SequentialSampler())
+    address = serve(controller).address
+    tag = uuid.uuid4().hex[:6]
+    controller.put("p", groups(node, f"{tag}o", 1), version=0)
+    controller.put("p", groups(node, f"{tag}n", 1), version=2)
+    controller.set_policy_version(3)
+    assert len(controller.get_meta("p", "train", ["input_ids"], N, max_staleness=1, stale="drop")) == N
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "distbatch_controller_policy_version 3.0" in text
+    assert 'distbatch_controller_served_tasks_total{staleness="1"} 4.0' in text
+    assert "distbatch_controller_stale_dropped_total 4.0" in text
+    assert controller.staleness() == {"served": {"1": N}, "dropped": N}
+    controller.clear_partition("p")
