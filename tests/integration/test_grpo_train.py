@@ -125,12 +125,12 @@ def test_micro_batches_are_cut_by_tokens(runs: tuple) -> None:
 
 
 def test_the_script_runs_as_scripts_demo_runs_it(tmp_path: Path) -> None:
-    """`--compare` in a process of its own, workers and all: the table, the check, the plot."""
+    """The script in a process of its own, workers and all: the table, the summary, the plot
+    (`scripts/demo` adds `--compare`, whose check the tests above make in this process)."""
     done = subprocess.run(
         [
             sys.executable,
             str(EXAMPLES / "grpo_train.py"),
-            "--compare",
             "--steps",
             "2",
             "--prompts",
@@ -147,11 +147,11 @@ def test_the_script_runs_as_scripts_demo_runs_it(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert out.splitlines()[1].split() == ["step", "0", "1"]
-    assert "identical rewards at every step and bit-identical final weights" in out
-    assert out.count("stores empty: yes") == 2
+    assert "mean reward:" in out and "steps/s" in out
+    assert out.count("stores empty: yes") == 1
     assert (tmp_path / "run" / "reward.png").stat().st_size > 10_000
     curves = json.loads((tmp_path / "run" / "reward.json").read_text())
-    assert curves["distributed"] == curves["centralised"] and len(curves["distributed"]) == 2
+    assert list(curves) == ["distributed"] and len(curves["distributed"]) == 2
 
 
 def test_the_asynchronous_job_trains_on_policies_at_most_k_versions_old(job: ModuleType) -> None:
