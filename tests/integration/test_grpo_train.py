@@ -37,7 +37,7 @@ def job() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def runs(job: ModuleType) -> tuple[object, object]:
     """The same seed twice: distributed over shared memory, then centralised over HTTP only."""
-    args = job.parse_args(["--steps", str(STEPS), "--prompts", "24", "--max-tokens", "512"])
+    args = job.parse_args(["--steps", str(STEPS), "--prompts", "8", "--max-tokens", "160"])
     with pytest.MonkeyPatch.context() as env:
         env.delenv("DISTBATCH_SHM")  # the suite runs on HTTP unless a test says otherwise
         set_default_client(None)  # a client that sees it
@@ -53,6 +53,21 @@ def runs(job: ModuleType) -> tuple[object, object]:
 def test_the_grpo_of_the_job_learns(job: ModuleType) -> None:
     """The job's policy, sampling, reward and loss (`toy_policy`), in one process: from chance
     (0.1, one digit in ten) to well above it in 30 steps of 24 prompts x 8 responses."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the job's workers run; more threads spin on a busy machine
+    try:
+        means = _learn()
+    finally:
+        torch.set_num_threads(threads)
+    first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
+    assert 0.07 < first < 0.13, means
+    assert last > first + 0.06, means
+
+
+def _learn() -> list[float]:
+    """30 steps of the job's GRPO in this process; the mean reward of each step."""
     import torch
     from toy_policy import grpo_advantages, grpo_token_loss, make_policy, prompt_for, reward, sample
 
@@ -88,9 +103,7 @@ def test_the_grpo_of_the_job_learns(job: ModuleType) -> None:
         loss.backward()
         optimizer.step()
         means.append(float(torch.cat(rewards).mean()))
-    first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
-    assert 0.07 < first < 0.13, means
-    assert last > first + 0.06, means
+    return means
 
 
 def test_the_data_plane_changes_nothing_it_carries(job: ModuleType, runs: tuple) -> None:
@@ -116,12 +129,12 @@ def test_each_run_took_the_path_it_says(runs: tuple) -> None:
 
 
 def test_micro_batches_are_cut_by_tokens(runs: tuple) -> None:
-    """24 prompts x 8 responses of 3-6 digits (sequences of 7-13 tokens, about 1,000 per rank)
-    over 2 ranks, under 512 tokens a micro-batch: at least two micro-batches per rank, the same
-    count on both (else the ranks would not sum the same gradients, which `identical` checks)."""
+    """8 prompts x 8 responses of 3-6 digits (sequences of 7-13 tokens, about 320 per rank) over
+    2 ranks, under 160 tokens a micro-batch: at least two micro-batches per rank, the same count
+    on both (else the ranks would not sum the same gradients, which `identical` checks)."""
     for step in runs[0].steps:
-        assert 24 * 8 * 3 <= step.tokens <= 24 * 8 * 6  # response tokens
-        assert 2 <= step.micro_batches <= 4
+        assert 8 * 8 * 3 <= step.tokens <= 8 * 8 * 6  # response tokens
+        assert 2 <= step.micro_batches <= 5
 
 
 def test_the_script_runs_as_scripts_demo_runs_it(tmp_path: Path) -> None:
