@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -223,12 +224,29 @@ class RayWorkers:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        _wait_until_dead(self.actors, timeout)
         if self.placement_group is not None:
             try:
                 remove_placement_group(self.placement_group)
             except Exception:
                 pass
         self.actors = []
+
+
+def _wait_until_dead(actors: list[Any], timeout: float) -> None:
+    """Return once every actor is dead, or `timeout` seconds have passed: `ray.kill` only asks,
+    and a call made right after it (a caller checking that `shutdown()` did its job) could still
+    reach the actor."""
+    deadline = time.monotonic() + timeout
+    for actor in actors:
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=remaining)
+            except ray.exceptions.RayActorError:
+                break  # dead
+            except Exception:  # a timeout or the cluster going: nothing more to wait for
+                return
+            time.sleep(0.05)
 
 
 # The flags Ray placement decides (argparse dest -> why), besides those any group decides.
