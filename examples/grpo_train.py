@@ -359,6 +359,13 @@ class AsyncJob:
         self.loaded = 0  # the version the rollout workers hold
         self.rewards: dict[int, float] = {}
         self.failure: BaseException | None = None
+        self.stopping = False  # set when training is done or failed: the producer stops
+        self.producer = threading.Thread(target=self.produce, name="rollout", daemon=True)
+
+    def queued(self, step: int) -> int:
+        """Rollout steps made and not yet trained on nor dropped, were `step` made now."""
+        dropped_steps = self.controller.staleness()["dropped"] // (self.job.args.prompts * self.job.args.n)
+        return step - self.trained - dropped_steps
 
     def produce(self) -> None:
         """The producer thread: rollout steps, each at most `ahead` steps in front of training,
@@ -369,9 +376,10 @@ class AsyncJob:
             step = 0
             while True:
                 with self.progress:
-                    while step - self.trained > self.ahead and self.trained < args.steps:
+                    # Steps whose tasks were dropped as stale count as not produced.
+                    while self.queued(step) > self.ahead and not self.stopping:
                         self.progress.wait()
-                    if self.trained >= args.steps:
+                    if self.stopping:
                         return
                 with self.turns:
                     version = self.loaded
@@ -403,12 +411,27 @@ class AsyncJob:
                 return batch
             if self.failure is not None:
                 raise RuntimeError("the rollout thread failed") from self.failure
+            if not self.producer.is_alive():
+                raise RuntimeError("the rollout thread stopped with too few fresh tasks left to train on")
 
     def train(self, steps: tqdm) -> list[StepReport]:
+        """Train `steps` steps while the producer thread runs ahead; stop it at the end, or at
+        a failure of either (the producer's raised here)."""
+        self.producer.start()
+        try:
+            return self._train(steps)
+        finally:
+            with self.progress:
+                self.stopping = True
+                self.progress.notify_all()
+            self.producer.join()
+            self.controller.clear_partition("rollout")  # what the producer made past the last step
+            if self.failure is not None:
+                raise RuntimeError("the rollout thread failed") from self.failure
+
+    def _train(self, steps: tqdm) -> list[StepReport]:
         job, args = self.job, self.job.args
         reports = []
-        producer = threading.Thread(target=self.produce, name="rollout", daemon=True)
-        producer.start()
         for step in steps:
             started = time.perf_counter()
             batch = self.next_batch(args.prompts * args.n)
@@ -439,8 +462,6 @@ class AsyncJob:
                 )
             )
             steps.set_postfix(reward=f"{reports[-1].reward:.3f}")
-        producer.join()
-        self.controller.clear_partition("rollout")  # what the producer made past the last step
         return reports
 
 

@@ -302,3 +302,20 @@ def test_the_served_controller_exports_versions_and_staleness(
     assert "distbatch_controller_stale_dropped_total 4.0" in text
     assert controller.staleness() == {"served": {"1": N}, "dropped": N}
     controller.clear_partition("p")
+
+
+def test_a_version_ahead_of_the_controller_counts_as_fresh_and_checkpoints(
+    shared_workers: list[WorkerProcess], tmp_path: Any
+) -> None:
+    """A producer may put with the new version before the trainer says it: staleness 0, and the
+    checkpoint with that counter loads (a negative age would not)."""
+    node = shared_workers[0].node
+    ctl = Controller(SequentialSampler())
+    ctl.put("p", groups(node, uuid.uuid4().hex[:6], 1), version=5)
+    ctl.set_policy_version(4)
+    assert len(ctl.get_meta("p", "train", ["input_ids"], N, max_staleness=0)) == N
+    assert ctl.staleness() == {"served": {"0": N}, "dropped": 0}
+    again = Controller(SequentialSampler())
+    again.load_checkpoint(ctl.save_checkpoint(tmp_path / "c.json"))
+    assert again.staleness() == ctl.staleness()
+    ctl.clear_partition("p")
