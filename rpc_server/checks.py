@@ -12,6 +12,7 @@ from distbatch import wire
 from distbatch.errors import InvalidIdError, MetaFormatError, WireFormatError
 from rpc_server.errors import (
     ApiError,
+    AppendMismatchError,
     BadArgumentsError,
     MissingShardsError,
     ReplacedShardsError,
@@ -34,6 +35,7 @@ ERROR_ANSWERS: dict[type[Exception], tuple[int, str]] = {
     MetaFormatError: (400, "bad_metadata"),
     InvalidIdError: (400, "invalid_id"),
     BadArgumentsError: (400, "bad_arguments"),
+    AppendMismatchError: (400, "bad_append"),
     UnknownMethodError: (404, "unknown_method"),
     UnknownStageError: (404, "unknown_stage"),
     ReplacedShardsError: (409, "shards_replaced"),

@@ -93,6 +93,11 @@ class ReplacedShardsError(WorkerError):
         )
 
 
+class AppendMismatchError(WorkerError):
+    """An append's values cannot extend the stored ones (another dtype, other trailing dims,
+    a 0-d value, a JSON field); nothing was stored."""
+
+
 class UnstorableResultError(WorkerError):
     """Our own account of why an engine's result cannot be stored or sent (reported as `kind`)."""
 

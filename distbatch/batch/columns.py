@@ -168,6 +168,17 @@ def column_lengths(name: str, col: Column) -> list[int]:
     return [v.shape[0] if v.dim() else 1 for v in col]
 
 
+def column_shapes(col: Column) -> RowShapes:
+    """Each task's shape in a column (`()` for JSON values); a list of tensors costs a step per task."""
+    if isinstance(col, torch.Tensor):
+        return RowShapes.uniform(col.shape[0], col.shape[1:])
+    if isinstance(col, RaggedViews):
+        return RowShapes.ragged(col.lengths, col.values.shape[1:])
+    if col and isinstance(col[0], torch.Tensor):
+        return RowShapes.from_list([tuple(v.shape) for v in col])
+    return RowShapes.uniform(len(col), ())
+
+
 def is_ragged(col: Column) -> bool:
     """Whether a column is a ragged tensor field: per-task tensors in a list."""
     if isinstance(col, RaggedViews):

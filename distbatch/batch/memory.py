@@ -32,6 +32,7 @@ from distbatch.batch.columns import (
     to_column,
     to_device,
 )
+from distbatch.batch.extend import extend_local, extend_remote, local_field_meta
 from distbatch.batch.meta import BatchMeta, FieldMeta
 from distbatch.batch.ragged import nested_of_packed
 from distbatch.batch.remote import RemoteColumns
@@ -531,6 +532,66 @@ class DistributedBatchMemory:
         with self._state.reading():
             self._state = result._state
         return self
+
+    def _extension(self, data: Mapping[str, Any] | DistributedBatchMemory) -> LocalState:
+        """`extend`'s argument as a LOCAL state over this batch's tasks, in this batch's order."""
+        if not isinstance(data, DistributedBatchMemory):
+            data = DistributedBatchMemory.from_dict(data, task_ids=self.task_ids)
+        if data.status is BatchStatus.REMOTE:
+            raise BatchStatusError(
+                "the rows to extend with must be LOCAL (or a dict of columns): to_local() first"
+            )
+        if data.status is BatchStatus.EMPTY and len(self):
+            raise InvalidArgumentError(f"no rows to extend the batch's {len(self)} tasks with")
+        if sorted(data.task_ids) != sorted(self.task_ids):
+            raise InvalidArgumentError(
+                "extend needs one row per task of the batch (the same task ids); "
+                f"the batch has {len(self)}, the rows name {len(data)}"
+            )
+        unknown = [f for f in data.fields if f not in self.fields]
+        if unknown:
+            raise InvalidArgumentError(
+                f"fields {unknown} are not in the batch: extend grows fields the batch has "
+                "(put new fields with to_remote and union)"
+            )
+        rows = ops.union_rows(self.task_ids, data.task_ids)
+        state = data._state if rows is None else data._state.take(rows)
+        assert isinstance(state, LocalState)
+        return state
+
+    async def _extend(
+        self, twin: Twin, data: Mapping[str, Any] | DistributedBatchMemory
+    ) -> DistributedBatchMemory:
+        if self.status is BatchStatus.EMPTY:
+            self._extension(data)  # checked all the same
+            return self._take(np.arange(0))
+        tails = self._extension(data)
+        names = tails.fields()
+        metas = {name: local_field_meta(name, tails.data[name]) for name in names}
+        if self.status is BatchStatus.LOCAL:
+            held = self._require_local("extend")
+            pairs = [(n, local_field_meta(n, held.data[n]), metas[n]) for n in names]
+            grown = extend_local(held.data, tails.data, pairs)
+            return self._of(local_state(list(self.task_ids), grown))
+        remote = self._state.remote  # type: ignore[attr-defined]
+        return self._of(remote_state(await extend_remote(twin, remote, tails.data, metas)))
+
+    def extend(self, data: Mapping[str, Any] | DistributedBatchMemory) -> DistributedBatchMemory:
+        """A new batch whose tensor fields in `data` are longer: each task's value followed, along
+        dim 0, by its row of `data` (a dict of columns, or a LOCAL batch, one row per task).
+
+        The partial-rollout step: a REMOTE batch sends only the new rows, each to the worker that
+        holds the task's value, which appends them there; the prefix never travels again. The
+        grown fields are ragged. Each append names the generation of the value it extends: this
+        batch's handle reads and deletes nothing afterwards (`ShardsReplacedError`), and an extend
+        through it again is refused, never applied twice. Appends to several workers are each
+        all or nothing; if one fails, the error is raised and the others may have landed.
+        """
+        return run_blocking(self._extend(BLOCKING, data))
+
+    async def aextend(self, data: Mapping[str, Any] | DistributedBatchMemory) -> DistributedBatchMemory:
+        """`extend()` for async code, on the caller's loop without blocking it."""
+        return await self._extend(AWAITED, data)
 
     @staticmethod
     def micro_batch_count(

@@ -18,6 +18,7 @@ import torch
 from distbatch import wire
 from distbatch.errors import InvalidArgumentError
 from distbatch.gc_pause import paused_gc
+from distbatch.wire.shapes import ragged_positions
 
 
 class RaggedViews(list[torch.Tensor]):
@@ -122,8 +123,7 @@ def _jagged_column(value: torch.Tensor) -> RaggedViews:
             values = values[start:stop]
         return RaggedViews.of(values, lengths)
     lengths = holes.detach().cpu().numpy().astype(np.int64, copy=False)
-    packed_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(bounds[:-1] - packed_starts, lengths)
+    index = ragged_positions(bounds[:-1], lengths)
     return RaggedViews.of(values.index_select(0, torch.from_numpy(index).to(values.device)), lengths)
 
 

@@ -10,6 +10,7 @@ its `a*` twin from that one body.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import weakref
@@ -240,6 +241,25 @@ class ShardClient:
 
     put_bundle = blocking(_put_bundle_verb)
     aput_bundle = awaiting(_put_bundle_verb)
+
+    def _put_bundles_verb(
+        self, puts: Sequence[tuple[str, wire.Bundle]]
+    ) -> Coroutine[Any, Any, list[PutResult]]:
+        """Each `(node, bundle)` put, all at once; their results in order. Each put is all or
+        nothing on its node; if one fails, the first failure is raised once every put is done
+        (the others may have stored)."""
+        checked = [(validate_node(node), bundle) for node, bundle in puts]
+        return self._put_each(checked)
+
+    async def _put_each(self, puts: list[tuple[str, wire.Bundle]]) -> list[PutResult]:
+        results = await asyncio.gather(*(self._path.put(n, b) for n, b in puts), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]  # no exceptions left
+
+    put_bundles = blocking(_put_bundles_verb)
+    aput_bundles = awaiting(_put_bundles_verb)
 
     def _fetch_products_verb(
         self,

@@ -9,6 +9,12 @@ concatenated along dim 0. Tables say how to cut them back into tasks:
 | ragged  | `f`: `[sum(lengths), *tail]`, `f/lengths`: I64 `[m]` (first dim per task)     |
 | general | `f`: 1-D `[total elements]`, `f/ranks`: I64 `[m]`, `f/dims`: I64 `[m, width]` |
 | any     | `f/rows`: I64 `[m]`, when the field covers only some of the tasks (indexes)   |
+| any     | `f/append`: I64 `[m]`, when a put extends the stored values (see below)       |
+
+A put's column with an `append` table extends each task's stored value along dim 0 instead of
+replacing it (a partial rollout grows without re-sending its prefix): per row, the generation
+of the put the stored value must come from (0: whichever, or none yet). Only tensor columns
+append.
 
 JSON fields ride in the header's `__metadata__` as one JSON array per field, under
 `json/<field>`; `__metadata__["distbatch"]` holds the task ids and each field's dtype and
@@ -58,7 +64,7 @@ BUNDLE_VERSION = 2
 
 JSON_PREFIX = "json/"
 
-TABLES = ("lengths", "ranks", "dims", "rows")
+TABLES = ("lengths", "ranks", "dims", "rows", "append")
 
 # A column's key is its field, or `field#k` for the k-th extra column of a field whose
 # values differ in dtype across tasks (a column holds one dtype). `#` is not an id character.
@@ -125,6 +131,9 @@ class RawColumn:
     # Same-host replies only: where the rows' bytes lie in shared regions instead of `parts`,
     # one (region slot, byte offset, byte length) row per run, in row order.
     runs: np.ndarray | None = None
+    # Puts only: set when the rows extend the stored values instead of replacing them; per
+    # row, the generation the stored value must have (0: any, or none stored yet).
+    append: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -208,9 +217,14 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
             info["rows"] = True
             entries.append(Entry(f"{name}/rows", "I64", (len(column.rows),), [_table(column.rows)]))
         if column.dtype is None:
+            if column.append is not None:
+                raise WireFormatError(f"field {name!r}: only tensor values can be appended to")
             metadata[JSON_PREFIX + name] = column.json_text()
             description[name] = info
             continue
+        if column.append is not None:
+            info["append"] = True
+            entries.append(Entry(f"{name}/append", "I64", (len(column.append),), [_table(column.append)]))
         shapes = column.tensor_shapes
         info["layout"] = shapes.kind
         if shapes.shape is not None:
@@ -315,6 +329,8 @@ class _BundleParser:
         m = self.n if rows is None else len(rows)
         dtype = info.get("dtype")
         if dtype is None:
+            if info.get("append", False) is not False:
+                raise WireFormatError(f"field {name!r}: only tensor values can be appended to")
             return self._json_column(name, m, rows)
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise WireFormatError(f"field {name!r}: unsupported dtype {dtype!r}")
@@ -329,16 +345,29 @@ class _BundleParser:
         shapes = self._shapes(name, info.get("layout"), data, m)
         if external:
             return self._external_column(name, dtype, data, shapes, rows)
-        return RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows)
+        append = self._append(name, info, m)
+        return RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows, append=append)
+
+    def _has_table(self, name: str, info: dict[str, Any], table: str) -> bool:
+        """Whether the description says the column has table `table` (then claimed)."""
+        flag = info.get(table, False)
+        if flag is False:
+            return False
+        if flag is not True:
+            raise WireFormatError(f"field {name!r}: {table!r} must be true or false")
+        self.claimed.add(f"{name}/{table}")
+        return True
+
+    def _append(self, name: str, info: dict[str, Any], m: int) -> np.ndarray | None:
+        """The column's `append` table (expected generations), or None when it replaces."""
+        if not self._has_table(name, info, "append"):
+            return None
+        return _int_table(self.tensors, f"{name}/append", (m,))
 
     def _rows(self, name: str, info: dict[str, Any]) -> np.ndarray | None:
         """The tasks a column covers (its `rows` table), or None when it covers all of them."""
-        flag = info.get("rows", False)
-        if flag is False:
+        if not self._has_table(name, info, "rows"):
             return None
-        if flag is not True:
-            raise WireFormatError(f"field {name!r}: 'rows' must be true or false")
-        self.claimed.add(f"{name}/rows")
         raw_rows = self.tensors.get(f"{name}/rows")
         if raw_rows is not None and len(raw_rows.shape) != 1:
             raise WireFormatError(f"table '{name}/rows' must be 1-D, has shape {list(raw_rows.shape)}")
@@ -460,7 +489,8 @@ def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | No
     last = first + int(sizes[start:stop].sum())
     data = column.single_buffer()[first:last]
     shapes = column.tensor_shapes.take(slice(start, stop))
-    return RawColumn(column.dtype, shapes, [data], last - first, rows=rows)
+    append = None if column.append is None else column.append[start:stop]
+    return RawColumn(column.dtype, shapes, [data], last - first, rows=rows, append=append)
 
 
 def concat_bundles(bundles: Sequence[Bundle]) -> Bundle:

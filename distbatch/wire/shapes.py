@@ -388,5 +388,20 @@ def unique_ints(values: np.ndarray) -> np.ndarray:
     return ordered[keep]
 
 
+def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    """Where each of `values` starts when they are laid one after another (int64, from 0)."""
+    out = np.zeros(len(values), dtype=np.int64)
+    if len(values) > 1:
+        np.cumsum(values[:-1], out=out[1:])
+    return out
+
+
+def ragged_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`starts[i] + 0 .. lengths[i] - 1` for every i, one after another: the index that gathers
+    (or scatters) ragged runs in one pass, no step per run."""
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - exclusive_cumsum(lengths), lengths)
+    return offsets + np.arange(len(offsets), dtype=np.int64)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -2,7 +2,8 @@
 
 The store owns every shard a worker holds and the memory behind it: the task and per-field
 index (`index`), the segments and the buffers they point into, with compaction (`segments`),
-both kept consistent by puts and deletes (`shards`), staged puts and their capacity
+both kept consistent by puts and deletes (`shards`), appends that extend stored values
+(`appends`), staged puts and their capacity
 reservations (`stages`), shared-memory regions for same-host readers (`regions`), the columns
 a fetch answers with (`columns`), its background sweepers (`sweeper`), and the `ShardStore`
 facade (`shard_store`) whose lock makes each public method atomic. Puts, fetches and deletes
@@ -15,7 +16,9 @@ The names below are the store's public API, re-exported from the modules that de
 """
 
 from rpc_server.errors import (
+    AppendMismatchError,
     MissingShardsError,
+    ReplacedShardsError,
     SharedMemoryUnavailable,
     StoreCapacityError,
     UnknownStageError,
@@ -28,6 +31,7 @@ from rpc_server.store.sweeper import IdleSweeper
 
 __all__ = [
     "COMPACT_MIN_BYTES",
+    "AppendMismatchError",
     "GATHER_RUN_BYTES",
     "MAX_MISSING_LISTED",
     "MAX_SEND_RUNS",
@@ -35,6 +39,7 @@ __all__ = [
     "IdleSweeper",
     "MissingShardsError",
     "PutReceipt",
+    "ReplacedShardsError",
     "ShardStore",
     "SharedMemoryUnavailable",
     "StoreCapacityError",

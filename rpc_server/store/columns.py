@@ -113,18 +113,18 @@ def build_columns(picked: list[Picked], slots: RegionSlots | None = None) -> dic
         for seg_id, seg in used.items():
             kinds.setdefault(seg.dtype, []).append(seg_id)
         if len(kinds) == 1:
-            columns[name] = _column_of(segs, positions, used, share)
+            columns[name] = column_of(segs, positions, used, share)
             continue
         # The field holds different dtypes for these tasks: one column per dtype (`field#k`).
         for layer, seg_ids in enumerate(kinds.values()):
             rows_k = np.flatnonzero(np.isin(segs, seg_ids))
-            column = _column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
+            column = column_of(segs[rows_k], positions[rows_k], {i: used[i] for i in seg_ids}, share)
             column.rows = rows_k
             columns[f"{name}{LAYER_MARK}{layer}" if layer else name] = column
     return columns
 
 
-def _column_of(
+def column_of(
     segs: np.ndarray, positions: np.ndarray, used: dict[int, Segment], share: RegionSlots | None = None
 ) -> RawColumn:
     """One field's rows (in request order) from the segments holding them; with `share`, as runs

@@ -128,7 +128,8 @@ class ShardStore:
         body_size: int | None = None,
         region: SharedRegion | None = None,
     ) -> PutReceipt:
-        """Store every shard of `bundle` or none; existing keys are replaced (puts are idempotent).
+        """Store every shard of `bundle` or none; existing keys are replaced (puts are idempotent),
+        or extended where a column appends (`RawColumn.append`; an append is not idempotent).
 
         The bundle's tensor bytes are kept as they are (views of the request body: no copy);
         `body_size` is that body's size, for the held-bytes account. A mapping of single
@@ -139,11 +140,12 @@ class ShardStore:
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
         with self._lock:
+            bundle, own = self._shards.resolve_appends(bundle)
             incoming, replaced = self._shards.measure(bundle)
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
-            return self._shards.apply(bundle, body_size, region, self._next_generation())
+            return self._shards.apply(bundle, body_size, region, self._next_generation(), own)
 
     def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
         """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
@@ -209,14 +211,19 @@ class ShardStore:
             done = self._stages.committed(stage_id)
             if done is not None:
                 return done
-            parts = self._stages.take(stage_id)
-            if parts is None:
+            held = self._stages.parts(stage_id)
+            if held is None:
                 raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
+            # Appends are resolved (and checked) for every part before any is applied; a refused
+            # one leaves the stage as it was.
+            resolved = [self._shards.resolve_appends(part.bundle) for part in held]
+            parts = self._stages.take(stage_id) or []
             stored = nbytes = 0
             generation = self._next_generation()
-            # Capacity was reserved when staging, and replacing only frees bytes.
-            for bundle, body_size, region in parts:
-                receipt = self._shards.apply(bundle, body_size, region, generation)
+            # Capacity was reserved when staging; replacing only frees bytes, and an append
+            # grows a value by the bytes its stage reserved.
+            for (bundle, own), (_, body_size, region) in zip(resolved, parts):
+                receipt = self._shards.apply(bundle, body_size, region, generation, own)
                 stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
             result = (stored, nbytes, generation)
             self._stages.record_commit(stage_id, now, result)

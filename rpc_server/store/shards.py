@@ -15,6 +15,7 @@ import numpy as np
 from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, column_field
 from distbatch.wire.shapes import unique_ints
+from rpc_server.store.appends import resolve_appends
 from rpc_server.store.index import ShardIndex
 from rpc_server.store.records import PutReceipt, ReplacedValues
 from rpc_server.store.segments import Buffer, SegmentTable
@@ -33,6 +34,10 @@ class Shards:
         """The tasks at `rows` were just put or fetched."""
         if self._clock is not None and len(rows):
             self.index.rows.touch(rows, self._clock())
+
+    def resolve_appends(self, bundle: Bundle) -> tuple[Bundle, frozenset[str]]:
+        """`appends.resolve_appends` over what this holds."""
+        return resolve_appends(self.index, self.segments, bundle)
 
     def measure(self, bundle: Bundle) -> tuple[int, int]:
         """(bytes the bundle brings, bytes of the stored values it replaces)."""
@@ -69,22 +74,30 @@ class Shards:
         body_size: int | None,
         region: SharedRegion | None = None,
         generation: int = 0,
+        own: frozenset[str] = frozenset(),
     ) -> PutReceipt:
         """Store a measured bundle (capacity already checked), replacing the values it replaces;
-        its values carry `generation`, the put's."""
+        its values carry `generation`, the put's. The columns keyed in `own` hold memory of their
+        own (resolved appends), not views of the body."""
         rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
         buffer = Buffer(0, region)
         stored = nbytes = 0
         segments: list[tuple[str, int]] = []
+        owned: list[tuple[str, int]] = []
         for key, column in bundle.columns.items():
             name = column_field(key)
             col_rows = rows if column.rows is None else rows[column.rows]
             if not len(col_rows):
                 continue  # a column of no rows stores nothing
             self.kill(name, col_rows)
-            seg = self.segments.add(name, column, col_rows, buffer)
+            home = Buffer(0) if key in own else buffer
+            seg = self.segments.add(name, column, col_rows, home)
             self.index.place(name, col_rows, seg.id, generation)
-            segments.append((name, seg.id))
+            if home is not buffer:
+                self._keep_body(home, None, [(name, seg.id)])
+                owned.append((name, seg.id))
+            else:
+                segments.append((name, seg.id))
             stored += len(col_rows)
             nbytes += int(seg.sizes.sum())
         self._keep_body(buffer, body_size, segments)
@@ -92,7 +105,7 @@ class Shards:
         self.segments.nbytes += nbytes
         self.touch(rows)
         self.index.release_empty(rows)  # tasks no column covered hold nothing
-        return PutReceipt(stored, nbytes, tuple(segments), generation)
+        return PutReceipt(stored, nbytes, (*segments, *owned), generation)
 
     def _keep_body(self, buffer: Buffer, body_size: int | None, segments: list[tuple[str, int]]) -> None:
         """Hold a put's body buffer while its segments point into it."""

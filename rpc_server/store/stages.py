@@ -74,6 +74,11 @@ class StageBook:
         self._stages[stage_id] = stage
         self.staged_bytes += delta
 
+    def parts(self, stage_id: str) -> list[StagedPart] | None:
+        """Stage `stage_id`'s parts, left open (None if there is no such stage)."""
+        stage = self._stages.get(stage_id)
+        return None if stage is None else list(stage.parts.values())
+
     def take(self, stage_id: str) -> list[StagedPart] | None:
         """Close stage `stage_id`, releasing its reservation: its parts, or None if there is none."""
         stage = self._stages.pop(stage_id, None)

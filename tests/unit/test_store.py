@@ -43,6 +43,7 @@ from rpc_server.store import (
     COMPACT_MIN_BYTES,
     MAX_MISSING_LISTED,
     MissingShardsError,
+    ReplacedShardsError,
     ShardStore,
     StoreCapacityError,
     UnknownStageError,
@@ -678,6 +679,69 @@ class StoreModel(RuleBasedStateMachine):
             self.owner[key] = self.puts_done
         assert (receipt.stored, receipt.bytes) == (len(values), sum(self.sizes[k] for k in values))
         self.receipts.append((self.puts_done, receipt))
+
+    def _appendable(self) -> list[tuple[str, str]]:
+        """Keys holding a tensor of at least one dimension (what an append can extend)."""
+        return sorted(k for k, v in self.values.items() if v[0] != "json" and len(v[1]) >= 1)
+
+    def _generation_of(self, key: tuple[str, str]) -> int:
+        return dict(self.receipts)[self.owner[key]].generation
+
+    @precondition(lambda self: bool(self._appendable()))
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        """Rows appended to held values of one dtype and trailing dims (and maybe a fresh task's
+        first value), naming each held value's generation or not; the model concatenates."""
+        candidates = self._appendable()
+        task, field = _chosen(data, candidates, max_size=3)[0]
+        dtype, shape, _ = self.values[(task, field)]
+        tail = shape[1:]
+        same = [
+            k[0]
+            for k in candidates
+            if k[1] == field and self.values[k][0] == dtype and self.values[k][1][1:] == tail
+        ]
+        tasks = _chosen(data, same, max_size=3, unique=True)
+        tasks += [t for t in TASKS if (t, field) not in self.values][: data.draw(st.integers(0, 1))]
+        rng = random.Random(data.draw(SEEDS))
+        rows = {}
+        for t in tasks:
+            n = rng.randint(0, 3)
+            rows[(t, field)] = RawTensor(
+                dtype, (n, *tail), _bytes_for(dtype, n * math.prod(tail), rng.getrandbits(32))
+            )
+        bundle = bundle_from_raw(rows)
+        named = data.draw(st.booleans())
+        expect = [
+            self._generation_of((t, field)) if named and (t, field) in self.values else 0
+            for t in bundle.task_ids
+        ]
+        bundle.columns[field].append = np.asarray(expect, dtype=np.int64)
+        body_size = None
+        if data.draw(st.booleans()):
+            bundle, body_size = wire_trip(bundle)
+        receipt = self.store.put(bundle, body_size=body_size)
+        self.puts_done += 1
+        for (t, f), value in rows.items():
+            held = self.values.get((t, f))
+            before, length = (held[2], held[1][0]) if held is not None else (b"", 0)
+            self.values[(t, f)] = (dtype, (length + value.shape[0], *tail), before + bytes(value.data))
+            self.sizes[(t, f)] = len(self.values[(t, f)][2])
+            self.owner[(t, f)] = self.puts_done
+        assert receipt.stored == len(rows)
+        self.receipts.append((self.puts_done, receipt))
+
+    @precondition(lambda self: bool(self._appendable()))
+    @rule(data=st.data())
+    def append_through_a_stale_handle(self, data: st.DataObject) -> None:
+        """An append naming a generation the value does not have is refused; nothing changes."""
+        task, field = _chosen(data, self._appendable(), max_size=3)[0]
+        dtype, shape, _ = self.values[(task, field)]
+        row = RawTensor(dtype, (1, *shape[1:]), _bytes_for(dtype, math.prod(shape[1:]), 1))
+        bundle = bundle_from_raw({(task, field): row})
+        bundle.columns[field].append = np.asarray([self._generation_of((task, field)) + 1], dtype=np.int64)
+        with pytest.raises(ReplacedShardsError):
+            self.store.put(bundle)
 
     def _some_tasks(self, data: st.DataObject, max_size: int = 4) -> list[str]:
         """Tasks mostly among those stored (and sometimes one the store never held)."""

@@ -1,0 +1,160 @@
+"""Partial rollouts: a task's tensor field grows by later appends, on the worker that holds it.
+
+`DistributedBatchMemory.extend` sends only the new rows, each to the worker holding the task's
+value; the worker appends there, under a new generation, so the old handle reads nothing and an
+extend through it again is refused (never applied twice). Real workers on loopback, over HTTP
+(the module's shared workers) and over the same-host path (a worker of the test's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from distbatch import (
+    BatchStatus,
+    DistributedBatchMemory,
+    InvalidArgumentError,
+    RequestError,
+    ShardClient,
+    ShardNotFoundError,
+    ShardsReplacedError,
+)
+from distbatch.launch import WorkerProcess
+from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
+
+DBM = DistributedBatchMemory
+
+
+def prompts(n: int, width: int = 1) -> DBM:
+    """`n` tasks whose `ids` are ragged (task i has i + 2 tokens, each `width` wide) and a reward."""
+    ids = [
+        torch.arange(i, i + 2 * (i + 2) * width, 2, dtype=torch.int32).reshape(i + 2, width) for i in range(n)
+    ]
+    return DBM.from_dict(
+        {"ids": ids, "reward": torch.arange(n, dtype=torch.float32)}, task_ids=[f"p{i}" for i in range(n)]
+    )
+
+
+def tails(n: int, width: int = 1, start: int = 1000) -> list[torch.Tensor]:
+    return [torch.full((i % 3, width), start + i, dtype=torch.int32) for i in range(n)]
+
+
+def test_extend_appends_on_the_holding_workers_and_a_gather_returns_the_whole(
+    status: BatchStatus, convert: Callable[[DBM], DBM]
+) -> None:
+    local = prompts(7, width=2)
+    batch = convert(local)
+    grown = batch.extend({"ids": tails(7, width=2)})
+    assert grown.status is status
+    expected = [torch.cat([a, b]) for a, b in zip(local["ids"], tails(7, width=2))]
+    assert grown.lengths("ids") == [len(e) for e in expected]  # from metadata when REMOTE
+    assert all(torch.equal(a, b) for a, b in zip(grown["ids"], expected))
+    assert torch.equal(grown["reward"], local["reward"])  # other fields as they were
+    again = grown.extend({"ids": tails(7, width=2, start=2000)})
+    assert all(
+        torch.equal(a, torch.cat([e, t]))
+        for a, e, t in zip(again["ids"], expected, tails(7, width=2, start=2000))
+    )
+    packed, cu_seqlens = again.packed("ids")
+    assert cu_seqlens.tolist()[-1] == packed.shape[0] == sum(again.lengths("ids"))
+    again.clear()  # the latest handle deletes; the older ones find nothing left (no error)
+
+
+def test_only_the_new_rows_travel(remote: Callable[..., DBM], module_client: ShardClient) -> None:
+    big = DBM.from_dict({"ids": [torch.arange(50_000, dtype=torch.int32) for _ in range(4)]})
+    batch = remote(big).select_fields(["ids"])
+    before = module_client.traffic()
+    grown = batch.extend({"ids": [torch.arange(10, dtype=torch.int32)] * 4})
+    sent = (module_client.traffic() - before).bytes_sent
+    assert sent < 4 * 50_000 * 4 / 10, f"{sent} bytes sent: the prefix travelled again"
+    assert grown.lengths("ids") == [50_010] * 4
+    grown.clear()
+
+
+def test_the_old_handle_is_stale_and_an_extend_through_it_is_refused(remote: Callable[..., DBM]) -> None:
+    batch = remote(prompts(6))
+    grown = batch.extend({"ids": tails(6)})
+    with pytest.raises(ShardsReplacedError):
+        batch["ids"]
+    with pytest.raises(ShardsReplacedError):  # a retry of the same extend: refused, not applied twice
+        batch.extend({"ids": tails(6)})
+    assert grown.lengths("ids") == [len(v) for v in grown["ids"]]  # nothing was appended twice
+    assert torch.equal(batch["reward"], torch.arange(6, dtype=torch.float32))  # untouched fields still read
+    grown.clear()
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ({"ids": [torch.zeros(1, 1, dtype=torch.int64)] * 3}, "is I32"),
+        ({"ids": [torch.zeros(1, 2, dtype=torch.int32)] * 3}, "same trailing dims"),
+        ({"reward": [torch.zeros(1)] * 3}, "at least one dimension"),
+        ({"nope": [torch.zeros(1)] * 3}, "not in the batch"),
+        ({"ids": [torch.zeros(1, 1, dtype=torch.int32)] * 2}, "one row per task"),
+    ],
+)
+def test_rows_that_cannot_extend_are_refused_before_anything_is_sent(
+    remote: Callable[..., DBM], module_client: ShardClient, rows: dict[str, list[torch.Tensor]], message: str
+) -> None:
+    batch = remote(prompts(3))
+    before = module_client.traffic()
+    data = rows if len(next(iter(rows.values()))) == 3 else DBM.from_dict(rows, task_ids=["p0", "p1"])
+    with pytest.raises(InvalidArgumentError, match=message):
+        batch.extend(data)
+    assert (module_client.traffic() - before).bytes_sent == 0
+    assert batch.lengths("ids") == [len(v) for v in batch["ids"]] == [2, 3, 4]
+
+
+def test_the_worker_refuses_an_append_it_cannot_make_and_keeps_what_it_held(
+    nodes: list[str], module_client: ShardClient, pushed: list[DBM]
+) -> None:
+    """The worker checks too (a client of its own may skip ours): another dtype is 400
+    `bad_append`, a value the append expects but that is gone is 404; nothing changes."""
+    batch = prompts(2).to_remote(nodes[0], module_client)
+    pushed.append(batch)
+    generation = int(batch.meta.fields["ids"].generations[0])
+    bundle, _ = DBM.from_dict(
+        {"ids": [torch.zeros(1, 1, dtype=torch.int64)] * 2}, task_ids=["p0", "p1"]
+    ).export_bundle(nodes[0])
+    bundle.columns["ids"].append = torch.tensor([generation, 0]).numpy()
+    with pytest.raises(RequestError) as refused:
+        module_client.put_bundle(nodes[0], bundle)
+    assert (refused.value.status, refused.value.code) == (400, "bad_append")
+    bundle, _ = DBM.from_dict(
+        {"ids": [torch.zeros(1, 1, dtype=torch.int32)] * 2}, task_ids=["p0", "gone"]
+    ).export_bundle(nodes[0])
+    bundle.columns["ids"].append = torch.tensor([generation, 12345]).numpy()
+    with pytest.raises(ShardNotFoundError, match="gone/ids"):
+        module_client.put_bundle(nodes[0], bundle)
+    assert [len(v) for v in batch["ids"]] == [2, 3]
+
+
+def test_an_extend_split_over_staged_requests_lands_at_once(nodes: list[str]) -> None:
+    with ShardClient(max_keys_per_request=3) as client:  # 8 tasks: three staged parts, one commit
+        batch = prompts(8).to_remote(nodes[1], client)
+        try:
+            grown = batch.extend({"ids": tails(8)})
+            assert len(set(grown.meta.fields["ids"].generations.tolist())) == 1
+            expected = [torch.cat([b, c]) for b, c in zip(prompts(8)["ids"], tails(8))]
+            assert all(torch.equal(a, b) for a, b in zip(grown["ids"], expected))
+        finally:
+            client.delete(nodes[1], task_ids=batch.task_ids)
+
+
+def test_extend_over_the_same_host_path(
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    monkeypatch.delenv(ENV_HOST_ID, raising=False)
+    worker = start_worker()
+    with ShardClient() as client:
+        batch = prompts(5).to_remote(worker.node, client)
+        grown = batch.extend({"ids": tails(5)})
+        assert all(
+            torch.equal(a, torch.cat([b, c])) for a, b, c in zip(grown["ids"], prompts(5)["ids"], tails(5))
+        )
+        assert client.traffic().same_host_sent > 0, "the same-host path was not taken"
+        grown.clear()
