@@ -26,9 +26,25 @@ class ControllerAPI(Protocol):
     """True when the controller lives in this process only: a copy sent to another process (a
     DataLoader worker) would be another controller, so such code must serve it over HTTP."""
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
+    def put(
+        self,
+        partition_id: str,
+        batch: DistributedBatchMemory,
+        *,
+        version: Any = None,
+        partial: bool | Iterable[str] = False,
+    ) -> int:
         """Record a REMOTE batch's tasks and fields in a partition, with the policy version that
-        generated them (one for the batch or one per task); returns the task count."""
+        generated them (one for the batch or one per task); returns the task count. `partial`:
+        the fields (True) or those named that are still being generated, so not produced yet."""
+        ...
+
+    def inflight(self, partition_id: str) -> DistributedBatchMemory:
+        """The tasks with partial values (put with `partial=True`, not completed)."""
+        ...
+
+    def reissue(self, partition_id: str) -> DistributedBatchMemory:
+        """After a restore: the tasks in flight at the checkpoint that still are, each once."""
         ...
 
     def set_policy_version(self, version: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -168,3 +168,19 @@ def put_versions(version: Any, count: int) -> list[int] | None:
             raise InvalidArgumentError(f"version= gives {len(versions)} versions for {count} tasks")
         return versions
     return [check_int(version, "version", 0)] * count
+
+
+def partial_field_set(partial: Any, fields: Collection[str]) -> frozenset[str]:
+    """A put's partial fields: every one of `fields` for True, none for False, or those named
+    (each must be one of `fields`)."""
+    if partial is True:
+        return frozenset(fields)
+    if partial is False or partial is None:
+        return frozenset()
+    if isinstance(partial, str) or not isinstance(partial, Iterable):
+        raise InvalidArgumentError("partial= must be True, False or a list of the put's fields")
+    named = frozenset(partial)
+    unknown = sorted(named - set(fields), key=str)
+    if unknown:
+        raise InvalidArgumentError(f"partial= names {unknown[:5]}, which the put does not carry")
+    return named

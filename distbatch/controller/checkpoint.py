@@ -35,6 +35,7 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
                 "dtype": c.dtype,
                 "ragged": c.ragged,
                 "rows": [[i, c.node[i], list(c.shape[i]), c.generation.get(i, 0)] for i in sorted(c.node)],
+                "partial": sorted(c.partial),
             }
             for name, c in p.columns.items()
         },
@@ -120,6 +121,12 @@ def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
         column.shape[i] = tuple(_count(d) for d in shape)
         if len(row) == 4 and _count(row[3]):
             column.generation[i] = row[3]
+    partial = col.get("partial", [])  # absent in checkpoints from before partial values
+    if not isinstance(partial, list):
+        raise InvalidArgumentError(f"field {name!r}: 'partial' must be a list of task indexes")
+    column.partial = {_count(i) for i in partial}
+    if not column.partial <= column.node.keys():
+        raise InvalidArgumentError(f"field {name!r}: 'partial' names tasks without a value of it")
     shapes = set(column.shape.values())
     if dtype is not None and not ragged and shapes:  # a fixed field's shape, for later puts to match
         column.ragged = len(shapes) > 1

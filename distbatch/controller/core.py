@@ -52,6 +52,7 @@ from distbatch.controller.arguments import (
     checked_node,
     custom_meta_object,
     id_list,
+    partial_field_set,
     put_versions,
     refuse_local_batch,
 )
@@ -109,6 +110,9 @@ class Controller:
         # Tasks served per staleness (current policy version minus the task's), tasks dropped.
         self._served_staleness: Counter[int] = Counter()
         self._dropped = 0
+        # Per partition, the indexes a restore found in flight, not reissued yet; and how many were.
+        self._reissue: dict[str, set[int]] = {}
+        self._reissued = 0
 
     @property
     def client(self) -> ShardClient:
@@ -131,12 +135,25 @@ class Controller:
             partition.expected.update(names)
             self._changed.notify_all()
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
+    def put(
+        self,
+        partition_id: str,
+        batch: DistributedBatchMemory,
+        *,
+        version: Any = None,
+        partial: bool | Iterable[str] = False,
+    ) -> int:
         """Register a REMOTE batch's tasks and fields in a partition; returns tasks added.
 
         `version`: the policy version that generated the tasks, one int for the batch or one per
         task (a task put again keeps the older of its versions); what `get_meta(max_staleness=)`
         compares with `policy_version()`. Tasks put without one are never stale.
+
+        `partial`: the batch's fields (`True`) or those named that are still being generated (a
+        partial rollout, grown with `DistributedBatchMemory.extend`): the controller knows where
+        they are (`inflight`, `clear_tasks`, checkpoints) but they are not produced, so no
+        consumer is given them, until the producer puts them again without naming them as partial
+        (the batch `extend` returned).
 
         Tasks already known get the new fields (a later stage's output joins
         the same rows). New tasks get one contiguous block of indexes, in batch
@@ -156,15 +173,45 @@ class Controller:
             return 0
         check_put_meta(meta)
         versions = put_versions(version, len(meta.task_ids))
+        partial_fields = partial_field_set(partial, meta.fields)
         with self._changed:
             partition = self._partitions.get(partition_id) or Partition(partition_id)
             new = partition.check_put(meta, _group_size(self.sampler))
             self._partitions[partition_id] = partition
-            partition.register(meta, new)
+            partition.register(meta, new, partial_fields)
             if versions is not None:
                 partition.set_versions(meta.task_ids, versions)
             self._changed.notify_all()
         return len(new)
+
+    def inflight(self, partition_id: str) -> DistributedBatchMemory:
+        """The partition's tasks with a partial value (put with `partial=True`, not completed),
+        as a REMOTE batch of the fields every one of them has: what a producer resumes."""
+        validate_id(partition_id, "partition_id")
+        with self._lock:
+            partition = self._partitions.get(partition_id)
+            return self._batch_of(partition, [] if partition is None else partition.inflight())
+
+    def reissue(self, partition_id: str) -> DistributedBatchMemory:
+        """After `load_state_dict` / `load_checkpoint`: the partition's tasks that were in flight
+        when the checkpoint was taken and still are, each handed out once (later calls leave
+        them out), as `inflight` gives them; an EMPTY batch when there are none."""
+        validate_id(partition_id, "partition_id")
+        with self._lock:
+            partition = self._partitions.get(partition_id)
+            pending = self._reissue.pop(partition_id, set())
+            if partition is None:
+                return self._batch_of(None, [])
+            indexes = [i for i in partition.inflight() if i in pending]
+            self._reissued += len(indexes)
+            return self._batch_of(partition, indexes)
+
+    def _batch_of(self, partition: Partition | None, indexes: list[int]) -> DistributedBatchMemory:
+        """A REMOTE batch of `indexes` with the fields all of them have (lock held)."""
+        if partition is None or not indexes:
+            return DistributedBatchMemory()
+        meta = partition.meta_for(indexes, partition.fields_of_all(indexes))
+        return DistributedBatchMemory.from_meta(meta, self._client)
 
     def set_policy_version(self, version: int) -> None:
         """The trainer's current policy version (an int >= 0, from 0): staleness is measured
@@ -363,12 +410,13 @@ class Controller:
 
         ``{"waiting_consumers": n, "partitions": {id: {...}}}``; per partition: ``exists``,
         ``tasks``, ``ready`` (tasks with every field), ``clearing`` (tasks a clear is deleting),
-        ``fields`` (per field: ``produced``, ``dtype``, ``ragged``), ``consumed`` (per consumer
+        ``fields`` (per field: ``produced``, ``partial``, ``dtype``, ``ragged``), ``consumed`` (per consumer
         task name: tasks it took), ``policy_versions`` (tasks per policy version they were put
         with) and ``waiting`` (per task name: `get_meta` calls waiting for producers). A
         partition that consumers wait for but nobody created yet is listed too, with
         ``"exists": false``. Then ``policy_version`` (the trainer's, as set) and ``staleness``:
-        ``served`` (tasks handed out, by how many versions old they were) and ``dropped``.
+        ``served`` (tasks handed out, by how many versions old they were) and ``dropped``; and
+        ``reissued``: in-flight tasks `reissue` handed out after a restore.
         """
         with self._lock:
             out = {pid: {"exists": True, **p.summary(), "waiting": {}} for pid, p in self._partitions.items()}
@@ -380,6 +428,7 @@ class Controller:
                 "partitions": out,
                 "policy_version": self._policy_version,
                 "staleness": self._staleness_summary(),
+                "reissued": self._reissued,
             }
 
     def staleness(self) -> dict[str, Any]:
@@ -676,6 +725,7 @@ class Controller:
             self.sampler.load_state_dict(state.get("sampler", {}))
             self._partitions = partitions
             self._policy_version, self._served_staleness, self._dropped = policy_version, served, dropped
+            self._reissue = {pid: set(p.inflight()) for pid, p in partitions.items() if p.inflight()}
             self._answers.clear()
             self._changed.notify_all()
 

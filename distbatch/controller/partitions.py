@@ -98,6 +98,9 @@ class Column:
     # The generation of the put that stored each task's value (absent: not known), so batches
     # handed out by `get_meta` refuse values a later put of the same ids replaced.
     generation: dict[int, int] = field(default_factory=dict)
+    # Tasks whose value is partial (`put(..., partial=True)`: a generation still growing): held
+    # and located, never produced, so never ready, until a put without `partial` completes it.
+    partial: set[int] = field(default_factory=set)
     ragged: bool = False
     fixed_shape: tuple[int, ...] | None = None
 
@@ -222,9 +225,10 @@ class Partition:
                     " A task's field lives on one worker: put it there, or clear_tasks it first"
                 )
 
-    def register(self, meta: BatchMeta, new: Sequence[str]) -> None:
+    def register(self, meta: BatchMeta, new: Sequence[str], partial: AbstractSet[str] = frozenset()) -> None:
         """Give the `new` tasks one block of indexes, in batch order, and record where each of
-        `meta`'s fields lives and its shape (checked first with `check_put`)."""
+        `meta`'s fields lives and its shape (checked first with `check_put`); the fields in
+        `partial` are still growing: not produced until a later put that does not name them."""
         if new:
             start = self.allocate(len(new))
             for offset, task_id in enumerate(new):
@@ -243,7 +247,32 @@ class Partition:
             else:
                 for row in rows:
                     column.generation.pop(row, None)
-        self._add_ready(rows, meta.fields.keys())
+            if name in partial:
+                column.partial.update(rows)
+            else:
+                column.partial.difference_update(rows)
+        if partial:
+            self._drop_ready(rows, partial)
+        complete = meta.fields.keys() - partial
+        if complete:
+            self._add_ready(rows, complete)
+
+    def inflight(self) -> list[int]:
+        """Indexes of the tasks with a partial value (their generation still growing), ascending."""
+        rows: set[int] = set()
+        for column in self.columns.values():
+            rows |= column.partial
+        return sorted(rows)
+
+    def fields_of_all(self, indexes: Sequence[int]) -> list[str]:
+        """The fields every one of `indexes` has a value of (partial or not)."""
+        return [name for name, c in self.columns.items() if all(i in c.node for i in indexes)]
+
+    def _drop_ready(self, rows: Sequence[int], put_fields: AbstractSet[str]) -> None:
+        """Rows whose `put_fields` just became partial: out of every kept ready set asking for them."""
+        for (_, names), ready in self._ready.items():
+            if not put_fields.isdisjoint(names):
+                ready.discard_many(rows)
 
     def set_versions(self, task_ids: Sequence[str], versions: Sequence[int]) -> None:
         """Record each task's policy version (registered tasks; the older of two wins)."""
@@ -277,9 +306,13 @@ class Partition:
         for (task_name, names), ready in self._ready.items():
             if put_fields.isdisjoint(names):
                 continue
-            columns = [self.columns[f].node for f in names]
+            columns = [self.columns[f] for f in names]
             consumed = self.consumed.get(task_name, ())
-            ready.add_many(r for r in rows if r not in consumed and all(r in c for c in columns))
+            ready.add_many(
+                r
+                for r in rows
+                if r not in consumed and all(r in c.node and r not in c.partial for c in columns)
+            )
 
     def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
         """Indexes that have every field produced and are not consumed by `task_name`, ascending
@@ -305,6 +338,8 @@ class Partition:
         for column in columns[1:]:
             have.intersection_update(column.node)
         have.difference_update(self.consumed.get(task_name, ()))
+        for column in columns:
+            have.difference_update(column.partial)
         return have
 
     def count_ready(self, fields: Sequence[str]) -> int:
@@ -402,6 +437,7 @@ class Partition:
                 del column.node[i]
                 column.shape.pop(i, None)
                 column.generation.pop(i, None)
+                column.partial.discard(i)
                 dropped.setdefault(key.field, []).append(i)
         for (_, names), ready in self._ready.items():
             rows = [i for name in names for i in dropped.get(name, ())]
@@ -430,6 +466,7 @@ class Partition:
                 column.node.pop(i, None)
                 column.shape.pop(i, None)
                 column.generation.pop(i, None)
+                column.partial.discard(i)
             for consumed in self.consumed.values():
                 consumed.discard(i)
         for ready in self._ready.values():
@@ -437,8 +474,13 @@ class Partition:
 
     def production(self, names: list[str]) -> dict[str, Any]:
         """Tasks, how many have each of `names`, and how many have all of them."""
-        produced = {n: len(self.columns[n].node) if n in self.columns else 0 for n in names}
+        produced = {n: self._produced(n) for n in names}
         return {"tasks": len(self.task_of), "produced": produced, "ready": self.count_ready(names)}
+
+    def _produced(self, name: str) -> int:
+        """Tasks with a complete (not partial) value of field `name`."""
+        column = self.columns.get(name)
+        return 0 if column is None else len(column.node) - len(column.partial)
 
     def summary(self) -> dict[str, Any]:
         """Tasks, per field how many have it (and its kind), how many have every field, and per
@@ -447,7 +489,8 @@ class Partition:
         for name in self.known_fields():
             column = self.columns.get(name)
             fields[name] = {
-                "produced": len(column.node) if column is not None else 0,
+                "produced": self._produced(name),
+                "partial": len(column.partial) if column is not None else 0,
                 "dtype": column.dtype if column is not None else None,
                 "ragged": column.ragged if column is not None else False,
             }

@@ -90,12 +90,31 @@ class RemoteController:
         except RequestError as exc:
             raise _local_error(exc) from None
 
-    def put(self, partition_id: str, batch: DistributedBatchMemory, *, version: Any = None) -> int:
+    def put(
+        self,
+        partition_id: str,
+        batch: DistributedBatchMemory,
+        *,
+        version: Any = None,
+        partial: bool | Iterable[str] = False,
+    ) -> int:
         refuse_local_batch(batch)
         body: dict[str, Any] = {"partition_id": partition_id, "batch": encode_value(batch)}
         if version is not None:  # checked against the batch's tasks by the controller
             body["version"] = put_versions(version, len(batch))
+        if partial is not False:  # checked against the batch's fields by the controller
+            body["partial"] = partial if isinstance(partial, bool) else list(partial)
         return self._post("/v1/controller/put", body)["added"]
+
+    def inflight(self, partition_id: str) -> DistributedBatchMemory:
+        reply = self._post("/v1/controller/inflight", {"partition_id": partition_id})
+        return decode_value(reply["batch"], self._client)
+
+    def reissue(self, partition_id: str) -> DistributedBatchMemory:
+        """`Controller.reissue` over HTTP; not sent again after a lost reply (the tasks it handed
+        out would not be handed out again): after a connection error, use `inflight`."""
+        reply = self._post("/v1/controller/reissue", {"partition_id": partition_id}, idempotent=False)
+        return decode_value(reply["batch"], self._client)
 
     def set_policy_version(self, version: int) -> None:
         self._post("/v1/controller/policy_version", {"version": check_int(version, "version", 0)})

@@ -130,7 +130,21 @@ def put() -> Response:
     batch = decode_value(_required(body, "batch"), None)
     if not isinstance(batch, DistributedBatchMemory):
         raise InvalidArgumentError("'batch' must be a tagged batch")
-    return jsonify({"added": _controller().put(partition_id, batch, version=body.get("version"))})
+    partial = body.get("partial", False)
+    if not isinstance(partial, (bool, list)):
+        raise InvalidArgumentError("'partial' must be true, false or a list of the put's fields")
+    added = _controller().put(partition_id, batch, version=body.get("version"), partial=partial)
+    return jsonify({"added": added})
+
+
+@_ROUTES.post("/v1/controller/inflight")
+def inflight() -> Response:
+    return jsonify({"batch": encode_value(_controller().inflight(_required(_body(), "partition_id")))})
+
+
+@_ROUTES.post("/v1/controller/reissue")
+def reissue() -> Response:
+    return jsonify({"batch": encode_value(_controller().reissue(_required(_body(), "partition_id")))})
 
 
 @_ROUTES.post("/v1/controller/create_partition")

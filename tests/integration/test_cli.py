@@ -168,7 +168,7 @@ def test_status_of_a_controller_shows_its_partitions_next_to_workers(
         assert code == 0 and table["role"] == "controller" and table["waiting_consumers"] == 2
         step = table["partitions"]["step-1"]
         assert step["consumed"] == {"train": 2} and step["waiting"] == {"critic": 1}
-        assert step["fields"]["y"] == {"produced": 2, "dtype": "F32", "ragged": False}
+        assert step["fields"]["y"] == {"produced": 2, "partial": 0, "dtype": "F32", "ragged": False}
 
         put("step-1", ids[2:], y=torch.ones(2, 1))
         put("step-2", ["c9"], x=torch.zeros(1, 2))

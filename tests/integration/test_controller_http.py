@@ -264,6 +264,7 @@ def test_summary_shows_partitions_consumers_and_who_waits_where(
         "partitions": {},
         "policy_version": 0,
         "staleness": nothing_served,
+        "reissued": 0,
     }
     ids = [f"{prefix()}-{i}" for i in range(4)]
     rc.create_partition("p", expected_fields=["reward"])
@@ -288,9 +289,9 @@ def test_summary_shows_partitions_consumers_and_who_waits_where(
             "ready": 0,  # nobody has `reward` yet
             "clearing": 0,
             "fields": {
-                "x": {"produced": 4, "dtype": "I64", "ragged": True},
-                "y": {"produced": 2, "dtype": "F32", "ragged": False},
-                "reward": {"produced": 0, "dtype": None, "ragged": False},
+                "x": {"produced": 4, "partial": 0, "dtype": "I64", "ragged": True},
+                "y": {"produced": 2, "partial": 0, "dtype": "F32", "ragged": False},
+                "reward": {"produced": 0, "partial": 0, "dtype": None, "ragged": False},
             },
             "consumed": {"train": 3},
             "policy_versions": {},

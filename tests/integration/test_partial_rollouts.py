@@ -8,10 +8,13 @@ extend through it again is refused (never applied twice). Real workers on loopba
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from batch_support import remote
 
 from distbatch import (
     BatchStatus,
@@ -22,7 +25,10 @@ from distbatch import (
     ShardNotFoundError,
     ShardsReplacedError,
 )
+from distbatch.controller import Controller
+from distbatch.controller.remote import RemoteController
 from distbatch.launch import WorkerProcess
+from distbatch.samplers import GRPOGroupNSampler
 from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 
 DBM = DistributedBatchMemory
@@ -158,3 +164,72 @@ def test_extend_over_the_same_host_path(
         )
         assert client.traffic().same_host_sent > 0, "the same-host path was not taken"
         grown.clear()
+
+
+# --------------------------------------------------------------------------- the controller's side
+
+
+@pytest.fixture(params=["local", "http"])
+def controller(request: pytest.FixtureRequest, serve: Callable[..., Any]) -> Any:
+    """A controller in this process, or one served and reached over HTTP."""
+    ctl = Controller(GRPOGroupNSampler(n_samples_per_prompt=2))
+    return ctl if request.param == "local" else RemoteController(serve(ctl).address, timeout=20)
+
+
+def generating(node: str, tag: str, groups: int) -> DBM:
+    """`groups` GRPO groups of 2 responses whose `tokens` are a first chunk, on `node`."""
+    ids = [f"{tag}-g{g}-r{j}" for g in range(groups) for j in range(2)]
+    chunks = [torch.full((1 + i % 2,), i, dtype=torch.int32) for i in range(len(ids))]
+    return remote(node, ids, tokens=chunks, prompt=torch.arange(len(ids)))
+
+
+def test_a_partial_put_is_located_but_not_produced_until_its_producer_completes_it(
+    nodes: list[str], controller: Any
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    first = generating(nodes[0], tag, 2)
+    assert controller.put("rollout", first, version=3, partial=["tokens"]) == 4
+    assert len(controller.get_meta("rollout", "train", ["tokens"], 2)) == 0  # never served partial
+    assert len(controller.get_meta("rollout", "look", ["prompt"], 2)) == 2  # the complete field is
+    assert controller.production_status("rollout", ["tokens"])["produced"] == {"tokens": 0}
+    assert controller.summary()["partitions"]["rollout"]["fields"]["tokens"]["partial"] == 4
+    inflight = controller.inflight("rollout")
+    assert inflight.task_ids == first.task_ids and set(inflight.fields) == {"tokens", "prompt"}
+    grown = inflight.extend({"tokens": [torch.tensor([7], dtype=torch.int32)] * 4})  # resumed, from metadata
+    controller.put("rollout", grown.select_fields(["tokens"]), partial=True, version=4)  # still going
+    done = grown.extend({"tokens": [torch.tensor([8], dtype=torch.int32)] * 4})
+    controller.put("rollout", done.select_fields(["tokens"]), version=5)  # the producer says: complete
+    assert len(controller.inflight("rollout")) == 0
+    served = controller.get_meta("rollout", "train", ["tokens"], 4)
+    assert [len(t) for t in served["tokens"]] == [n + 2 for n in first.lengths("tokens")]
+    assert set(controller.policy_versions("rollout", served.task_ids).values()) == {3}  # the oldest part
+    assert controller.clear_partition("rollout") == 8
+
+
+def test_clear_deletes_in_flight_values_on_their_workers(
+    nodes: list[str], controller: Any, module_client: ShardClient
+) -> None:
+    batch = generating(nodes[1], uuid.uuid4().hex[:6], 1)
+    controller.put("rollout", batch, partial=True)
+    assert controller.clear_tasks("rollout", batch.task_ids) == 4
+    assert module_client.task_fields(nodes[1], batch.task_ids) == ({}, batch.task_ids)
+
+
+def test_after_a_restore_in_flight_tasks_are_reissued_once(nodes: list[str], controller: Any) -> None:
+    tag = uuid.uuid4().hex[:6]
+    finished, stopped, resumed = (generating(nodes[2], f"{tag}{k}", 1) for k in "abc")
+    controller.put("rollout", finished)
+    controller.put("rollout", stopped, partial=True)
+    controller.put("rollout", resumed, partial=["tokens"])
+    state = controller.state_dict()
+    assert len(controller.reissue("rollout")) == 0  # nothing was restored yet
+    controller.load_state_dict(state)  # the trainer restarted from its checkpoint
+    done = resumed.extend({"tokens": [torch.ones(1, dtype=torch.int32)] * 2})
+    controller.put("rollout", done.select_fields(["tokens"]))  # finished meanwhile: not reissued
+    again = controller.reissue("rollout")
+    assert again.task_ids == stopped.task_ids
+    assert all(torch.equal(a, b) for a, b in zip(again["tokens"], stopped["tokens"]))  # its prefix, to resume
+    assert len(controller.reissue("rollout")) == 0  # once
+    assert controller.summary()["reissued"] == 2
+    assert controller.inflight("rollout").task_ids == stopped.task_ids  # still in flight until completed
+    controller.clear_partition("rollout")

@@ -1,6 +1,6 @@
 """A partition's kept ready sets answer what computing from the columns would, after any sequence of
-puts (new tasks, later stages), consumptions, resets, clears in flight, forgotten tasks (their
-indexes reused) and deleted shards; and only so many are kept."""
+puts (new tasks, later stages, partial values and their completion), consumptions, resets, clears
+in flight, forgotten tasks (their indexes reused) and deleted shards; and only so many are kept."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ TASK_NAMES = ("train", "critic", "ref")
 ASKED = [(t, f) for t in TASK_NAMES for f in (("a",), ("a", "b"), ("b", "c", "a"))]
 
 
-def _put(p: Partition, task_ids: list[str], fields: list[str], node: int) -> None:
+def _put(
+    p: Partition, task_ids: list[str], fields: list[str], node: int, partial: frozenset[str] = frozenset()
+) -> None:
     n = len(task_ids)
     meta = BatchMeta(
         task_ids,
         [NODES[node]],
         {f: FieldMeta("I32", np.zeros(n, dtype=np.int32), RowShapes.uniform(n, ())) for f in fields},
     )
-    p.register(meta, p.check_put(meta, 1))
+    p.register(meta, p.check_put(meta, 1), partial)
 
 
 def _truth(p: Partition, task_name: str, fields: tuple[str, ...]) -> list[int]:
@@ -38,7 +40,8 @@ def _truth(p: Partition, task_name: str, fields: tuple[str, ...]) -> list[int]:
     have = set(p.columns[fields[0]].node)
     for f in fields[1:]:
         have &= set(p.columns[f].node)
-    return sorted(have - p.consumed.get(task_name, set()) - set(p.clearing))
+    partial = set().union(*(p.columns[f].partial for f in fields))
+    return sorted(have - p.consumed.get(task_name, set()) - set(p.clearing) - partial)
 
 
 def _step(p: Partition, rng: random.Random, fresh: list[int]) -> None:
@@ -50,12 +53,14 @@ def _step(p: Partition, rng: random.Random, fresh: list[int]) -> None:
     if op == "put" or not known:
         ids = [f"t{fresh[0] + k}" for k in range(rng.randint(70, 130) if big else rng.randint(1, 6))]
         fresh[0] += len(ids)
-        _put(p, ids, rng.sample(FIELDS, rng.randint(1, 3)), 0)
-    elif op == "stage":  # a later stage adds (or puts again) a field of known tasks
+        fields = rng.sample(FIELDS, rng.randint(1, 3))
+        _put(p, ids, fields, 0, frozenset(f for f in fields if rng.random() < 0.2))
+    elif op == "stage":  # a later stage adds (or puts again, or completes) a field of known tasks
         count = min(len(known), 100 if big else 4)
         ids = [t for t in rng.sample(known, count) if p.index_of[t] not in p.clearing]
         if ids:
-            _put(p, ids, [rng.choice(FIELDS)], 0)
+            field = rng.choice(FIELDS)
+            _put(p, ids, [field], 0, frozenset([field]) if rng.random() < 0.3 else frozenset())
     elif op == "consume":
         task_name, fields = rng.choice(ASKED)
         ready = p.ready(task_name, list(fields))
