@@ -41,7 +41,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from toy_policy import grpo_advantages, grpo_token_loss, make_policy, prompt_for, reward, sample
+from toy_policy import (
+    SEP,
+    grpo_advantages,
+    grpo_token_loss,
+    make_policy,
+    prompt_for,
+    reward,
+    sample,
+    sample_more,
+)
 from tqdm import tqdm
 
 from distbatch import (
@@ -81,6 +90,7 @@ class Rollout:
     def __init__(self, context: Any, seed: int, temperature: float) -> None:
         torch.set_num_threads(1)  # one core each: several workers share the machine
         self.gathered = Gathered(context)
+        self.node, self.client = context.node, context.client
         self.policy = make_policy(seed)  # replaced by the trainer's weights before the first step
         self.params = list(self.policy.parameters())
         self.temperature = temperature
@@ -135,6 +145,73 @@ class Rollout:
             },
             task_ids=[f"s{step}-p{p}-r{j}" for p in prompts for j in range(n)],
         )
+
+    # A generation a weight update may interrupt (`--partial T`): `start` samples the first T
+    # digits of each response, `resume` the next T, appending them to the task's fields where
+    # they are (`extend`: the prefix never moves), until the responses are whole and scored.
+
+    def start(self, prompts: list[int], step: int, n: int, seed: int, max_new: int) -> DistributedBatchMemory:
+        """The first `max_new` digits of `n` responses to each prompt: `input_ids` (prompt,
+        separator, digits so far), `logprobs` (of those digits), `prompt`; kept here."""
+        per_task = [p for p in prompts for _ in range(n)]
+        sequences = [torch.cat([prompt_for(seed, step, p)[0], torch.tensor([SEP])]) for p in per_task]
+        ids, logprobs = self._advance(sequences, per_task, step, n, seed, max_new)
+        return DistributedBatchMemory.from_dict(
+            {
+                "input_ids": [torch.cat([s, i]).to(torch.int32) for s, i in zip(sequences, ids)],
+                "logprobs": logprobs,
+                "prompt": torch.tensor(per_task),
+            },
+            task_ids=[f"s{step}-p{p}-r{j}" for p in prompts for j in range(n)],
+        )
+
+    def resume(
+        self, batch: DistributedBatchMemory, step: int, n: int, seed: int, max_new: int
+    ) -> DistributedBatchMemory:
+        """The next `max_new` digits of the responses in `batch` (its tasks are this worker's),
+        with this worker's current weights, appended where they are; once the responses are
+        whole, their rewards and GRPO advantages join them."""
+        if not len(batch):
+            return batch
+        sequences = list(batch["input_ids"])
+        prompts = batch["prompt"].tolist()
+        ids, logprobs = self._advance([s.long() for s in sequences], prompts, step, n, seed, max_new)
+        grown = batch.extend({"input_ids": [i.to(torch.int32) for i in ids], "logprobs": logprobs})
+        lengths = grown.lengths("input_ids")
+        wanted = [2 * len(prompt_for(seed, step, p)[0]) + 1 for p in prompts[::n]]
+        if [lengths[g * n] for g in range(len(wanted))] != wanted:
+            return grown  # not whole yet
+        whole = [torch.cat([s.long(), i]) for s, i in zip(sequences, ids)]
+        rewards = torch.stack([reward(w[: len(w) // 2][None], w[len(w) // 2 + 1 :][None])[0] for w in whole])
+        self.reward_sum += float(rewards.sum())
+        self.responses += len(rewards)
+        scores = DistributedBatchMemory.from_dict(
+            {"rewards": rewards, "advantages": grpo_advantages(rewards, n)}, task_ids=grown.task_ids
+        )
+        return grown.union(scores.to_remote(self.node, self.client))
+
+    def _advance(
+        self, sequences: list[torch.Tensor], prompts: list[int], step: int, n: int, seed: int, max_new: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`max_new` more digits for each task (`sequences[i]`: prompt, separator and digits so
+        far, of response `i % n` to prompt `prompts[i]`), tasks of one length in one pass."""
+        uniforms = {}
+        for p in dict.fromkeys(prompts):
+            digits, gen = prompt_for(seed, step, p)
+            uniforms[p] = torch.rand((n, len(digits)), generator=gen)  # as `generate` draws them
+        by_length: dict[int, list[int]] = {}
+        for i, sequence in enumerate(sequences):
+            by_length.setdefault(len(sequence), []).append(i)
+        ids: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * len(sequences)
+        logprobs: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
+        for rows in by_length.values():
+            drawn = torch.stack([uniforms[prompts[i]][i % n] for i in rows])
+            new, logp = sample_more(
+                self.policy, torch.stack([sequences[i] for i in rows]), drawn, self.temperature, max_new
+            )
+            for k, i in enumerate(rows):
+                ids[i], logprobs[i] = new[k], logp[k]
+        return ids, logprobs
 
     def take_metrics(self) -> dict[str, float]:
         """Plain JSON back to the controller: rewards and bytes gathered since the last call."""
@@ -238,6 +315,7 @@ class RunReport:
     shards_left: int = -1
     seconds: float = 0.0  # the whole training loop, wall clock
     staleness: dict[str, Any] = field(default_factory=dict)  # async: the controller's counters
+    interrupted: int = 0  # --partial: rollout steps a weight update interrupted (and that resumed)
 
     @property
     def rewards(self) -> list[float]:
@@ -353,11 +431,14 @@ class AsyncJob:
     def __init__(self, job: Job, ahead: int) -> None:
         self.job, self.ahead = job, ahead
         self.controller = Controller(GRPOGroupNSampler(n_samples_per_prompt=job.args.n))
+        # Partial rollouts put their tasks before `advantages` exists: the trainer waits for it.
+        self.controller.create_partition("rollout", expected_fields=TRAIN_FIELDS)
         self.turns = threading.Lock()  # generate / load_weights on the rollout workers
         self.progress = threading.Condition()
         self.trained = 0  # steps trained: the trainers' policy version
         self.loaded = 0  # the version the rollout workers hold
         self.rewards: dict[int, float] = {}
+        self.interrupted = 0  # --partial: steps whose generation a weight update interrupted
         self.failure: BaseException | None = None
         self.stopping = False  # set when training is done or failed: the producer stops
         self.producer = threading.Thread(target=self.produce, name="rollout", daemon=True)
@@ -370,9 +451,8 @@ class AsyncJob:
     def produce(self) -> None:
         """The producer thread: rollout steps, each at most `ahead` steps in front of training,
         until training is done (more steps than training takes, when stale ones were dropped)."""
-        args, rollout = self.job.args, self.job.rollout
         try:
-            prompts = list(range(args.prompts))
+            prompts = list(range(self.job.args.prompts))
             step = 0
             while True:
                 with self.progress:
@@ -381,25 +461,45 @@ class AsyncJob:
                         self.progress.wait()
                     if self.stopping:
                         return
-                with self.turns:
-                    version = self.loaded
-                    produced = DistributedBatchMemory.concat(
-                        rollout.call(
-                            "generate",
-                            [prompts[i :: len(rollout)] for i in range(len(rollout))],
-                            step=step,
-                            n=args.n,
-                            seed=args.seed,
-                        )
-                    )
-                    metrics = rollout.call_all("take_metrics")
-                self.controller.put("rollout", produced, version=version)
-                self.rewards[step] = sum(m["reward_sum"] for m in metrics) / max(
-                    sum(m["responses"] for m in metrics), 1
-                )
+                self.rewards[step] = self.rollout_step(step, prompts)
                 step += 1
         except BaseException as exc:  # the training loop raises it
             self.failure = exc
+
+    def rollout_step(self, step: int, prompts: list[int]) -> float:
+        """Generate step `step`'s responses and put them in the controller with the policy
+        version that began them; their mean reward. With `--partial T`, T digits at a time:
+        between two calls the trainers may publish new weights, which the rest is sampled with
+        (the generation is interrupted, not thrown away: each task's fields grow where they are,
+        put as partial until whole)."""
+        args, rollout = self.job.args, self.job.rollout
+        chunks = [prompts[i :: len(rollout)] for i in range(len(rollout))]
+        common = {"step": step, "n": args.n, "seed": args.seed}
+        with self.turns:
+            version = self.loaded
+            if args.partial is None:
+                parts = rollout.call("generate", chunks, **common)
+            else:
+                parts = rollout.call("start", chunks, max_new=args.partial, **common)
+        interrupted = False
+        while not all(_whole(p) for p in parts):  # prompts of one length finish together
+            growing = DistributedBatchMemory.concat([p for p in parts if not _whole(p)])
+            self.controller.put("rollout", growing, version=version, partial=["input_ids", "logprobs"])
+            with self.turns:
+                interrupted = interrupted or self.loaded != version
+                resumed = rollout.call(
+                    "resume",
+                    [DistributedBatchMemory() if _whole(p) else p for p in parts],
+                    max_new=args.partial,
+                    **common,
+                )
+            parts = [p if _whole(p) else r for p, r in zip(parts, resumed)]
+        self.interrupted += interrupted
+        produced = DistributedBatchMemory.concat([p for p in parts if len(p)])
+        self.controller.put("rollout", produced, version=version)
+        with self.turns:
+            metrics = rollout.call_all("take_metrics")
+        return sum(m["reward_sum"] for m in metrics) / max(sum(m["responses"] for m in metrics), 1)
 
     def next_batch(self, size: int) -> DistributedBatchMemory:
         """A step's worth of whole groups, at most `ahead` versions old (older ones dropped)."""
@@ -465,10 +565,17 @@ class AsyncJob:
         return reports
 
 
+def _whole(part: DistributedBatchMemory) -> bool:
+    """Whether a rollout worker's part of a step is whole (scored), or holds no task."""
+    return not len(part) or "advantages" in part.fields
+
+
 def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False) -> RunReport:
     """Start the workers, train `args.steps` steps, keep the final weights, stop the workers."""
     mode = "centralised" if centralised else "distributed"
-    report = RunReport(mode if args.ahead is None else f"async-{args.ahead}")
+    if args.ahead is not None:
+        mode = f"async-{args.ahead}" + ("" if args.partial is None else f"-partial-{args.partial}")
+    report = RunReport(mode)
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     if args.http:  # every process on HTTP, the workers too (DISTBATCH_SHM=0)
         env["DISTBATCH_SHM"] = "0"
@@ -498,6 +605,7 @@ def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False
             asynchronous = AsyncJob(job, args.ahead)
             report.steps = asynchronous.train(steps)
             report.staleness = asynchronous.controller.summary()["staleness"]
+            report.interrupted = asynchronous.interrupted
         else:
             for step in steps:
                 report.steps.append(job.step(step))
@@ -574,6 +682,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--http", action="store_true", help="HTTP only, even between processes on one host (no shared memory)"
     )
     parser.add_argument(
+        "--partial",
+        type=int,
+        metavar="T",
+        help="with --async: generate T digits per call; a weight update between calls interrupts "
+        "the generation, which resumes with the new weights (partial rollouts)",
+    )
+    parser.add_argument(
         "--async",
         dest="ahead",
         type=int,
@@ -593,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.ahead is not None and (args.compare or args.centralised or args.ahead < 0):
         print("grpo_train.py: --async K (K >= 0) runs distributed only", file=sys.stderr)
+        return 2
+    if args.partial is not None and (args.ahead is None or args.partial < 1):
+        print("grpo_train.py: --partial T (T >= 1) goes with --async K", file=sys.stderr)
         return 2
     modes = [False, True] if args.compare else [args.centralised]
     reports = [run(args, centralised) for centralised in modes]
@@ -622,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} tasks {age} version(s) old" for age, n in report.staleness["served"].items()
             )
             print(f"[{report.mode}] trained on {served}; dropped as stale: {report.staleness['dropped']}")
+        if args.partial is not None:
+            print(
+                f"[{report.mode}] {report.interrupted} rollout steps were interrupted by a weight update "
+                f"and resumed with the new weights ({args.partial} digits per generation call)"
+            )
     ok = all(r.shards_left == 0 for r in reports)
     if len(reports) == 2:
         same = identical(reports[0], reports[1])

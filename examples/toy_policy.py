@@ -72,7 +72,6 @@ def prompt_for(seed: int, step: int, prompt: int) -> tuple[torch.Tensor, torch.G
     return torch.randint(0, DIGITS, (length,), generator=gen), gen
 
 
-@torch.no_grad()
 def sample(
     policy: Policy, prompts: torch.Tensor, uniforms: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +80,31 @@ def sample(
     [0, 1)), so a response depends on its own uniforms only. Returns the response digits and
     their log-probabilities under the distribution they were drawn from."""
     batch, digits = prompts.shape
-    sequence = torch.cat([prompts, torch.full((batch, 1), SEP)], 1)
+    sequences = torch.cat([prompts, torch.full((batch, 1), SEP)], 1)
+    return sample_more(policy, sequences, uniforms, temperature, digits)
+
+
+@torch.no_grad()
+def sample_more(
+    policy: Policy, sequences: torch.Tensor, uniforms: torch.Tensor, temperature: float, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` more response digits for `sequences` ([batch, prompt, separator, the response so
+    far], one length), drawn as `sample` draws them: a generation interrupted after any digit
+    and resumed here (by the same policy) gives what `sample` gives in one go. `uniforms`:
+    [batch, digits], the whole response's. Returns the new digits and their log-probabilities."""
+    digits = uniforms.shape[1]
+    done = sequences.shape[1] - digits - 1
     responses, logprobs = [], []
-    for i in range(digits):
-        logp = (policy(sequence)[:, -1] / temperature).log_softmax(-1)
+    for i in range(done, min(done + steps, digits)):
+        logp = (policy(sequences)[:, -1] / temperature).log_softmax(-1)
         cdf = logp.exp().cumsum(-1)
         digit = torch.searchsorted(cdf, uniforms[:, i : i + 1].contiguous()).clamp(max=DIGITS - 1)
         responses.append(digit[:, 0])
         logprobs.append(logp.gather(1, digit)[:, 0])
-        sequence = torch.cat([sequence, digit], 1)
+        sequences = torch.cat([sequences, digit], 1)
+    if not responses:
+        empty = torch.zeros((len(sequences), 0))
+        return empty.long(), empty
     return torch.stack(responses, 1), torch.stack(logprobs, 1)
 
 

@@ -168,14 +168,45 @@ def test_the_script_runs_as_scripts_demo_runs_it(tmp_path: Path) -> None:
 
 
 def test_the_asynchronous_job_trains_on_policies_at_most_k_versions_old(job: ModuleType) -> None:
-    """`--async 1`: rollout one step ahead of training through the controller; every step trains
-    on a step's worth of tasks at most one version old, nothing is dropped (oldest first), and
-    every store is empty at the end."""
-    args = job.parse_args(["--steps", "4", "--prompts", "4", "--async", "1"])
+    """`--async 1 --partial 2`: rollout one step ahead of training through the controller, two
+    digits per generation call (put as partial until whole); every step trains on a step's worth
+    of tasks at most one version old, nothing is dropped (oldest first), and every store is empty
+    at the end."""
+    args = job.parse_args(["--steps", "4", "--prompts", "4", "--async", "1", "--partial", "2"])
     report = job.run(args, quiet=True)
-    assert report.mode == "async-1" and len(report.steps) == 4
+    assert report.mode == "async-1-partial-2" and len(report.steps) == 4
     served = {int(age): n for age, n in report.staleness["served"].items()}
     assert set(served) <= {0, 1} and sum(served.values()) == 4 * 4 * 8
     assert report.staleness["dropped"] == 0
     assert all(math.isfinite(s.loss) and 0 <= s.reward <= 1 for s in report.steps)
     assert report.shards_left == 0
+
+
+def test_a_generation_resumed_chunk_by_chunk_is_the_generation_made_at_once(job: ModuleType) -> None:
+    """`--partial`'s engine calls, with no weight update between them: `start` and `resume`, two
+    digits a call, each growing the tasks' fields where they are (`extend`), give exactly what
+    one `generate` call gives: the same tokens, log-probabilities, rewards and advantages."""
+    import torch
+
+    from distbatch import WorkerGroup
+
+    env = {"PYTHONPATH": str(EXAMPLES)}
+    kwargs = {"seed": 0, "temperature": 1.0}
+    with WorkerGroup.local(1, "grpo_train:Rollout", engine_kwargs=kwargs, env=env) as rollout:
+        common = {"step": 3, "n": 4, "seed": 0}
+        generated = rollout.call("generate", [[0, 1, 2]], **common)[0]
+        whole = generated.to_local()
+        generated.clear()  # `start` puts the same task ids
+        parts = rollout.call("start", [[0, 1, 2]], max_new=2, **common)
+        calls = 1
+        while "advantages" not in parts[0].fields:
+            parts = rollout.call("resume", parts, max_new=2, **common)
+            calls += 1
+        resumed = parts[0]
+        assert calls >= 3 and resumed.task_ids == whole.task_ids  # 3 to 6 digits: 2 to 3 calls more
+        for name in ("input_ids", "logprobs"):
+            assert all(torch.equal(a, b) for a, b in zip(resumed[name], whole[name])), name
+        for name in ("rewards", "advantages"):
+            assert torch.equal(resumed[name], whole[name]), name
+        resumed.clear()
+        assert rollout.stats()[0]["shards"] == 0
