@@ -50,9 +50,10 @@ def slice_bundle(bundle: wire.Bundle, start: int, stop: int) -> wire.Bundle:
             if not np.all(np.diff(column.rows) > 0):
                 raise InvalidArgumentError("a partial column's rows must be ascending to be split")
             rows = column.rows[lo:hi] - start
-        if hi == lo:
+        sliced = wire.slice_aliases(column, wire.slice_column(column, lo, hi, rows), start, stop)
+        if hi == lo and not (sliced.alias is not None and len(sliced.alias)):
             continue
-        columns[name] = wire.slice_column(column, lo, hi, rows)
+        columns[name] = sliced
     return wire.Bundle(bundle.task_ids[start:stop], columns)
 
 

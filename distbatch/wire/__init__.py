@@ -23,6 +23,7 @@ from distbatch.wire.bundle import (
     column_field,
     concat_bundles,
     parse_bundle,
+    slice_aliases,
     slice_column,
     validate_id_list,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "parts_size",
     "raw_to_tensor",
     "shard_problem",
+    "slice_aliases",
     "slice_column",
     "split_rows",
     "TORCH_DTYPE_NAMES",

@@ -10,11 +10,17 @@ concatenated along dim 0. Tables say how to cut them back into tasks:
 | general | `f`: 1-D `[total elements]`, `f/ranks`: I64 `[m]`, `f/dims`: I64 `[m, width]` |
 | any     | `f/rows`: I64 `[m]`, when the field covers only some of the tasks (indexes)   |
 | any     | `f/append`: I64 `[m]`, when a put extends the stored values (see below)       |
+| any     | `f/alias`: I64 `[a]`, tasks that share another task's value (see below)       |
 
 A put's column with an `append` table extends each task's stored value along dim 0 instead of
 replacing it (a partial rollout grows without re-sending its prefix): per row, the generation
 of the put the stored value must come from (0: whichever, or none yet). Only tensor columns
 append.
+
+A put's column with an `alias` table stores, for each task it names (indexes into the task ids,
+tasks the column itself does not cover), no bytes: the task shares the value of the task whose
+id the description's `alias` list gives at the same place (covered by the column, or held by
+the worker already). A GRPO group's prompt or image travels and is stored once, not n times.
 
 JSON fields ride in the header's `__metadata__` as one JSON array per field, under
 `json/<field>`; `__metadata__["distbatch"]` holds the task ids and each field's dtype and
@@ -26,7 +32,6 @@ This layer (`Bundle`, `RawColumn`, `build_bundle`, `parse_bundle`) works on dtyp
 shape tables (numpy) and bytes, and never imports torch: the worker stores and serves
 columns without materialising a tensor. `distbatch.wire.tensors` is the torch layer on top.
 """
-
 
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ BUNDLE_VERSION = 2
 
 JSON_PREFIX = "json/"
 
-TABLES = ("lengths", "ranks", "dims", "rows", "append")
+TABLES = ("lengths", "ranks", "dims", "rows", "append", "alias")
 
 # A column's key is its field, or `field#k` for the k-th extra column of a field whose
 # values differ in dtype across tasks (a column holds one dtype). `#` is not an id character.
@@ -90,6 +95,7 @@ def _check_column_key(key: str) -> None:
         )
     if mark and _LAYER.fullmatch(layer) is None:
         raise WireFormatError(f"bad column name {key!r}: expected 'field' or 'field#k'")
+
 
 _ID_LIST = re.compile(r"(?:[A-Za-z0-9._:@=+-]{1,200}\n)*")
 
@@ -134,6 +140,10 @@ class RawColumn:
     # Puts only: set when the rows extend the stored values instead of replacing them; per
     # row, the generation the stored value must have (0: any, or none stored yet).
     append: np.ndarray | None = None
+    # Puts only: tasks (indexes into the bundle's task ids, none the column covers) that share
+    # another task's value, and per such task the id of the task whose value it shares.
+    alias: np.ndarray | None = None
+    alias_of: list[str] | None = None
 
     @property
     def count(self) -> int:
@@ -194,7 +204,8 @@ class Bundle:
     columns: dict[str, RawColumn]
 
     def shard_count(self) -> int:
-        return sum(c.count for c in self.columns.values())
+        """Shards the bundle names: a value per covered row, and one per task sharing a value."""
+        return sum(c.count + (0 if c.alias is None else len(c.alias)) for c in self.columns.values())
 
     def nbytes(self) -> int:
         return sum(int(c.row_nbytes().sum()) for c in self.columns.values())
@@ -216,6 +227,9 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
         if column.rows is not None:
             info["rows"] = True
             entries.append(Entry(f"{name}/rows", "I64", (len(column.rows),), [_table(column.rows)]))
+        if column.alias is not None:
+            info["alias"] = list(column.alias_of or [])
+            entries.append(Entry(f"{name}/alias", "I64", (len(column.alias),), [_table(column.alias)]))
         if column.dtype is None:
             if column.append is not None:
                 raise WireFormatError(f"field {name!r}: only tensor values can be appended to")
@@ -249,6 +263,7 @@ def build_bundle(bundle: Bundle) -> list[Buffer]:
         separators=(",", ":"),
     )
     return build_container(entries, metadata)
+
 
 # Resolves a column's runs (see `RawColumn.runs`) to its bytes, given the byte count they must make.
 Resolver = Callable[[np.ndarray, int], Sequence[Buffer]]
@@ -327,11 +342,14 @@ class _BundleParser:
             raise WireFormatError(f"field {name!r}: description must be an object")
         rows = self._rows(name, info)
         m = self.n if rows is None else len(rows)
+        alias = self._alias(name, info, rows)
         dtype = info.get("dtype")
         if dtype is None:
             if info.get("append", False) is not False:
                 raise WireFormatError(f"field {name!r}: only tensor values can be appended to")
-            return self._json_column(name, m, rows)
+            column = self._json_column(name, m, rows)
+            column.alias, column.alias_of = alias
+            return column
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise WireFormatError(f"field {name!r}: unsupported dtype {dtype!r}")
         external = info.get("external", False) is True
@@ -346,7 +364,30 @@ class _BundleParser:
         if external:
             return self._external_column(name, dtype, data, shapes, rows)
         append = self._append(name, info, m)
-        return RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows, append=append)
+        column = RawColumn(dtype, shapes, [data.data], len(data.data), rows=rows, append=append)
+        column.alias, column.alias_of = alias
+        return column
+
+    def _alias(
+        self, name: str, info: dict[str, Any], rows: np.ndarray | None
+    ) -> tuple[np.ndarray | None, list[str] | None]:
+        """The column's `alias` table (tasks sharing another's value) and the ids of those
+        others, checked: distinct tasks of the bundle that the column does not cover."""
+        of = info.get("alias")
+        if of is None:
+            return None, None
+        if not isinstance(of, list):
+            raise WireFormatError(f"field {name!r}: 'alias' must list the ids of the tasks shared")
+        self.claimed.add(f"{name}/alias")
+        members = _int_table(self.tensors, f"{name}/alias", (len(of),))
+        validate_id_list(list(dict.fromkeys(of)), "task_id")  # each distinct id once
+        sources = list(of)
+        if members.size and int(members.max()) >= self.n:
+            raise WireFormatError(f"field {name!r}: an alias is past the {self.n} tasks")
+        covered = np.arange(self.n) if rows is None else rows
+        if len(unique_ints(members)) != len(members) or np.isin(members, covered).any():
+            raise WireFormatError(f"field {name!r}: aliases repeat a task or name one the column covers")
+        return members, sources
 
     def _has_table(self, name: str, info: dict[str, Any], table: str) -> bool:
         """Whether the description says the column has table `table` (then claimed)."""
@@ -491,6 +532,16 @@ def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | No
     shapes = column.tensor_shapes.take(slice(start, stop))
     append = None if column.append is None else column.append[start:stop]
     return RawColumn(column.dtype, shapes, [data], last - first, rows=rows, append=append)
+
+
+def slice_aliases(column: RawColumn, sliced: RawColumn, start: int, stop: int) -> RawColumn:
+    """`sliced` (tasks `start:stop` of `column`) with the aliases of those tasks, renumbered."""
+    if column.alias is None:
+        return sliced
+    keep = np.flatnonzero((column.alias >= start) & (column.alias < stop))
+    sliced.alias = column.alias[keep] - start
+    sliced.alias_of = [(column.alias_of or [])[i] for i in keep.tolist()]
+    return sliced
 
 
 def concat_bundles(bundles: Sequence[Bundle]) -> Bundle:

@@ -152,6 +152,37 @@ class ShardIndex:
         index.gen[rows] = generation
         index.live += len(rows)
 
+    def alias(
+        self, name: str, rows: np.ndarray, sources: np.ndarray, generation: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Field `name` of the tasks at `rows` (holding none) is now the value the tasks at
+        `sources` hold (one each), stored by put `generation`; returns its (segments, positions)."""
+        index = self.fields[name]
+        index.ensure(int(rows.max()))
+        segs, positions = index.seg[sources], index.pos[sources]
+        index.seg[rows] = segs
+        index.pos[rows] = positions
+        index.gen[rows] = generation
+        index.live += len(rows)
+        return segs, positions
+
+    def rows_in(self, name: str, seg_id: int, generation: int | None = None) -> np.ndarray:
+        """The task rows whose field `name` is a row of segment `seg_id` (and was stored by put
+        `generation`, if given): a pass over the field's index."""
+        index = self.fields.get(name)
+        if index is None:
+            return np.zeros(0, dtype=np.int64)
+        hit = index.seg == seg_id
+        if generation is not None:
+            hit &= index.gen == generation
+        return np.flatnonzero(hit)
+
+    def repoint_segment(self, name: str, seg_id: int, moved: np.ndarray) -> None:
+        """Segment `seg_id` of field `name` was rebuilt: row p is now row `moved[p]`."""
+        rows = self.rows_in(name, seg_id)
+        index = self.fields[name]
+        index.pos[rows] = moved[index.pos[rows]]
+
     def kill(
         self, name: str, rows: np.ndarray, only_segment: int | None = None
     ) -> tuple[np.ndarray, np.ndarray] | None:

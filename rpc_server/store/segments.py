@@ -59,6 +59,7 @@ class Segment:
         "task_rows",
         "buffer",
         "live",
+        "refs",
         "region_offset",
     )
 
@@ -85,7 +86,10 @@ class Segment:
         self.data = data
         self.task_rows = task_rows
         self.buffer = buffer
-        self.live = len(task_rows)  # rows still the value of their task's field
+        self.live = len(task_rows)  # rows still the value of some task's field
+        # Per row, how many tasks' fields it is the value of, once another task shares a row
+        # (an alias); None while every row is its own task's only (the usual case).
+        self.refs: np.ndarray | None = None
         # Where `data` starts in the buffer's shared region (None: not in one).
         region = buffer.region
         self.region_offset = region.offset_of(data) if region is not None and data is not None else None
@@ -134,6 +138,7 @@ class Segment:
             column = RawColumn(None, values=[values[i] for i in keep.tolist()])
             data = None
         fresh = Segment(self.id, self.field, column, self.task_rows[keep], own, data)
+        fresh.refs = None if self.refs is None else self.refs[keep]
         fresh.sizes = sizes  # keep the accounting exact (JSON sizes are an even split)
         fresh.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(keep) else sizes
         own.live_bytes = own.size
@@ -176,6 +181,15 @@ class SegmentTable:
         self.segments[seg.id] = seg
         return seg
 
+    def share(self, segs: np.ndarray, positions: np.ndarray) -> None:
+        """The rows at (`segs`, `positions`) are now also the value of one more task each."""
+        for seg_id in unique_ints(segs).tolist():
+            seg = self.segments[seg_id]
+            if seg.refs is None:  # rows deleted before are dead: 0, the others their task's: 1
+                seg.refs = self._live(seg).astype(np.int32)
+            np.add.at(seg.refs, positions[segs == seg_id], 1)
+        self.shards += len(segs)
+
     def keep_buffer(self, buffer: Buffer) -> None:
         self._buffers[id(buffer)] = buffer
         if buffer.region is not None:
@@ -204,8 +218,12 @@ class SegmentTable:
         for seg_id in unique_ints(segs).tolist():
             seg = self.segments[seg_id]
             dead = positions[segs == seg_id] if len(segs) > 1 else positions
+            count += len(dead)  # values: a shared row is one per task sharing it
+            if seg.refs is not None:  # a row dies with the last task whose value it is
+                np.subtract.at(seg.refs, dead, 1)
+                dead = unique_ints(dead)
+                dead = dead[seg.refs[dead] == 0]
             nbytes = int(seg.sizes[dead].sum())
-            count += len(dead)
             freed += nbytes
             seg.buffer.live_bytes -= nbytes
             seg.live -= len(dead)
@@ -228,14 +246,22 @@ class SegmentTable:
             self.forget_buffer(buffer)
 
     def _live(self, seg: Segment) -> np.ndarray:
-        """Which of the segment's rows are still the value of their task's field."""
+        """Which of the segment's rows are still the value of some task's field."""
+        if seg.refs is not None:
+            return seg.refs > 0
         return self._index.live_in(seg.field, seg.task_rows, seg.id)
 
     def _compact(self, buffer: Buffer) -> None:
         """Copy the live rows of every segment in `buffer` into buffers of their own."""
         for seg in [self.segments[s] for s in sorted(buffer.members)]:
-            fresh = seg.compacted(np.flatnonzero(self._live(seg)))
-            self._index.repoint(seg.field, fresh.task_rows)
+            keep = np.flatnonzero(self._live(seg))
+            fresh = seg.compacted(keep)
+            if seg.refs is None:
+                self._index.repoint(seg.field, fresh.task_rows)
+            else:  # every task pointing here, sharing or not, follows its row
+                moved = np.full(len(seg.sizes), -1, dtype=np.int64)
+                moved[keep] = np.arange(len(keep))
+                self._index.repoint_segment(seg.field, seg.id, moved)
             self.keep_buffer(fresh.buffer)
             self.segments[seg.id] = fresh
             buffer.live_bytes -= fresh.buffer.size

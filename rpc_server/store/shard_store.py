@@ -140,6 +140,7 @@ class ShardStore:
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
         with self._lock:
+            self._shards.check_aliases([bundle])
             bundle, own = self._shards.resolve_appends(bundle)
             incoming, replaced = self._shards.measure(bundle)
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
@@ -216,6 +217,7 @@ class ShardStore:
                 raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
             # Appends are resolved (and checked) for every part before any is applied; a refused
             # one leaves the stage as it was.
+            self._shards.check_aliases([part.bundle for part in held])
             resolved = [self._shards.resolve_appends(part.bundle) for part in held]
             parts = self._stages.take(stage_id) or []
             stored = nbytes = 0

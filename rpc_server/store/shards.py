@@ -15,6 +15,7 @@ import numpy as np
 from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, column_field
 from distbatch.wire.shapes import unique_ints
+from rpc_server.store.aliases import check_aliases
 from rpc_server.store.appends import resolve_appends
 from rpc_server.store.index import ShardIndex
 from rpc_server.store.records import PutReceipt, ReplacedValues
@@ -103,9 +104,27 @@ class Shards:
         self._keep_body(buffer, body_size, segments)
         self.segments.shards += stored
         self.segments.nbytes += nbytes
+        for key, column in bundle.columns.items():  # checked by `check_aliases`
+            if column.alias is not None and len(column.alias):
+                name = column_field(key)
+                shared = self._share(name, rows[column.alias], column.alias_of or [], generation)
+                stored += len(column.alias)
+                owned += [(name, seg_id) for seg_id in shared]
         self.touch(rows)
         self.index.release_empty(rows)  # tasks no column covered hold nothing
         return PutReceipt(stored, nbytes, (*segments, *owned), generation)
+
+    def _share(self, name: str, rows: np.ndarray, sources: list[str], generation: int) -> list[int]:
+        """Field `name` of the tasks at `rows` becomes the value the tasks `sources` hold (one
+        each); returns the segments those values are in."""
+        self.kill(name, rows)
+        segs, positions = self.index.alias(name, rows, self.index.rows.lookup(sources), generation)
+        self.segments.share(segs, positions)
+        return unique_ints(segs).tolist()
+
+    def check_aliases(self, bundles: Sequence[Bundle]) -> None:
+        """`aliases.check_aliases` over what this holds."""
+        check_aliases(self.index, bundles)
 
     def _keep_body(self, buffer: Buffer, body_size: int | None, segments: list[tuple[str, int]]) -> None:
         """Hold a put's body buffer while its segments point into it."""
@@ -154,8 +173,10 @@ class Shards:
             seg = self.segments.segments.get(seg_id)
             if seg is None:
                 continue
-            touched.append(seg.task_rows)
-            c, b = self.kill(name, seg.task_rows, only_segment=seg_id)
+            # A shared row's tasks are found by the put that stored each (aliases of later puts stay).
+            rows = seg.task_rows if seg.refs is None else self.index.rows_in(name, seg_id, receipt.generation)
+            touched.append(rows)
+            c, b = self.kill(name, rows, only_segment=seg_id)
             count, freed = count + c, freed + b
         if touched:
             self.index.release_empty(np.concatenate(touched))

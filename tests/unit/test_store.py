@@ -548,6 +548,8 @@ class StoreModel(RuleBasedStateMachine):
         self.store = ShardStore()
         self.values: dict[tuple[str, str], Any] = {}  # key -> describe()-style value
         self.sizes: dict[tuple[str, str], int] = {}
+        self.cell: dict[tuple[str, str], int] = {}  # key -> the stored row holding its value
+        self.cells = 0
         self.owner: dict[tuple[str, str], int] = {}  # key -> number of the put that stored it
         self.receipts: list[tuple[int, Any]] = []
         self.puts_done = 0
@@ -621,13 +623,26 @@ class StoreModel(RuleBasedStateMachine):
             else:
                 self.values[key] = ("json", json.dumps(value, separators=(",", ":")))
             self.sizes[key] = sizes[key]
+            self._new_cell(key)
             self.owner[key] = self.puts_done
         self.receipts.append((self.puts_done, receipt))
 
+    def _new_cell(self, key: tuple[str, str]) -> None:
+        self.cells += 1
+        self.cell[key] = self.cells
+
+    def _stored_bytes(self, keys: Any) -> int:
+        """The bytes of the distinct rows holding `keys`' values (a shared row counts once)."""
+        rows = {self.cell[k]: self.sizes[k] for k in keys}
+        return sum(rows.values())
+
     def _forget(self, keys: list[tuple[str, str]], result: tuple[int, int]) -> None:
-        assert result == (len(keys), sum(self.sizes[k] for k in keys))
+        gone = set(keys)
+        kept = {self.cell[k] for k in self.values if k not in gone}
+        freed = {self.cell[k]: self.sizes[k] for k in gone if self.cell[k] not in kept}
+        assert result == (len(keys), sum(freed.values()))
         for key in keys:
-            del self.values[key], self.sizes[key], self.owner[key]
+            del self.values[key], self.sizes[key], self.owner[key], self.cell[key]
 
     # ---------------------------------------------------------------- rules
 
@@ -677,6 +692,7 @@ class StoreModel(RuleBasedStateMachine):
                 self.values[key] = ("json", json.dumps(value))
                 self.sizes[key] = len(json.dumps(value))
             self.owner[key] = self.puts_done
+            self._new_cell(key)
         assert (receipt.stored, receipt.bytes) == (len(values), sum(self.sizes[k] for k in values))
         self.receipts.append((self.puts_done, receipt))
 
@@ -728,7 +744,37 @@ class StoreModel(RuleBasedStateMachine):
             self.values[(t, f)] = (dtype, (length + value.shape[0], *tail), before + bytes(value.data))
             self.sizes[(t, f)] = len(self.values[(t, f)][2])
             self.owner[(t, f)] = self.puts_done
+            self._new_cell((t, f))
         assert receipt.stored == len(rows)
+        self.receipts.append((self.puts_done, receipt))
+
+    @precondition(lambda self: bool(self.values))
+    @rule(data=st.data())
+    def share(self, data: st.DataObject) -> None:
+        """Tasks (holding the field or not) come to share a held value: a put of the field's
+        column covering no row, with aliases; stored once, counted once, deleted exactly."""
+        source, field = _chosen(data, sorted(self.values), max_size=3)[0]
+        members = [t for t in _chosen(data, TASKS, max_size=3, unique=True) if t != source]
+        if not members:
+            return
+        kind = self.values[(source, field)][0]
+        if kind == "json":
+            column = RawColumn(None, values=[], rows=np.zeros(0, dtype=np.int64))
+        else:
+            column = RawColumn(kind, RowShapes.uniform(0, ()), [], 0, rows=np.zeros(0, dtype=np.int64))
+        column.alias = np.arange(len(members), dtype=np.int64)
+        column.alias_of = [source] * len(members)
+        bundle = Bundle(list(members), {field: column})
+        body_size = None
+        if data.draw(st.booleans()):
+            bundle, body_size = wire_trip(bundle)
+        receipt = self.store.put(bundle, body_size=body_size)
+        assert receipt.stored == len(members)
+        self.puts_done += 1
+        for t in members:
+            key = (t, field)
+            self.values[key], self.sizes[key] = self.values[(source, field)], self.sizes[(source, field)]
+            self.cell[key], self.owner[key] = self.cell[(source, field)], self.puts_done
         self.receipts.append((self.puts_done, receipt))
 
     @precondition(lambda self: bool(self._appendable()))
@@ -830,7 +876,7 @@ class StoreModel(RuleBasedStateMachine):
         stats = self.store.stats()
         assert stats.shards == len(self.values)
         assert stats.tasks == len({t for t, _ in self.values})
-        assert stats.bytes == sum(self.sizes.values())
+        assert stats.bytes == self._stored_bytes(self.values)
         assert stats.held_bytes >= stats.bytes
         if not self.values:
             assert (stats.held_bytes, stats.segments) == (0, 0)
@@ -838,7 +884,7 @@ class StoreModel(RuleBasedStateMachine):
     def teardown(self) -> None:
         everything = list(self.values)
         result = self.store.delete_tasks(TASKS)
-        assert result == (len(everything), sum(self.sizes[k] for k in everything))
+        assert result == (len(everything), self._stored_bytes(everything))
         assert_empty(self.store)
         self.store.close()
 
