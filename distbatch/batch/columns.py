@@ -286,21 +286,105 @@ def to_device(
 
 
 def export_bundle(
-    task_ids: list[str], data: Mapping[str, Column], node: str, copy: bool = False
+    task_ids: list[str],
+    data: Mapping[str, Column],
+    node: str,
+    copy: bool = False,
+    share: Mapping[str, int] | None = None,
 ) -> tuple[wire.Bundle, BatchMeta]:
     """Columns as a wire bundle (one column per field) plus the metadata naming `node` as holder.
 
     `copy=True`: no column shares memory with `data`'s tensors (one copy per column at most).
+    Tasks of a list column that hold the very same tensor, and each group of `share[field]`
+    consecutive tasks (checked equal), share one stored value: it travels once, the others
+    name it (`RawColumn.alias`), and the metadata says so (`FieldMeta.shared`, as ordinals
+    until the put's generation turns them into keys: `BatchMeta.stored_by`).
     """
     columns: dict[str, wire.RawColumn] = {}
     fields: dict[str, FieldMeta] = {}
     n = len(task_ids)
+    share = dict(share or {})
+    unknown = sorted(set(share) - set(data))
+    if unknown:
+        raise InvalidArgumentError(f"share= names fields the batch does not have: {unknown}")
     for name, col in data.items():
-        column = _wire_column(name, col, task_ids, copy)
+        leaders = _share_leaders(name, col, share.get(name))
+        if leaders is None:
+            column = _wire_column(name, col, task_ids, copy)
+            shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
+            ordinals = None
+        else:
+            column, shapes, ordinals = _shared_wire_column(name, col, task_ids, copy, leaders)
         columns[name] = column
-        shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
-        fields[name] = FieldMeta(column.dtype, np.zeros(n, dtype=np.int32), shapes, is_ragged(col))
+        nodes = np.zeros(n, dtype=np.int32)
+        fields[name] = FieldMeta(column.dtype, nodes, shapes, is_ragged(col), None, ordinals)
     return wire.Bundle(list(task_ids), columns), BatchMeta(list(task_ids), [node], fields)
+
+
+def _share_leaders(name: str, col: Column, group_size: int | None) -> np.ndarray | None:
+    """Per task, the first task whose value it shares (itself if none); None when no task shares.
+
+    With `group_size`, consecutive groups of that many tasks, whose values must be equal
+    (`InvalidArgumentError` naming the first that is not); else the tasks of a list column that
+    hold the very same tensor (same memory, shape and strides: no bytes compared)."""
+    n = column_len(col)
+    if group_size is not None:
+        if not isinstance(group_size, int) or group_size < 1 or n % group_size:
+            raise InvalidArgumentError(f"share[{name!r}] must divide the batch's {n} tasks into groups")
+        leaders = np.arange(n, dtype=np.int64) // group_size * group_size
+        _check_equal_groups(name, col, leaders)
+        return leaders if group_size > 1 else None
+    if isinstance(col, (torch.Tensor, RaggedViews)) or not col or not isinstance(col[0], torch.Tensor):
+        return None
+    first: dict[Any, int] = {}
+    # A value's identity: its memory, dtype, shape and strides (an empty one is its own).
+    keys = [_identity(v) if v.numel() else i for i, v in enumerate(col)]
+    leaders = np.fromiter((first.setdefault(k, i) for i, k in enumerate(keys)), dtype=np.int64, count=n)
+    return None if len(first) == n else leaders
+
+
+def _identity(value: torch.Tensor) -> tuple[Any, ...]:
+    return (value.data_ptr(), value.device, value.dtype, value.shape, value.stride())
+
+
+def _check_equal_groups(name: str, col: Column, leaders: np.ndarray) -> None:
+    if isinstance(col, torch.Tensor):
+        same = (col == col[torch.from_numpy(leaders)]).reshape(len(col), -1).all(1)
+        differs = np.flatnonzero(~same.numpy()).tolist()
+    else:
+        differs = [i for i, j in enumerate(leaders.tolist()) if i != j and not _equal(col[i], col[j])]
+    if len(differs):
+        raise InvalidArgumentError(
+            f"share[{name!r}]: task {int(differs[0])} differs from the first task of its group; "
+            "only tasks with equal values can share one"
+        )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def _shared_wire_column(
+    name: str, col: Column, task_ids: list[str], copy: bool, leaders: np.ndarray
+) -> tuple[wire.RawColumn, RowShapes, np.ndarray]:
+    """The column over the tasks that lead their group, the others as aliases of them; every
+    task's shape; per task its group's ordinal (from 1; 0 for a task alone)."""
+    own = np.flatnonzero(leaders == np.arange(len(leaders)))
+    column = _wire_column(name, take_column(col, own), pick(task_ids, own), copy)
+    column.rows = own
+    members = np.flatnonzero(leaders != np.arange(len(leaders)))
+    column.alias, column.alias_of = members, pick(task_ids, leaders[members])
+    position = np.zeros(len(leaders), dtype=np.int64)
+    position[own] = np.arange(len(own))
+    whole = RowShapes.uniform(len(leaders), ())  # JSON values
+    shapes = whole if column.shapes is None else column.shapes.take(position[leaders])
+    sizes = np.bincount(leaders, minlength=len(leaders))
+    grouped = own[sizes[own] > 1]
+    ordinal = np.zeros(len(leaders), dtype=np.int64)
+    ordinal[grouped] = np.arange(1, len(grouped) + 1)
+    return column, shapes, ordinal[leaders]
 
 
 def _wire_column(name: str, col: Column, task_ids: list[str], copy: bool) -> wire.RawColumn:

@@ -337,23 +337,35 @@ class DistributedBatchMemory:
         local = self.to_local()
         return {name: local[name] for name in local.fields}
 
-    def export_bundle(self, node: str, copy: bool = False) -> tuple[wire.Bundle, BatchMeta]:
+    def export_bundle(
+        self, node: str, copy: bool = False, share: Mapping[str, int] | None = None
+    ) -> tuple[wire.Bundle, BatchMeta]:
         """A LOCAL batch as a wire bundle (one column per field) plus the metadata naming `node`.
 
         A stacked tensor column travels as it is (no per-task work); a ragged one is packed
         with one `cat`. `copy=True` makes sure no column shares memory with the batch's
-        tensors (for a store that keeps the bundle): one copy per column at most.
+        tensors (for a store that keeps the bundle): one copy per column at most. Shared
+        values (`share`, or tasks holding the very same tensor) travel once: see `to_remote`.
         """
         local = self._require_local("export shards")
-        return export_bundle(list(local.task_ids), local.data, validate_node(node), copy)
+        return export_bundle(list(local.task_ids), local.data, validate_node(node), copy, share)
 
-    def to_remote(self, node: str, client: ShardClient | None = None) -> DistributedBatchMemory:
-        """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them."""
+    def to_remote(
+        self, node: str, client: ShardClient | None = None, *, share: Mapping[str, int] | None = None
+    ) -> DistributedBatchMemory:
+        """Push a LOCAL batch's columns to `node`; returns the REMOTE batch that points at them.
+
+        Group-shared values are stored once: tasks of a list column that hold the very same
+        tensor object (``[image] * n``) share it without being asked, and `share={"field": n}`
+        says each run of n consecutive tasks has one value of that field (checked equal; a GRPO
+        group's prompt or ``pixel_values``). A gather then moves each shared value once per
+        reader, and its tasks get views of it; deleting any of them is exact.
+        """
         if self.status is BatchStatus.EMPTY:
             return self._of(self._state.take(np.zeros(0, dtype=np.int64)))
         if self.status is BatchStatus.REMOTE:
             raise BatchStatusError("batch is already REMOTE; to_local() first to move it elsewhere")
-        bundle, meta = self.export_bundle(node)
+        bundle, meta = self.export_bundle(node, share=share)
         result = (client or default_client()).put_bundle(meta.nodes[0], bundle)
         return self._of(remote_state(RemoteColumns(meta.stored_by(result.generation), client)))
 

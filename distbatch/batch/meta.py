@@ -29,6 +29,8 @@ NODE_INDEX = np.int32
 GENERATION = np.int64
 # Generations are JSON integers, exact below this.
 MAX_GENERATION = 1 << 53
+# A shared value's key is its put's generation times this, plus its ordinal in the put (from 1).
+SHARE_ORDINALS = 1 << 20
 
 
 def pick(values: Sequence[Any], rows: np.ndarray) -> list[Any]:
@@ -61,6 +63,10 @@ class FieldMeta:
     None: not known). Reads and deletes name it, so a later put of the same task ids and field
     (which replaces the value) makes this handle's reads and deletes fail instead of reaching
     the new values.
+
+    `shared[i]` (None: all 0) says which tasks share one stored value on their node (a GRPO
+    group's prompt or image): tasks of one node with the same nonzero key do, so a gather moves
+    the value once. Before the put that stores them, the keys are ordinals in the put.
     """
 
     dtype: str | None
@@ -68,6 +74,7 @@ class FieldMeta:
     shapes: RowShapes
     ragged: bool = False
     generations: np.ndarray | None = None
+    shared: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, np.ndarray) or self.nodes.dtype != NODE_INDEX:
@@ -75,6 +82,9 @@ class FieldMeta:
         gens = self.generations
         if gens is not None and (not isinstance(gens, np.ndarray) or gens.dtype != GENERATION):
             self.generations = np.asarray(gens, dtype=GENERATION).reshape(-1)
+        keys = self.shared
+        if keys is not None and (not isinstance(keys, np.ndarray) or keys.dtype != GENERATION):
+            self.shared = np.asarray(keys, dtype=GENERATION).reshape(-1)
         if not isinstance(self.shapes, RowShapes):
             self.shapes = RowShapes.from_list(list(self.shapes))
         self.ragged = self.dtype is not None and (bool(self.ragged) or self.shapes.shape is None)
@@ -82,7 +92,26 @@ class FieldMeta:
     def like(self, nodes: np.ndarray, shapes: RowShapes | None = None) -> FieldMeta:
         """This field's schema (dtype, kind) over other `nodes` (and `shapes`), same tasks."""
         shapes = self.shapes if shapes is None else shapes
-        return FieldMeta(self.dtype, nodes, shapes, self.ragged, self.generations)
+        return FieldMeta(self.dtype, nodes, shapes, self.ragged, self.generations, self.shared)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Without `shared` when no task shares a value (the usual case): a batch pickles as before.
+        state = dict(self.__dict__)
+        if state.get("shared") is None:
+            state.pop("shared", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"shared": None, **state})
+
+    def without_shared(self) -> FieldMeta:
+        """This field with no task sharing another's value."""
+        return FieldMeta(self.dtype, self.nodes, self.shapes, self.ragged, self.generations)
+
+    @property
+    def has_shared(self) -> bool:
+        """Whether some tasks share a stored value."""
+        return self.shared is not None and bool(self.shared.any())
 
     @property
     def is_tensor(self) -> bool:
@@ -102,7 +131,8 @@ class FieldMeta:
     def take(self, indices: Sequence[int] | np.ndarray) -> FieldMeta:
         rows = _rows(indices, len(self.nodes))
         gens = None if self.generations is None else self.generations[rows]
-        return FieldMeta(self.dtype, self.nodes[rows], self.shapes.take(rows), self.ragged, gens)
+        shared = None if self.shared is None else self.shared[rows]
+        return FieldMeta(self.dtype, self.nodes[rows], self.shapes.take(rows), self.ragged, gens, shared)
 
     def generations_at(self, rows: np.ndarray) -> list[int] | None:
         """The generations of the tasks at `rows`, for a request (None when none is known)."""
@@ -120,6 +150,7 @@ class FieldMeta:
             and bool(np.array_equal(self.nodes, other.nodes))
             and self.shapes == other.shapes
             and _same_generations(self.generations, other.generations)
+            and _same_generations(self.shared, other.shared)
         )
 
 
@@ -229,12 +260,14 @@ class BatchMeta:
     # --------------------------------------------------------------- derivation
 
     def stored_by(self, generation: int) -> BatchMeta:
-        """This meta with every field's values stored by one put of `generation` (0: not known)."""
+        """This meta with every field's values stored by one put of `generation` (0: not known:
+        its share ordinals are dropped, no key can name them)."""
         if not generation:
-            return self
+            alone = {name: fm.without_shared() for name, fm in self.fields.items()}
+            return BatchMeta(self.task_ids, self.nodes, alone)
         gens = np.full(len(self.task_ids), generation, dtype=GENERATION)
         fields = {
-            name: FieldMeta(fm.dtype, fm.nodes, fm.shapes, fm.ragged, gens)
+            name: FieldMeta(fm.dtype, fm.nodes, fm.shapes, fm.ragged, gens, share_keys(fm.shared, generation))
             for name, fm in self.fields.items()
         }
         return BatchMeta(self.task_ids, self.nodes, fields)
@@ -316,7 +349,8 @@ class BatchMeta:
                 np.concatenate([m[meta.fields[n].nodes] for meta, m in zip(metas, maps)]),
                 RowShapes.concat([meta.fields[n].shapes for meta in metas]),
                 any(meta.fields[n].ragged for meta in metas),
-                _concat_generations([meta.fields[n] for meta in metas]),
+                _concat_per_task([(meta.fields[n].generations, len(meta)) for meta in metas]),
+                _concat_per_task([(meta.fields[n].shared, len(meta)) for meta in metas]),
             )
             for n in names
         }
@@ -352,6 +386,8 @@ class BatchMeta:
             fields[name] = {"dtype": fm.dtype, "nodes": _run_length(fm.nodes), "shapes": shapes}
             if fm.ragged:
                 fields[name]["ragged"] = True
+            if fm.has_shared:
+                fields[name]["shared"] = {"runs": _run_length(fm.shared)}  # type: ignore[arg-type]
             if generations[name] != default:
                 fields[name]["generations"] = generations[name]
         out = {"version": META_VERSION, "task_ids": self.task_ids, "nodes": self.nodes, "fields": fields}
@@ -386,13 +422,19 @@ class BatchMeta:
         return BatchMeta.from_dict(data)
 
 
-def _concat_generations(parts: Sequence[FieldMeta]) -> np.ndarray | None:
-    """The parts' generations one after another (zeros for a part that knows none); None if none does."""
-    if all(fm.generations is None for fm in parts):
+def _concat_per_task(parts: Sequence[tuple[np.ndarray | None, int]]) -> np.ndarray | None:
+    """Per-task arrays (generations, share keys) of `(array, task count)` parts one after
+    another (zeros for a part that has none); None if none has one."""
+    if all(part is None for part, _ in parts):
         return None
-    return np.concatenate(
-        [np.zeros(len(fm.nodes), GENERATION) if fm.generations is None else fm.generations for fm in parts]
-    )
+    return np.concatenate([np.zeros(n, GENERATION) if part is None else part for part, n in parts])
+
+
+def share_keys(ordinals: np.ndarray | None, generation: int) -> np.ndarray | None:
+    """A put's share ordinals (0: own value) as keys that name the shared values on the node."""
+    if ordinals is None or not ordinals.any():
+        return None
+    return np.where(ordinals > 0, generation * SHARE_ORDINALS + ordinals, 0)
 
 
 def _most_common(values: Iterable[Any]) -> Any:
@@ -503,25 +545,26 @@ def _load_meta(data: Any) -> BatchMeta:
     fields: dict[str, FieldMeta] = {}
     # JSON objects are unordered (Flask's jsonify sorts keys, for one), so a `{"like": other}`
     # field may come before `other`: resolve those once every other field is loaded.
-    like_fields: dict[str, tuple[str | None, np.ndarray, Any, bool, np.ndarray | None]] = {}
+    like_fields: dict[str, tuple[str | None, np.ndarray, Any, bool, Any, Any]] = {}
     default_generations = data.get("generations")  # a field's unless it says its own
     for name, raw in raw_fields.items():
         dtype, ragged = _field_schema(name, raw)
         node_list = _expand_runs(raw["nodes"], n, len(nodes))
         raw_gens = raw.get("generations", default_generations)
         gens = None if raw_gens is None else _expand_generations(raw_gens, node_list, len(nodes))
+        shared = None if "shared" not in raw else _expand_generations(raw["shared"], node_list, len(nodes))
         raw_shapes = raw["shapes"]
         if isinstance(raw_shapes, dict) and set(raw_shapes) == {"like"}:
-            like_fields[name] = (dtype, node_list, raw_shapes["like"], ragged, gens)
+            like_fields[name] = (dtype, node_list, raw_shapes["like"], ragged, gens, shared)
             continue
         try:
             shapes = RowShapes.from_json(raw_shapes, n)
         except ShapeError as exc:
             raise MetaFormatError(f"field {name!r}: {exc}") from None
-        fields[name] = FieldMeta(dtype, node_list, shapes, ragged, gens)
-    for name, (dtype, node_list, like, ragged, gens) in like_fields.items():
+        fields[name] = FieldMeta(dtype, node_list, shapes, ragged, gens, shared)
+    for name, (dtype, node_list, like, ragged, gens, shared) in like_fields.items():
         other = fields.get(like) if isinstance(like, str) else None
         if other is None:
             raise MetaFormatError(f"field {name!r}: shapes refer to unknown field {like!r}")
-        fields[name] = FieldMeta(dtype, node_list, other.shapes, ragged, gens)
+        fields[name] = FieldMeta(dtype, node_list, other.shapes, ragged, gens, shared)
     return BatchMeta(task_ids, nodes, {name: fields[name] for name in raw_fields})

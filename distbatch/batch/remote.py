@@ -38,7 +38,7 @@ class FieldCache:
     def missing(self, names: Sequence[str]) -> list[str]:
         return [name for name in names if name not in self.entries]
 
-    def store(self, gathered: Mapping[str, Gathered]) -> None:
+    def store(self, gathered: Mapping[str, Column | Gathered]) -> None:
         """Keep what a gather brought; a field another thread stored first stays as it is."""
         with self.lock:
             for name, value in gathered.items():

@@ -28,6 +28,7 @@ from distbatch.batch.columns import (
     merge_columns,
     pack_column,
     schema_of,
+    take_column,
     take_columns,
 )
 from distbatch.batch.gather import Gathered, fetch, plan_fetch
@@ -252,11 +253,12 @@ class RemoteState:
         """Task `index`'s values: a field not gathered yet is fetched for this task alone."""
         remote = self.remote
         missing = remote.cache.missing(self.fields())
-        fetched: dict[str, Gathered] = {}
+        fetched: dict[str, Column | Gathered] = {}
         if missing:
             one = RemoteColumns(remote.meta.take([index]), remote.client)
             fetched = run_blocking(_gather(BLOCKING, one, missing, progress_min_bytes))
-        return remote.row(index, {name: gathered.column()[0] for name, gathered in fetched.items()})
+        columns = {name: v.column() if isinstance(v, Gathered) else v for name, v in fetched.items()}
+        return remote.row(index, {name: column[0] for name, column in columns.items()})
 
     def packed(self, name: str, progress_min_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cached(name, progress_min_bytes).packed(name)
@@ -305,13 +307,40 @@ class RemoteState:
 
 async def _gather(
     twin: Twin, remote: RemoteColumns, names: Sequence[str], progress_min_bytes: int
-) -> dict[str, Gathered]:
-    """Fetch whole fields of `remote` from the workers, nodes concurrently."""
+) -> dict[str, Column | Gathered]:
+    """Fetch whole fields of `remote` from the workers, nodes concurrently. A field whose tasks
+    share stored values (`FieldMeta.shared`) is fetched once per value, and its tasks get views
+    of it."""
     client = remote.client or default_client()
-    plan = plan_fetch(remote.meta, names, client)
-    if plan is None:
-        return {}
-    return await fetch(twin, client, plan, progress_min_bytes)
+    meta = remote.meta
+    shared = [name for name in names if meta.fields[name].has_shared]
+    plain = [name for name in names if name not in shared]
+    out: dict[str, Column | Gathered] = {}
+    plan = plan_fetch(meta, plain, client) if plain else None
+    if plan is not None:
+        out.update(await fetch(twin, client, plan, progress_min_bytes))
+    for name in shared:
+        kept, inverse = shared_rows(meta.fields[name])
+        once = meta.take(kept).select_fields([name])
+        plan = plan_fetch(once, [name], client)
+        assert plan is not None  # a field with shared values has tasks
+        gathered = await fetch(twin, client, plan, progress_min_bytes)
+        out[name] = take_column(gathered[name].column(), inverse)
+    return out
+
+
+def shared_rows(fm: FieldMeta) -> tuple[np.ndarray, np.ndarray]:
+    """The tasks to fetch a field with shared values from (one per value, in task order), and
+    per task the position among them of the one holding its value."""
+    n = len(fm.nodes)
+    shared = np.zeros(n, dtype=np.int64) if fm.shared is None else fm.shared
+    own = -np.arange(1, n + 1, dtype=np.int64)  # a task alone: a key of its own
+    keys = np.stack([np.where(shared != 0, shared, own), fm.nodes.astype(np.int64)])
+    _, first, inverse = np.unique(keys, axis=1, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[order] = np.arange(len(first))
+    return first[order], rank[inverse.reshape(-1)]
 
 
 def _cleared(

@@ -34,7 +34,7 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
             name: {
                 "dtype": c.dtype,
                 "ragged": c.ragged,
-                "rows": [[i, c.node[i], list(c.shape[i]), c.generation.get(i, 0)] for i in sorted(c.node)],
+                "rows": [_row(c, i) for i in sorted(c.node)],
                 "partial": sorted(c.partial),
             }
             for name, c in p.columns.items()
@@ -44,6 +44,12 @@ def _partition_to_state(p: Partition) -> dict[str, Any]:
         "custom_meta": [[i, meta] for i, meta in sorted(p.custom_meta.items())],
         "versions": [[i, v] for i, v in sorted(p.versions.items())],
     }
+
+
+def _row(c: Column, i: int) -> list[Any]:
+    """Task `i`'s value of a column: [index, node, shape, generation(, share key)]."""
+    row = [i, c.node[i], list(c.shape[i]), c.generation.get(i, 0)]
+    return row + [c.shared[i]] if i in c.shared else row
 
 
 def partitions_from_state(state: Mapping[str, Any]) -> dict[str, Partition]:
@@ -111,16 +117,21 @@ def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
         raise InvalidArgumentError(f"field {name!r}: 'ragged' must be true or false")
     column.ragged = ragged
     for row in col["rows"]:
-        # [index, node, shape] or, since generations are kept, [index, node, shape, generation]
-        if not isinstance(row, list) or len(row) not in (3, 4):
-            raise InvalidArgumentError(f"field {name!r}: a row must be [index, node, shape(, generation)]")
+        # [index, node, shape], since generations are kept [index, node, shape, generation], and
+        # for a shared value [index, node, shape, generation, share key]
+        if not isinstance(row, list) or len(row) not in (3, 4, 5):
+            raise InvalidArgumentError(
+                f"field {name!r}: a row must be [index, node, shape(, generation(, share key))]"
+            )
         i, n, shape = row[:3]
         if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
             raise InvalidArgumentError(f"field {name!r} names unknown task index {i} or node {n}")
         column.node[i] = n
         column.shape[i] = tuple(_count(d) for d in shape)
-        if len(row) == 4 and _count(row[3]):
+        if len(row) >= 4 and _count(row[3]):
             column.generation[i] = row[3]
+        if len(row) == 5 and _count(row[4]):
+            column.shared[i] = row[4]
     partial = col.get("partial", [])  # absent in checkpoints from before partial values
     if not isinstance(partial, list):
         raise InvalidArgumentError(f"field {name!r}: 'partial' must be a list of task indexes")

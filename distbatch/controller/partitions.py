@@ -98,6 +98,8 @@ class Column:
     # The generation of the put that stored each task's value (absent: not known), so batches
     # handed out by `get_meta` refuse values a later put of the same ids replaced.
     generation: dict[int, int] = field(default_factory=dict)
+    # Per task whose value it shares with others on its node, the key naming that value.
+    shared: dict[int, int] = field(default_factory=dict)
     # Tasks whose value is partial (`put(..., partial=True)`: a generation still growing): held
     # and located, never produced, so never ready, until a put without `partial` completes it.
     partial: set[int] = field(default_factory=set)
@@ -247,6 +249,7 @@ class Partition:
             else:
                 for row in rows:
                     column.generation.pop(row, None)
+            _set_or_drop(column.shared, rows, fm.shared)
             if name in partial:
                 column.partial.update(rows)
             else:
@@ -406,7 +409,9 @@ class Partition:
             node_array = np.asarray(node_list, dtype=NODE_INDEX)
             known = column.generation
             gens = np.fromiter((known.get(i, 0) for i in indexes), np.int64, len(indexes)) if known else None
-            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged, gens)
+            keys = column.shared
+            shared = np.fromiter((keys.get(i, 0) for i in indexes), np.int64, len(indexes)) if keys else None
+            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged, gens, shared)
         return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
 
     def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:
@@ -437,6 +442,7 @@ class Partition:
                 del column.node[i]
                 column.shape.pop(i, None)
                 column.generation.pop(i, None)
+                column.shared.pop(i, None)
                 column.partial.discard(i)
                 dropped.setdefault(key.field, []).append(i)
         for (_, names), ready in self._ready.items():
@@ -466,6 +472,7 @@ class Partition:
                 column.node.pop(i, None)
                 column.shape.pop(i, None)
                 column.generation.pop(i, None)
+                column.shared.pop(i, None)
                 column.partial.discard(i)
             for consumed in self.consumed.values():
                 consumed.discard(i)
@@ -536,3 +543,16 @@ class Partition:
             if node not in failed:
                 self.drop_rows(node, keys)
         return forgotten
+
+
+def _set_or_drop(known: dict[int, int], rows: Sequence[int], values: np.ndarray | None) -> None:
+    """`known[row]` = the row's value where it is nonzero, dropped where it is 0 (or all None)."""
+    if values is None or not values.any():
+        for row in rows:
+            known.pop(row, None)
+        return
+    for row, value in zip(rows, values.tolist()):
+        if value:
+            known[row] = value
+        else:
+            known.pop(row, None)
