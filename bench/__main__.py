@@ -7,6 +7,8 @@ variant of the batch ([tasks, width] tensors, e.g. 5,120 x 1,536): Ray's object 
 (its best case) and TransferQueue's SimpleStorage, next to distbatch on the same batch.
 The `scaling` workload times put, one-field gather, clear, chunk_balanced(8) and a pickle
 round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it). The
+`multimodal` workload puts and gathers a GRPO batch whose n responses per prompt share a ~1 MB
+image, shared (stored and moved once) vs n copies vs TransferQueue (`bench.shared_fields`). The
 `control_plane` workload has 256 consumers in 4 groups poll `get_meta` on one served
 controller while a producer streams tasks: calls/s, tasks/s, p50/p99, every task exactly once
 per group (`bench.control_plane`; `--control-plane-*` size it).
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import areal, baselines, control_plane, same_host, scaling, transferqueue
+from bench import areal, baselines, control_plane, same_host, scaling, shared_fields, transferqueue
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TQ_MIN_REPEATS = 5  # repeats of each TransferQueue row at least (see bench_peers)
 SCALING = "scaling"
 CONTROL_PLANE = "control_plane"
+MULTIMODAL = "multimodal"
 
 
 @contextlib.contextmanager
@@ -320,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    choices = [*sorted(WORKLOADS), SCALING, CONTROL_PLANE]
+    choices = [*sorted(WORKLOADS), SCALING, CONTROL_PLANE, MULTIMODAL]
     parser.add_argument(
         "--workloads",
         default="small,grpo,long,scaling,control_plane",
@@ -352,6 +355,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-tasks", type=int, default=None, help="largest scaling size to run (smoke checks)"
+    )
+    parser.add_argument(
+        "--multimodal-prompts",
+        type=int,
+        default=shared_fields.PROMPTS,
+        help="prompts in the multimodal batch, 8 responses and ~1 MB of image each (%(default)s)",
     )
     _control_plane_args(parser)
     args = parser.parse_args(argv)
@@ -447,7 +456,7 @@ def backend_summary(name: str, r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    names = [n for n in args.names if n not in (SCALING, CONTROL_PLANE)]
+    names = [n for n in args.names if n not in (SCALING, CONTROL_PLANE, MULTIMODAL)]
     settings = {k: v for k, v in vars(args).items() if k not in ("names", "peer_names")}
     results: dict[str, Any] = {
         "machine": {
@@ -514,6 +523,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if SCALING in args.names:
         with http_only():
             results[SCALING] = scaling.run_scaling(args.scaling_sizes, args.workers, args.repeats, args.seed)
+    if MULTIMODAL in args.names:
+        with http_only():
+            results[MULTIMODAL] = shared_fields.run(
+                args.workers,
+                args.repeats,
+                args.seed,
+                not args.no_tq,
+                args.peer_timeout,
+                args.out,
+                args.multimodal_prompts,
+            )
     if CONTROL_PLANE in args.names:
         scenario = control_plane.scenario_of(args, "control_plane_")
         results[CONTROL_PLANE] = control_plane.run_steps(scenario, args.control_plane_steps)
@@ -572,6 +592,8 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(scaling.table(results[SCALING]))
     if CONTROL_PLANE in results:
         lines.append(control_plane.table(results[CONTROL_PLANE]))
+    if MULTIMODAL in results:
+        lines.append(shared_fields.table(results[MULTIMODAL]))
     return "\n".join(lines)
 
 

@@ -135,7 +135,7 @@ def _random_tensor(rng: random.Random, gen: torch.Generator, max_elems: int) -> 
 def _random_text(rng: random.Random) -> str:
     if rng.random() < EDGE_RATES["empty_text"]:
         return ""
-    return rng.choice(("é✓ text", "日本語", "emoji 🎲", "tab\tand \"quotes\"", "plain"))
+    return rng.choice(("é✓ text", "日本語", "emoji 🎲", 'tab\tand "quotes"', "plain"))
 
 
 def make_bundle(rng: random.Random, prefix: str, max_elems: int) -> dict[tuple[str, str], Any]:

@@ -150,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--period", type=float, default=0.5, help="seconds between samples")
     parser.add_argument("--top", type=int, default=30, help="rows of each table")
     parser.add_argument(
-        "--processes", metavar="FILE", help="also write every new process there, one JSON line each "
-        "(command, kind, test, cpu): for tables this report does not make"
+        "--processes",
+        metavar="FILE",
+        help="also write every new process there, one JSON line each "
+        "(command, kind, test, cpu): for tables this report does not make",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
     args = parser.parse_args(argv)

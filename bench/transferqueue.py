@@ -44,6 +44,7 @@ from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.1.11"  # the release this baseline was written against (setup.cfg pins it in [bench])
 KINDS = ("dense", "ragged", "strided")  # strided: the ragged batch as strided nested tensors
+MULTIMODAL = "multimodal"  # `bench.shared_fields`' batch (its own workload and kind)
 _PARTITION = "bench"
 
 
@@ -67,6 +68,7 @@ def run(
     kinds: tuple[str, ...] = KINDS,
     backend: str = "SimpleStorage",
     same_host: bool = False,
+    prompts: int | None = None,
 ) -> dict[str, Any]:
     """Figures of the child run (see the module doc), or `{"error": ...}` if it failed or timed out."""
     with tempfile.TemporaryDirectory(prefix="bench-tq-") as tmp:
@@ -90,6 +92,7 @@ def run(
             "--backend",
             backend,
             *(["--same-host"] if same_host else []),
+            *(["--prompts", str(prompts)] if prompts is not None else []),
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
@@ -202,14 +205,15 @@ def measure(tq: Any, kind: str, columns: dict[str, Any], repeats: int) -> dict[s
 
 def child_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.transferqueue", description=__doc__)
-    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", required=True, choices=[*sorted(WORKLOADS), MULTIMODAL])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--units", type=int, default=2, help="SimpleStorage units (Ray actors)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {KINDS}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {KINDS} or {MULTIMODAL}")
     parser.add_argument("--result", type=Path, required=True, help="where to write the figures (JSON)")
     parser.add_argument("--backend", default="SimpleStorage", choices=["SimpleStorage", "Distbatch"])
     parser.add_argument("--same-host", action="store_true", help="Distbatch: the same-host path on")
+    parser.add_argument("--prompts", type=int, default=None, help=f"{MULTIMODAL}: prompts in the batch")
     parser.add_argument(
         "--gc-freeze",
         action="store_true",
@@ -217,8 +221,8 @@ def child_main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
-    if any(k not in KINDS for k in kinds):
-        parser.error(f"--kinds must name some of {KINDS}")
+    if any(k not in (*KINDS, MULTIMODAL) for k in kinds):
+        parser.error(f"--kinds must name some of {KINDS}, or {MULTIMODAL}")
     # SIGTERM (a timeout in the parent) unwinds through the finally blocks below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -228,7 +232,7 @@ def child_main(argv: list[str] | None = None) -> None:
 
     from distbatch.launch.ray_actors import init_local_ray
 
-    workload = WORKLOADS[args.workload]
+    workload = WORKLOADS.get(args.workload)
     out: dict[str, Any] = {"version": tq.__version__, "backend": args.backend, "units": args.units}
     init_local_ray(num_cpus=args.units + 2)  # the controller and each unit ask for 1 CPU
     try:
@@ -248,8 +252,15 @@ def child_main(argv: list[str] | None = None) -> None:
             out["gc_freeze"] = True
         try:
             for kind in kinds:
-                make = make_dense_columns if kind == "dense" else make_columns
-                columns = make(workload, args.seed)
+                if kind == MULTIMODAL:
+                    from bench import shared_fields
+
+                    prompts = args.prompts or shared_fields.PROMPTS
+                    columns = shared_fields.make_columns(args.seed, prompts=prompts)
+                else:
+                    assert workload is not None
+                    make = make_dense_columns if kind == "dense" else make_columns
+                    columns = make(workload, args.seed)
                 try:
                     out[kind] = measure(tq, kind, columns, args.repeats)
                 except Exception as exc:  # report it: a format TransferQueue refuses is a finding

@@ -9,7 +9,7 @@ import pytest
 from areal_support import areal_imported
 from ray_support import import_ray
 
-from bench import areal, baselines, control_plane, scaling, transferqueue
+from bench import areal, baselines, control_plane, scaling, shared_fields, transferqueue
 from bench.__main__ import main, parse_args, summary
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 
@@ -54,6 +54,21 @@ def test_tiny_bench_accounts_for_every_byte(tmp_path: Path) -> None:
     assert "peers" not in tiny and "scaling" not in results
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["workloads"]["tiny"]["distbatch"]["stored_bytes"] == payload + json_bytes
+
+
+def test_the_multimodal_rows_store_and_move_a_shared_image_once(tmp_path: Path) -> None:
+    """`--workloads multimodal` in small (2 prompts): shared, the workers hold each image once
+    and the client puts and gathers it once; as n copies, 8 times; every gather checked."""
+    results = main(["--workloads", "multimodal", "--multimodal-prompts", "2", "--repeats", "1", "--no-tq"])
+    r = results["multimodal"]
+    images, group = r["image_bytes"], shared_fields.GROUP
+    own = r["payload_bytes"] - group * images  # input_ids: each task's own
+    assert images <= r["shared"]["stored_bytes"] - own < images + 2_000  # + the uids' JSON
+    assert group * images <= r["copies"]["stored_bytes"] - own < group * images + 2_000
+    for key in ("put_bytes", "gathered_bytes"):
+        assert r["shared"][key] < own + images + 64_000 < group * images <= r["copies"][key]
+    assert 0.1 < r["ratios"]["stored_bytes_vs_copies"] < 0.2
+    assert "distbatch, shared" in summary(results)
 
 
 def test_dense_variant_is_the_same_fields_padded() -> None:
@@ -112,9 +127,23 @@ def test_transferqueue_backends_put_and_get_the_same_batches(
     reason = transferqueue.available()
     if reason:
         pytest.skip(reason)
+    # SimpleStorage also moves the multimodal batch (small), in the same child.
+    multimodal = (transferqueue.MULTIMODAL,) if backend == "SimpleStorage" else ()
     result = transferqueue.run(
-        "tiny", 0, 1, 2, timeout=240, log_path=tmp_path / "tq.log", backend=backend, same_host=same_host
+        "tiny",
+        0,
+        1,
+        2,
+        timeout=240,
+        log_path=tmp_path / "tq.log",
+        kinds=(*transferqueue.KINDS, *multimodal),
+        backend=backend,
+        same_host=same_host,
+        prompts=2,
     )
+    if multimodal:
+        figures = result[transferqueue.MULTIMODAL]
+        assert figures["checked"] and figures["tasks"] == 2 * shared_fields.GROUP, figures
     assert "error" not in result, result
     assert result["backend"] == backend and result["units"] == 2
     assert result.get("same_host", False) == same_host
