@@ -338,9 +338,16 @@ def _share_leaders(name: str, col: Column, group_size: int | None) -> np.ndarray
         return None
     first: dict[Any, int] = {}
     # A value's identity: its memory, dtype, shape and strides (an empty one is its own).
-    keys = [_identity(v) if v.numel() else i for i, v in enumerate(col)]
+    keys = [_identity(v) if _has_identity(v) else i for i, v in enumerate(col)]
     leaders = np.fromiter((first.setdefault(k, i) for i, k in enumerate(keys)), dtype=np.int64, count=n)
     return None if len(first) == n else leaders
+
+
+def _has_identity(value: torch.Tensor) -> bool:
+    """Whether a value can be told the same as another by its memory: a dense tensor with data
+    (a sparse or nested one is never shared without `share=`; an empty one is its own)."""
+    plain = value.layout == torch.strided and not value.is_nested and not value.is_quantized
+    return plain and value.device.type != "meta" and value.numel() > 0
 
 
 def _identity(value: torch.Tensor) -> tuple[Any, ...]:

@@ -59,7 +59,8 @@ def test_tiny_bench_accounts_for_every_byte(tmp_path: Path) -> None:
 def test_the_multimodal_rows_store_and_move_a_shared_image_once(tmp_path: Path) -> None:
     """`--workloads multimodal` in small (2 prompts): shared, the workers hold each image once
     and the client puts and gathers it once; as n copies, 8 times; every gather checked."""
-    results = main(["--workloads", "multimodal", "--multimodal-prompts", "2", "--repeats", "1", "--no-tq"])
+    args = ["--workloads", "multimodal", "--multimodal-prompts", "2", "--repeats", "1", "--workers", "1"]
+    results = main([*args, "--no-tq"])
     r = results["multimodal"]
     images, group = r["image_bytes"], shared_fields.GROUP
     own = r["payload_bytes"] - group * images  # input_ids: each task's own

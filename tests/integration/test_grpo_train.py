@@ -172,7 +172,10 @@ def test_the_asynchronous_job_trains_on_policies_at_most_k_versions_old(job: Mod
     digits per generation call (put as partial until whole); every step trains on a step's worth
     of tasks at most one version old, nothing is dropped (oldest first), and every store is empty
     at the end."""
-    args = job.parse_args(["--steps", "4", "--prompts", "4", "--async", "1", "--partial", "2"])
+    args = job.parse_args(
+        ["--steps", "4", "--prompts", "4", "--async", "1", "--partial", "2"]
+        + ["--rollout-workers", "1", "--train-workers", "1"]
+    )
     report = job.run(args, quiet=True)
     assert report.mode == "async-1-partial-2" and len(report.steps) == 4
     served = {int(age): n for age, n in report.staleness["served"].items()}
