@@ -98,6 +98,11 @@ class AppendMismatchError(WorkerError):
     a 0-d value, a JSON field); nothing was stored."""
 
 
+class SharedValueError(WorkerError):
+    """A put's shared values cannot be stored as asked (a task sharing a value that itself
+    shares one, a task both given a value and sharing one); nothing was stored."""
+
+
 class UnstorableResultError(WorkerError):
     """Our own account of why an engine's result cannot be stored or sent (reported as `kind`)."""
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from distbatch import wire
-from distbatch.batch.meta import BatchMeta, FieldMeta, pick
+from distbatch.batch.meta import SHARE_ORDINALS, BatchMeta, FieldMeta, pick
 from distbatch.batch.ragged import RaggedViews, compact_tensor, nested_column
 from distbatch.errors import InvalidArgumentError, WireFormatError
 from distbatch.ids import validate_id
@@ -291,13 +291,15 @@ def export_bundle(
     node: str,
     copy: bool = False,
     share: Mapping[str, int] | None = None,
+    same_tensors: bool = True,
 ) -> tuple[wire.Bundle, BatchMeta]:
     """Columns as a wire bundle (one column per field) plus the metadata naming `node` as holder.
 
     `copy=True`: no column shares memory with `data`'s tensors (one copy per column at most).
     Tasks of a list column that hold the very same tensor, and each group of `share[field]`
     consecutive tasks (checked equal), share one stored value: it travels once, the others
-    name it (`RawColumn.alias`), and the metadata says so (`FieldMeta.shared`, as ordinals
+    name it (`RawColumn.alias`; `same_tensors=False` leaves the identity test out), and the
+    metadata says so (`FieldMeta.shared`, as ordinals
     until the put's generation turns them into keys: `BatchMeta.stored_by`).
     """
     columns: dict[str, wire.RawColumn] = {}
@@ -308,7 +310,7 @@ def export_bundle(
     if unknown:
         raise InvalidArgumentError(f"share= names fields the batch does not have: {unknown}")
     for name, col in data.items():
-        leaders = _share_leaders(name, col, share.get(name))
+        leaders = _share_leaders(name, col, share.get(name), same_tensors)
         if leaders is None:
             column = _wire_column(name, col, task_ids, copy)
             shapes = column.shapes if column.shapes is not None else RowShapes.uniform(n, ())
@@ -321,7 +323,9 @@ def export_bundle(
     return wire.Bundle(list(task_ids), columns), BatchMeta(list(task_ids), [node], fields)
 
 
-def _share_leaders(name: str, col: Column, group_size: int | None) -> np.ndarray | None:
+def _share_leaders(
+    name: str, col: Column, group_size: int | None, same_tensors: bool = True
+) -> np.ndarray | None:
     """Per task, the first task whose value it shares (itself if none); None when no task shares.
 
     With `group_size`, consecutive groups of that many tasks, whose values must be equal
@@ -334,7 +338,9 @@ def _share_leaders(name: str, col: Column, group_size: int | None) -> np.ndarray
         leaders = np.arange(n, dtype=np.int64) // group_size * group_size
         _check_equal_groups(name, col, leaders)
         return leaders if group_size > 1 else None
-    if isinstance(col, (torch.Tensor, RaggedViews)) or not col or not isinstance(col[0], torch.Tensor):
+    if not same_tensors or isinstance(col, (torch.Tensor, RaggedViews)):
+        return None
+    if not col or not isinstance(col[0], torch.Tensor):
         return None
     first: dict[Any, int] = {}
     # A value's identity: its memory, dtype, shape and strides (an empty one is its own).
@@ -357,7 +363,7 @@ def _identity(value: torch.Tensor) -> tuple[Any, ...]:
 def _check_equal_groups(name: str, col: Column, leaders: np.ndarray) -> None:
     if isinstance(col, torch.Tensor):
         same = (col == col[torch.from_numpy(leaders)]).reshape(len(col), -1).all(1)
-        differs = np.flatnonzero(~same.numpy()).tolist()
+        differs = np.flatnonzero(~same.cpu().numpy()).tolist()
     else:
         differs = [i for i, j in enumerate(leaders.tolist()) if i != j and not _equal(col[i], col[j])]
     if len(differs):
@@ -389,6 +395,11 @@ def _shared_wire_column(
     shapes = whole if column.shapes is None else column.shapes.take(position[leaders])
     sizes = np.bincount(leaders, minlength=len(leaders))
     grouped = own[sizes[own] > 1]
+    if len(grouped) >= SHARE_ORDINALS:
+        raise InvalidArgumentError(
+            f"field {name!r}: {len(grouped)} shared values in one put, at most {SHARE_ORDINALS - 1}: "
+            "put the batch in parts"
+        )
     ordinal = np.zeros(len(leaders), dtype=np.int64)
     ordinal[grouped] = np.arange(1, len(grouped) + 1)
     return column, shapes, ordinal[leaders]

@@ -83,9 +83,9 @@ async def extend_remote(
     bundles = []
     for node, products in meta.plan(names).items():
         for rows, fields in products:
-            bundle, _ = export_bundle(
-                pick(meta.task_ids, rows), {f: take_column(tails[f], rows) for f in fields}, node
-            )
+            columns = {f: take_column(tails[f], rows) for f in fields}
+            # Each task's own rows, even where one tensor object is several tasks' rows.
+            bundle, _ = export_bundle(pick(meta.task_ids, rows), columns, node, same_tensors=False)
             for f in fields:
                 known = meta.fields[f].generations
                 bundle.columns[f].append = np.zeros(len(rows), np.int64) if known is None else known[rows]
@@ -118,7 +118,8 @@ def extend_local(
         old_lengths, new_lengths = held_meta.shapes.first_dims(), tail_meta.shapes.first_dims()
         lengths = old_lengths + new_lengths
         starts = exclusive_cumsum(lengths)
-        values = torch.empty((int(lengths.sum()), *tail), dtype=old.dtype if len(old_lengths) else new.dtype)
+        like = old if len(old_lengths) else new
+        values = torch.empty((int(lengths.sum()), *tail), dtype=like.dtype, device=like.device)
         values[torch.from_numpy(ragged_positions(starts, old_lengths))] = old.reshape(-1, *tail)
         values[torch.from_numpy(ragged_positions(starts + old_lengths, new_lengths))] = new.reshape(-1, *tail)
         out[name] = RaggedViews.of(values, lengths)

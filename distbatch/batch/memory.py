@@ -594,9 +594,11 @@ class DistributedBatchMemory:
 
         The partial-rollout step: a REMOTE batch sends only the new rows, each to the worker that
         holds the task's value, which appends them there; the prefix never travels again. The
-        grown fields are ragged. Each append names the generation of the value it extends: this
-        batch's handle reads and deletes nothing afterwards (`ShardsReplacedError`), and an extend
-        through it again is refused, never applied twice. Appends to several workers are each
+        grown fields are ragged. Each append names the generation of the value it extends (batches
+        from `to_remote`, engine calls and the controller know it; one built by hand with
+        `from_meta` may not, and then nothing is checked): this batch's handle reads and deletes
+        nothing afterwards (`ShardsReplacedError`), and an extend through it again is refused,
+        never applied twice. Appends to several workers are each
         all or nothing; if one fails, the error is raised and the others may have landed.
         """
         return run_blocking(self._extend(BLOCKING, data))

@@ -23,10 +23,12 @@ from distbatch.client.results import PutResult
 from distbatch.client.same_host import SameHostChannel, SameHostPaths
 from distbatch.client.transport import HttpTransport
 from distbatch.errors import (
+    CapacityError,
     NodeError,
     RequestError,
     SameHostAnswerError,
     SameHostFallback,
+    ShardNotFoundError,
     ShmError,
     WireFormatError,
     WorkerUnavailableError,
@@ -145,8 +147,15 @@ class HttpShardPath:
             await notice
 
     async def commit_stage(self, node: str, stage: str) -> PutResult:
-        """Store every part of a staged put at once."""
-        reply = await self.transport.request(node, "POST", "/v1/shards/commit", json_body={"stage": stage})
+        """Store every part of a staged put at once. A commit the worker refuses (a stale
+        append, a shared value with no source, no room) leaves the stage: it is aborted here,
+        so its reservation does not hold capacity until it expires."""
+        try:
+            body = {"stage": stage}
+            reply = await self.transport.request(node, "POST", "/v1/shards/commit", json_body=body)
+        except (RequestError, ShardNotFoundError, CapacityError):
+            await self.abort_stage(node, stage)
+            raise
         return PutResult(reply["stored"], reply["bytes"], reply.get("generation", 0))
 
     async def fetch(

@@ -179,8 +179,11 @@ def partial_field_set(partial: Any, fields: Collection[str]) -> frozenset[str]:
         return frozenset()
     if isinstance(partial, str) or not isinstance(partial, Iterable):
         raise InvalidArgumentError("partial= must be True, False or a list of the put's fields")
-    named = frozenset(partial)
-    unknown = sorted(named - set(fields), key=str)
+    listed = list(partial)
+    if not all(isinstance(p, str) for p in listed):
+        raise InvalidArgumentError("partial= must list field names (strings)")
+    named = frozenset(listed)
+    unknown = sorted(named - set(fields))
     if unknown:
         raise InvalidArgumentError(f"partial= names {unknown[:5]}, which the put does not carry")
     return named

@@ -179,6 +179,9 @@ class Controller:
             new = partition.check_put(meta, _group_size(self.sampler))
             self._partitions[partition_id] = partition
             partition.register(meta, new, partial_fields)
+            pending = self._reissue.get(partition_id)
+            if pending:  # put again since the restore: its producer has it, no reissue
+                pending.difference_update(partition.index_of[t] for t in meta.task_ids)
             if versions is not None:
                 partition.set_versions(meta.task_ids, versions)
             self._changed.notify_all()

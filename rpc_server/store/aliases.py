@@ -16,34 +16,37 @@ import numpy as np
 
 from distbatch.ids import ShardKey
 from distbatch.wire.bundle import LAYER_MARK, Bundle, column_field
-from rpc_server.errors import AppendMismatchError, MissingShardsError
+from rpc_server.errors import MissingShardsError, SharedValueError
 from rpc_server.store.columns import MAX_MISSING_LISTED
 from rpc_server.store.index import ShardIndex
 
 
 def check_aliases(index: ShardIndex, bundles: Sequence[Bundle]) -> None:
-    """Every shared value must exist once `bundles` are applied in order: the task shared is
-    covered by the same field's column in this bundle or an earlier one, or holds the field
-    already; and it does not itself share a value in the same column. `MissingShardsError`
-    names the tasks that would share nothing; nothing changes."""
+    """Every shared value must exist once `bundles` (a put, or a staged put's parts, whose
+    columns are all applied before any shared value) are: the task shared is covered by the same
+    field's column in one of them, or holds the field already; it does not itself share a value;
+    no task is both given a value and made to share one. `MissingShardsError` names the tasks
+    that would share nothing, `SharedValueError` the rest; nothing changes."""
     covered: dict[str, set[str]] = {}
+    for bundle in bundles:
+        for key, column in bundle.columns.items():
+            rows = range(len(bundle.task_ids)) if column.rows is None else column.rows.tolist()
+            covered.setdefault(column_field(key), set()).update(bundle.task_ids[i] for i in rows)
     missing: list[ShardKey] = []
     count = 0
     for bundle in bundles:
         for key, column in bundle.columns.items():
-            name = column_field(key)
-            rows = range(len(bundle.task_ids)) if column.rows is None else column.rows.tolist()
-            covered.setdefault(name, set()).update(bundle.task_ids[i] for i in rows)
-        for key, column in bundle.columns.items():
             if column.alias is None or not len(column.alias):
                 continue
             if LAYER_MARK in key or column.append is not None:
-                raise AppendMismatchError(f"field {key!r}: a column that appends cannot share values")
+                raise SharedValueError(f"field {key!r}: a column that appends cannot share values")
             sources = column.alias_of or []
             members = {bundle.task_ids[i] for i in column.alias.tolist()}
             if not members.isdisjoint(sources):
-                raise AppendMismatchError(f"field {key!r}: a task shares the value of a task that shares one")
+                raise SharedValueError(f"field {key!r}: a task shares the value of a task that shares one")
             here = covered[key]
+            if not members.isdisjoint(here):
+                raise SharedValueError(f"field {key!r}: a task is given a value and made to share one")
             unknown = [t for t in dict.fromkeys(sources) if t not in here]
             held = index.locate(key, index.rows.lookup(unknown)) >= 0 if unknown else np.zeros(0, bool)
             absent = [t for t, ok in zip(unknown, held.tolist()) if not ok]

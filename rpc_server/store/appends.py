@@ -12,11 +12,12 @@ its lock held.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from distbatch.ids import ShardKey
-from distbatch.wire.bundle import LAYER_MARK, Bundle, RawColumn
+from distbatch.wire.bundle import LAYER_MARK, Bundle, RawColumn, column_field
 from distbatch.wire.container import ITEMSIZE
 from distbatch.wire.shapes import RowShapes, exclusive_cumsum, ragged_positions, unique_ints
 from rpc_server.errors import AppendMismatchError, MissingShardsError
@@ -115,3 +116,28 @@ def _extended(
         target[ragged_positions(starts + old_lengths, new_lengths)] = new_bytes.view(as_rows)
     shapes = RowShapes.ragged(lengths, tail)
     return RawColumn(dtype, shapes, [out.data], out.nbytes, rows=column.rows)
+
+
+def check_stage(bundles: Sequence[Bundle]) -> None:
+    """A staged put's parts may not name one task's field twice where a part appends to it or
+    makes it share a value: the parts are resolved against the store as it was, so the second
+    would silently undo the first. `AppendMismatchError`; nothing changes."""
+    if len(bundles) < 2 or not any(
+        c.append is not None or c.alias is not None for b in bundles for c in b.columns.values()
+    ):
+        return
+    seen: set[tuple[str, str]] = set()
+    for bundle in bundles:
+        for key, column in bundle.columns.items():
+            rows = range(len(bundle.task_ids)) if column.rows is None else column.rows.tolist()
+            named = [bundle.task_ids[i] for i in rows]
+            if column.alias is not None:
+                named += [bundle.task_ids[i] for i in column.alias.tolist()]
+            keys = {(t, column_field(key)) for t in named}
+            again = seen & keys
+            if again:
+                task, name = min(again)
+                raise AppendMismatchError(
+                    f"two parts of one staged put name {task}/{name}, which one of them appends to or shares"
+                )
+            seen |= keys

@@ -202,11 +202,17 @@ class SegmentTable:
             self.shared_bytes -= buffer.region.size
             self.shared_regions -= 1
 
-    def nbytes_at(self, segs: np.ndarray, positions: np.ndarray) -> int:
-        """The bytes of the rows at (`segs`, `positions`), summed one step per segment."""
+    def freed_by(self, segs: np.ndarray, positions: np.ndarray) -> int:
+        """The bytes dropping the values at (`segs`, `positions`) would free: a row shared by
+        several tasks only when all of them are among those (one step per segment)."""
         total = 0
         for seg_id in unique_ints(segs).tolist():
-            total += int(self.segments[seg_id].sizes[positions[segs == seg_id]].sum())
+            seg = self.segments[seg_id]
+            rows = positions[segs == seg_id]
+            if seg.refs is not None:
+                rows, counts = np.unique(rows, return_counts=True)
+                rows = rows[counts >= seg.refs[rows]]
+            total += int(seg.sizes[rows].sum())
         return total
 
     def account_dead(self, segs: np.ndarray, positions: np.ndarray) -> tuple[int, int]:

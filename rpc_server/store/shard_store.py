@@ -27,6 +27,7 @@ from rpc_server.errors import (
     StoreCapacityError,
     UnknownStageError,
 )
+from rpc_server.store.appends import check_stage
 from rpc_server.store.columns import MAX_MISSING_LISTED, Picked, build_columns, pick
 from rpc_server.store.records import PutReceipt, StoreStats, bundle_from_raw
 from rpc_server.store.regions import RegionMover, RegionSlots, SharedBudget
@@ -142,7 +143,7 @@ class ShardStore:
         with self._lock:
             self._shards.check_aliases([bundle])
             bundle, own = self._shards.resolve_appends(bundle)
-            incoming, replaced = self._shards.measure(bundle)
+            incoming, replaced = self._shards.measure([bundle])
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
@@ -215,18 +216,25 @@ class ShardStore:
             held = self._stages.parts(stage_id)
             if held is None:
                 raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
-            # Appends are resolved (and checked) for every part before any is applied; a refused
-            # one leaves the stage as it was.
-            self._shards.check_aliases([part.bundle for part in held])
-            resolved = [self._shards.resolve_appends(part.bundle) for part in held]
+            # Everything is checked, appends resolved and capacity measured for every part before
+            # any is applied; a refused commit leaves the stage as it was (to abort or retry).
+            bundles = [part.bundle for part in held]
+            check_stage(bundles)
+            self._shards.check_aliases(bundles)
+            resolved = [self._shards.resolve_appends(bundle) for bundle in bundles]
+            incoming, replaced = self._shards.measure([bundle for bundle, _ in resolved])
+            after = self._shards.segments.nbytes + incoming - replaced - self._stages.reserved(stage_id)
+            self._check_capacity(after, incoming, now)  # the stage's own reservation released
             parts = self._stages.take(stage_id) or []
             stored = nbytes = 0
             generation = self._next_generation()
-            # Capacity was reserved when staging; replacing only frees bytes, and an append
-            # grows a value by the bytes its stage reserved.
+            # Every part's columns first, then every part's shared values: a value shared across
+            # parts is there, and the latest, whatever order the parts arrived in.
             for (bundle, own), (_, body_size, region) in zip(resolved, parts):
-                receipt = self._shards.apply(bundle, body_size, region, generation, own)
+                receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
                 stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
+            for bundle, _ in resolved:
+                stored += self._shards.apply_aliases(bundle, generation).stored
             result = (stored, nbytes, generation)
             self._stages.record_commit(stage_id, now, result)
         return result

@@ -22,6 +22,11 @@ from rpc_server.store.records import PutReceipt, ReplacedValues
 from rpc_server.store.segments import Buffer, SegmentTable
 
 
+def merged(a: PutReceipt, b: PutReceipt) -> PutReceipt:
+    """Two receipts of one put (its columns, its shared values) as one."""
+    return PutReceipt(a.stored + b.stored, a.bytes + b.bytes, (*a.segments, *b.segments), a.generation)
+
+
 class Shards:
     """The index and the segments. With `clock`, each task's last put or fetch is recorded (for
     idle eviction); without it, nothing is tracked."""
@@ -40,15 +45,23 @@ class Shards:
         """`appends.resolve_appends` over what this holds."""
         return resolve_appends(self.index, self.segments, bundle)
 
-    def measure(self, bundle: Bundle) -> tuple[int, int]:
-        """(bytes the bundle brings, bytes of the stored values it replaces)."""
-        incoming = replaced = 0
-        rows = self.index.rows.lookup(bundle.task_ids)
-        for key, column in bundle.columns.items():
-            incoming += int(column.row_nbytes().sum())
-            col_rows = rows if column.rows is None else rows[column.rows]
-            replaced += self.segments.nbytes_at(*self.index.values_at(column_field(key), col_rows))
-        return incoming, replaced
+    def measure(self, bundles: Sequence[Bundle]) -> tuple[int, int]:
+        """(bytes the bundles bring, bytes their replacing frees): a stored row other tasks
+        share is freed only if all of its tasks are replaced."""
+        incoming = 0
+        replaced: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for bundle in bundles:
+            rows = self.index.rows.lookup(bundle.task_ids)
+            for key, column in bundle.columns.items():
+                incoming += int(column.row_nbytes().sum())
+                col_rows = rows if column.rows is None else rows[column.rows]
+                name = column_field(key)
+                replaced.setdefault(name, []).append(self.index.values_at(name, col_rows))
+        freed = 0
+        for found in replaced.values():
+            segs = np.concatenate([s for s, _ in found])
+            freed += self.segments.freed_by(segs, np.concatenate([p for _, p in found]))
+        return incoming, freed
 
     def check_generations(
         self,
@@ -76,10 +89,12 @@ class Shards:
         region: SharedRegion | None = None,
         generation: int = 0,
         own: frozenset[str] = frozenset(),
+        aliases: bool = True,
     ) -> PutReceipt:
         """Store a measured bundle (capacity already checked), replacing the values it replaces;
         its values carry `generation`, the put's. The columns keyed in `own` hold memory of their
-        own (resolved appends), not views of the body."""
+        own (resolved appends), not views of the body. With `aliases` False, the bundle's shared
+        values are left for `apply_aliases` (a staged put applies every part's columns first)."""
         rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
         buffer = Buffer(0, region)
         stored = nbytes = 0
@@ -104,15 +119,33 @@ class Shards:
         self._keep_body(buffer, body_size, segments)
         self.segments.shards += stored
         self.segments.nbytes += nbytes
-        for key, column in bundle.columns.items():  # checked by `check_aliases`
-            if column.alias is not None and len(column.alias):
-                name = column_field(key)
-                shared = self._share(name, rows[column.alias], column.alias_of or [], generation)
-                stored += len(column.alias)
-                owned += [(name, seg_id) for seg_id in shared]
+        receipt = PutReceipt(stored, nbytes, (*segments, *owned), generation)
+        if aliases:
+            receipt = merged(receipt, self.apply_aliases(bundle, generation))
         self.touch(rows)
         self.index.release_empty(rows)  # tasks no column covered hold nothing
-        return PutReceipt(stored, nbytes, (*segments, *owned), generation)
+        return receipt
+
+    def apply_aliases(self, bundle: Bundle, generation: int) -> PutReceipt:
+        """The bundle's tasks that share a value (checked by `check_aliases`) now do."""
+        shared_cols = [
+            (key, column.alias, column.alias_of or [])
+            for key, column in bundle.columns.items()
+            if column.alias is not None and len(column.alias)
+        ]
+        if not shared_cols:
+            return PutReceipt(0, 0, (), generation)
+        rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
+        stored = 0
+        segments: list[tuple[str, int]] = []
+        for key, members, sources in shared_cols:
+            name = column_field(key)
+            segs = self._share(name, rows[members], sources, generation)
+            stored += len(members)
+            segments += [(name, seg_id) for seg_id in segs]
+        self.touch(rows)
+        self.index.release_empty(rows)
+        return PutReceipt(stored, 0, tuple(segments), generation)
 
     def _share(self, name: str, rows: np.ndarray, sources: list[str], generation: int) -> list[int]:
         """Field `name` of the tasks at `rows` becomes the value the tasks `sources` hold (one

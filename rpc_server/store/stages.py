@@ -74,6 +74,11 @@ class StageBook:
         self._stages[stage_id] = stage
         self.staged_bytes += delta
 
+    def reserved(self, stage_id: str) -> int:
+        """The bytes stage `stage_id` reserves (0 for none)."""
+        stage = self._stages.get(stage_id)
+        return 0 if stage is None else stage.nbytes
+
     def parts(self, stage_id: str) -> list[StagedPart] | None:
         """Stage `stage_id`'s parts, left open (None if there is no such stage)."""
         stage = self._stages.get(stage_id)

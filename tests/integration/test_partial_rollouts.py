@@ -233,3 +233,41 @@ def test_after_a_restore_in_flight_tasks_are_reissued_once(nodes: list[str], con
     assert controller.summary()["reissued"] == 2
     assert controller.inflight("rollout").task_ids == stopped.task_ids  # still in flight until completed
     controller.clear_partition("rollout")
+
+
+def test_rows_that_are_one_tensor_for_several_tasks_extend_each(remote: Callable[..., DBM]) -> None:
+    """Finished responses get the same end-of-sequence tensor, others a longer chunk: each task
+    appends its own rows (the same object for several tasks is not a value to share here)."""
+    batch = remote(prompts(4))
+    eos = torch.tensor([[-1]], dtype=torch.int32)
+    rows = [eos, torch.zeros(3, 1, dtype=torch.int32), eos, eos]
+    grown = batch.extend({"ids": rows})
+    assert grown.lengths("ids") == [3, 6, 5, 6]
+    assert all(torch.equal(g[-len(r) :], r) for g, r in zip(grown["ids"], rows))
+    grown.clear()
+
+
+def test_a_refused_staged_extend_leaves_no_reservation(nodes: list[str], module_client: ShardClient) -> None:
+    """An extend split into staged parts through a stale handle: the commit is refused (409) and
+    the client aborts the stage, so nothing stays reserved against the worker's capacity."""
+    with ShardClient(max_keys_per_request=2) as client:
+        batch = prompts(6).to_remote(nodes[2], client)
+        grown = batch.extend({"ids": tails(6)})
+        with pytest.raises(ShardsReplacedError):
+            batch.extend({"ids": tails(6)})
+        assert client.stats(nodes[2])["staged_bytes"] == 0
+        grown.clear()
+
+
+def test_a_task_resumed_after_a_restore_is_not_reissued(nodes: list[str], controller: Any) -> None:
+    tag = uuid.uuid4().hex[:6]
+    first, second = generating(nodes[0], f"{tag}a", 1), generating(nodes[0], f"{tag}b", 1)
+    controller.put("rollout", first, partial=True)
+    controller.put("rollout", second, partial=True)
+    controller.load_state_dict(controller.state_dict())
+    resumed = controller.inflight("rollout").select_fields(["tokens"])[:2]  # a producer took `first`
+    assert resumed.task_ids == first.task_ids
+    more = resumed.extend({"tokens": [torch.ones(1, dtype=torch.int32)] * 2})
+    controller.put("rollout", more, partial=True)  # still in flight, but its producer has it
+    assert controller.reissue("rollout").task_ids == second.task_ids
+    controller.clear_partition("rollout")
