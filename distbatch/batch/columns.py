@@ -296,7 +296,7 @@ def export_bundle(
     """Columns as a wire bundle (one column per field) plus the metadata naming `node` as holder.
 
     `copy=True`: no column shares memory with `data`'s tensors (one copy per column at most).
-    Tasks of a list column that hold the very same tensor, and each group of `share[field]`
+    Tasks of a list column that hold the very same tensor object, and each group of `share[field]`
     consecutive tasks (checked equal), share one stored value: it travels once, the others
     name it (`RawColumn.alias`; `same_tensors=False` leaves the identity test out), and the
     metadata says so (`FieldMeta.shared`, as ordinals
@@ -342,22 +342,12 @@ def _share_leaders(
         return None
     if not col or not isinstance(col[0], torch.Tensor):
         return None
-    first: dict[Any, int] = {}
-    # A value's identity: its memory, dtype, shape and strides (an empty one is its own).
-    keys = [_identity(v) if _has_identity(v) else i for i, v in enumerate(col)]
-    leaders = np.fromiter((first.setdefault(k, i) for i, k in enumerate(keys)), dtype=np.int64, count=n)
+    objects = list(map(id, col))  # C-level: no step per task unless some object repeats
+    if len(set(objects)) == n:
+        return None
+    first: dict[int, int] = {}
+    leaders = np.fromiter((first.setdefault(k, i) for i, k in enumerate(objects)), dtype=np.int64, count=n)
     return None if len(first) == n else leaders
-
-
-def _has_identity(value: torch.Tensor) -> bool:
-    """Whether a value can be told the same as another by its memory: a dense tensor with data
-    (a sparse or nested one is never shared without `share=`; an empty one is its own)."""
-    plain = value.layout == torch.strided and not value.is_nested and not value.is_quantized
-    return plain and value.device.type != "meta" and value.numel() > 0
-
-
-def _identity(value: torch.Tensor) -> tuple[Any, ...]:
-    return (value.data_ptr(), value.device, value.dtype, value.shape, value.stride())
 
 
 def _check_equal_groups(name: str, col: Column, leaders: np.ndarray) -> None:
