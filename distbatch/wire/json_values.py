@@ -105,12 +105,24 @@ def dump_if_exact(values: list[Any]) -> str | None:
             return None
     except (TypeError, ValueError, RecursionError):
         return None
-    skeleton = np.frombuffer(_JSON_STRING.sub("", text).encode(), dtype=np.uint8)
-    steps = (skeleton == ord("[")).astype(np.int16) + (skeleton == ord("{"))
-    steps -= (skeleton == ord("]")).astype(np.int16) + (skeleton == ord("}"))
-    if len(steps) and int(np.cumsum(steps, dtype=np.int64).max()) > MAX_JSON_DEPTH + 1:  # +1: the array
+    if _depth(text) > MAX_JSON_DEPTH + 1:  # +1: the array
         return None
     return text
+
+
+def _depth(text: str) -> int:
+    """The most brackets and braces open at once in JSON `text`, those inside strings left out
+    (numpy over its bytes; a regex takes the strings out where one holds an escape)."""
+    raw = text.encode("utf-8", "surrogatepass")  # a lone surrogate is never a bracket or a quote
+    if b"\\" in raw:
+        raw = _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
+    skeleton = np.frombuffer(raw, dtype=np.uint8)
+    quotes = skeleton == ord('"')
+    outside = (np.cumsum(quotes, dtype=np.int64) & 1) == 0  # no escapes left: quotes pair up
+    steps = ((skeleton == ord("[")) | (skeleton == ord("{"))).astype(np.int16)
+    steps -= ((skeleton == ord("]")) | (skeleton == ord("}"))).astype(np.int16)
+    steps *= outside
+    return int(np.cumsum(steps, dtype=np.int64).max()) if len(steps) else 0
 
 
 def load_json(name: str, text: str, unique_keys: bool = False) -> Any:

@@ -27,6 +27,8 @@ def check_aliases(index: ShardIndex, bundles: Sequence[Bundle]) -> None:
     field's column in one of them, or holds the field already; it does not itself share a value;
     no task is both given a value and made to share one. `MissingShardsError` names the tasks
     that would share nothing, `SharedValueError` the rest; nothing changes."""
+    if not any(c.alias is not None for b in bundles for c in b.columns.values()):
+        return  # the usual put: nothing shared, nothing to look at per task
     covered: dict[str, set[str]] = {}
     for bundle in bundles:
         for key, column in bundle.columns.items():

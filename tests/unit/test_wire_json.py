@@ -194,6 +194,18 @@ def test_excessive_nesting_raises_at_encode(depth: int) -> None:
     assert_wire_error(lambda: wire.encode_bundle_bytes({("t", "deep"): nested_dicts(depth)}))
 
 
+@pytest.mark.parametrize("text", ["]" * 200, '\\"]' * 70, "[" * 200, '\\"[' * 70])
+def test_brackets_inside_strings_leave_the_depth_as_it_is(text: str) -> None:
+    """The depth is read off a column's JSON text with its strings' brackets left out, whether a
+    string holds escapes or not: closing ones cannot hide a value nested too deep, opening ones
+    cannot refuse a value within the limit."""
+    assert_wire_error(
+        lambda: wire.encode_bundle_bytes({("t", "x"): [text, nested_lists(wire.MAX_JSON_DEPTH + 5)]})
+    )
+    fine = [text, nested_lists(wire.MAX_JSON_DEPTH - 1)]
+    assert round_trip({("t", "x"): fine})[("t", "x")] == fine
+
+
 def test_self_referencing_value_raises_at_encode() -> None:
     loop: list[Any] = [1]
     loop.append(loop)
@@ -246,5 +258,3 @@ def test_invalid_task_id_or_field_raises_at_encode(bad: Any) -> None:
 def test_keys_that_are_not_pairs_raise_at_encode(key: Any) -> None:
     assert_wire_error(lambda: wire.encode_bundle_bytes({key: 1}))
     assert_wire_error(lambda: wire.encode_bundle_bytes({("ok", "ok"): 1, key: torch.ones(1)}))
-
-
