@@ -91,15 +91,20 @@ def check_response_size(keys: int, size: int, limit: int) -> None:
 
 def generation_list(value: Any, count: int) -> np.ndarray | None:
     """A request's `generations` (per task: the put its values came from, 0 for any) as an
-    array, None when absent; 400 unless it is `count` whole numbers from 0 to 2**53."""
+    array, None when absent; one whole number stands for every task (the usual case: the
+    values of one put). 400 unless `count` whole numbers, or one, from 0 to 2**53."""
     if value is None:
         return None
+    if type(value) is int and 0 <= value < JSON_INT_BOUND:
+        return np.full(count, value, dtype=np.int64)
     if (
         not isinstance(value, list)
         or len(value) != count
         or not all(type(g) is int and 0 <= g < JSON_INT_BOUND for g in value)
     ):
         raise ApiError(
-            400, "bad_request", f"'generations' must be {count} whole numbers (one per task), 0 to 2**53"
+            400,
+            "bad_request",
+            f"'generations' must be {count} whole numbers (one per task), or one for all, 0 to 2**53",
         )
     return np.asarray(value, dtype=np.int64)

@@ -204,8 +204,8 @@ async def fetch(
     bar = progress_bar(plan, progress_min_bytes) if twin.blocking else None
     try:
         bundles = await twin.call(
-            client.fetch_products,
-            client.afetch_products,
+            client._fetch_planned,  # noqa: SLF001 (the batch's own plan, from checked metadata)
+            client._afetch_planned,  # noqa: SLF001
             plan.requests,
             progress=bar.update if bar is not None else None,
         )

@@ -123,10 +123,12 @@ def plan_refs(refs: Iterable[Any]) -> tuple[list[tuple[str, ShardKey]], dict[str
 
 
 def product_body(task_ids: list[str], fields: list[str], generations: list[int] | None) -> dict[str, Any]:
-    """A fetch or delete request naming a product (and the generations it was made for, if known)."""
+    """A fetch or delete request naming a product (and the generations it was made for, if known:
+    one number when every task's is the same, the usual product of one put)."""
     body: dict[str, Any] = {"task_ids": task_ids, "fields": fields}
     if generations is not None:
-        body["generations"] = generations
+        same = bool(generations) and min(generations) == max(generations)
+        body["generations"] = generations[0] if same else generations
     return body
 
 

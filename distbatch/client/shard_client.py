@@ -26,7 +26,7 @@ from distbatch.client.deletes import Deleter, Outcomes, check_delete_args
 from distbatch.client.engine_calls import DEFAULT_LIVENESS_TIMEOUT, EngineCalls, check_liveness_timeout
 from distbatch.client.fetches import Gatherer
 from distbatch.client.loop import ProcessRuntime, Runtime
-from distbatch.client.planning import ProductRequest, check_product_plan, check_products, plan_refs
+from distbatch.client.planning import Product, ProductRequest, check_product_plan, check_products, plan_refs
 from distbatch.client.results import DeleteResult, PutResult, Traffic
 from distbatch.client.same_host import SameHostPaths
 from distbatch.client.shard_paths import HttpShardPath, SameHostShardPath
@@ -280,6 +280,16 @@ class ShardClient:
 
     fetch_products = blocking(_fetch_products_verb)
     afetch_products = awaiting(_fetch_products_verb)
+
+    def _fetch_planned_verb(
+        self, products: list[Product], *, progress: Progress | None = None
+    ) -> Coroutine[Any, Any, list[wire.Bundle]]:
+        """`fetch_products` of a batch's own gather plan: its ids come from the batch's metadata,
+        checked when it was made, so they are not checked again (50k ids cost ~25 ms)."""
+        return self._gather.products(products, progress) if products else done([])
+
+    _fetch_planned = blocking(_fetch_planned_verb)
+    _afetch_planned = awaiting(_fetch_planned_verb)
 
     def _fetch_verb(
         self, refs: Iterable[ShardRef | tuple], *, progress: Progress | None = None

@@ -160,8 +160,19 @@ def test_an_engine_result_names_its_generation(echo_pair: WorkerGroup, module_cl
 
 @pytest.mark.parametrize(
     "generations",
-    [[1], [1, 2, 3], ["1", 2], [-1, 2], [1 << 53, 1], [1.5, 2], None],
-    ids=["short", "long", "string", "negative", "too-big", "float", "null-list"],
+    [[1], [1, 2, 3], ["1", 2], [-1, 2], [1 << 53, 1], [1.5, 2], None, -1, 1 << 53, True],
+    ids=[
+        "short",
+        "long",
+        "string",
+        "negative",
+        "too-big",
+        "float",
+        "null-list",
+        "one-negative",
+        "one-too-big",
+        "bool",
+    ],
 )
 def test_bad_generations_are_a_400_that_changes_nothing(
     worker: WorkerProcess, client: ShardClient, generations: object
@@ -179,6 +190,22 @@ def test_bad_generations_are_a_400_that_changes_nothing(
     assert client.stats(worker.node)["shards"] == 2
     assert torch.equal(stored.to_local()["x"], torch.ones(2, 3))
     stored.clear()
+
+
+def test_one_generation_stands_for_every_task_of_a_request(
+    worker: WorkerProcess, client: ShardClient
+) -> None:
+    """A product of one put's values names its generation once (what the client sends): read and
+    deleted as with one per task, and refused once a later put replaced one of them."""
+    first = batch(["o0", "o1"], 1.0).to_remote(worker.node, client)
+    generation = int(first.meta.fields["x"].generations[0])
+    body = {"task_ids": ["o0", "o1"], "fields": ["x"], "generations": generation}
+    batch(["o1"], 2.0).to_remote(worker.node, client)  # replaces o1's value
+    for path in ("/v1/shards/fetch", "/v1/shards/delete"):
+        with pytest.raises(ShardsReplacedError, match="o1/x"):
+            client.request_json(worker.node, "POST", path, body)
+    assert client.stats(worker.node)["shards"] == 2
+    client.delete(worker.node, task_ids=["o0", "o1"])
 
 
 def test_batches_the_controller_hands_out_name_their_generations(
