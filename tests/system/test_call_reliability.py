@@ -429,6 +429,9 @@ def _kill_once_it_answered_a_call(group: WorkerGroup, index: int, killed: list[f
     while answered not in requests.get(f"http://{group.nodes[index]}/metrics", timeout=10).text:
         assert time.monotonic() < deadline, "worker 0 never answered its call"
         time.sleep(0.02)
+    # The worker counts the answer once it is written; the client reads it a moment later (longer
+    # on a loaded machine): a kill in between would lose the answer itself. The other call runs 6 s.
+    time.sleep(1.5)
     group.processes[index].process.kill()
     killed.append(time.monotonic())
 
