@@ -2,7 +2,6 @@
 nesting bounded by `MAX_JSON_DEPTH`), how a column of them is dumped once and how a header's JSON
 is loaded (repeated keys refused). Needs neither numpy nor torch."""
 
-
 from __future__ import annotations
 
 import json
@@ -93,6 +92,7 @@ def _not_json(value: Any) -> bool:
         return True
     return False
 
+
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
@@ -117,12 +117,18 @@ def _depth(text: str) -> int:
     if b"\\" in raw:
         raw = _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
     skeleton = np.frombuffer(raw, dtype=np.uint8)
-    quotes = skeleton == ord('"')
-    outside = (np.cumsum(quotes, dtype=np.int64) & 1) == 0  # no escapes left: quotes pair up
-    steps = ((skeleton == ord("[")) | (skeleton == ord("{"))).astype(np.int16)
-    steps -= ((skeleton == ord("]")) | (skeleton == ord("}"))).astype(np.int16)
-    steps *= outside
-    return int(np.cumsum(steps, dtype=np.int64).max()) if len(steps) else 0
+    # Only the brackets and the quotes matter: a bracket is inside a string when an odd number
+    # of quotes come before it (no escapes left, so quotes pair up).
+    brackets = np.flatnonzero(
+        (skeleton == ord("[")) | (skeleton == ord("{")) | (skeleton == ord("]")) | (skeleton == ord("}"))
+    )
+    quotes = np.flatnonzero(skeleton == ord('"'))
+    outside = brackets[(np.searchsorted(quotes, brackets) & 1) == 0]
+    if not len(outside):
+        return 0
+    kinds = skeleton[outside]
+    steps = np.where((kinds == ord("[")) | (kinds == ord("{")), 1, -1)
+    return int(np.cumsum(steps, dtype=np.int64).max())
 
 
 def load_json(name: str, text: str, unique_keys: bool = False) -> Any:
