@@ -294,7 +294,9 @@ class ConnectionCount:
         while not self._stop.wait(self.period):
             sockets = [c for pid in self.pids for c in established_tcp(pid)]
             to_controller = sum(1 for _, remote in sockets if host_of(remote) == self.controller)
-            between = (len(sockets) - to_controller) // 2
+            # A connection between workers is in both ends' tables, or in one when it closes
+            # between the two reads: counted once by its pair of endpoints either way.
+            between = len({tuple(sorted(c)) for c in sockets if host_of(c[1]) != self.controller})
             self.most_between_workers = max(self.most_between_workers, between)
             self.most_to_controller = max(self.most_to_controller, to_controller)
 
