@@ -568,7 +568,8 @@ class DistributedBatchMemory:
             )
         rows = ops.union_rows(self.task_ids, data.task_ids)
         state = data._state if rows is None else data._state.take(rows)
-        assert isinstance(state, LocalState)
+        if not isinstance(state, LocalState):  # (a LOCAL batch's rows are LOCAL)
+            raise BatchStatusError("the rows to extend with must be LOCAL")
         return state
 
     async def _extend(

@@ -49,8 +49,7 @@ def resolve_appends(
         column = bundle.columns[key]
         if LAYER_MARK in key:
             raise AppendMismatchError(f"field {key!r}: a column of one dtype among several cannot append")
-        expect = column.append
-        assert expect is not None
+        expect = column.append if column.append is not None else np.zeros(0, dtype=np.int64)
         task_ids = (
             bundle.task_ids if column.rows is None else [bundle.task_ids[i] for i in column.rows.tolist()]
         )
