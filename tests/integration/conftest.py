@@ -17,6 +17,7 @@ from engines_for_tests import ECHO, ENGINES_ENV
 
 from distbatch import BatchStatus, DistributedBatchMemory, ShardClient, WorkerGroup
 from distbatch.launch import WorkerProcess, spawn_workers
+from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 
 DBM = DistributedBatchMemory
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -93,6 +94,20 @@ def echo_pair(module_client: ShardClient) -> Iterator[WorkerGroup]:
         yield group
     finally:
         group.shutdown()
+
+
+@pytest.fixture
+def same_host(
+    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[..., WorkerProcess]
+) -> Iterator[tuple[str, ShardClient]]:
+    """A worker of the test's own and a client that reach each other over shared memory (the
+    suite runs on HTTP otherwise); the test must have taken that path."""
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    monkeypatch.delenv(ENV_HOST_ID, raising=False)
+    worker = start_worker()
+    with ShardClient() as client:
+        yield worker.node, client
+        assert client.traffic().same_host_sent > 0, "the same-host path was not taken"
 
 
 @pytest.fixture

