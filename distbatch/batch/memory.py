@@ -555,18 +555,14 @@ class DistributedBatchMemory:
             )
         if data.status is BatchStatus.EMPTY and len(self):
             raise InvalidArgumentError(f"no rows to extend the batch's {len(self)} tasks with")
-        if sorted(data.task_ids) != sorted(self.task_ids):
-            raise InvalidArgumentError(
-                "extend needs one row per task of the batch (the same task ids); "
-                f"the batch has {len(self)}, the rows name {len(data)}"
-            )
         unknown = [f for f in data.fields if f not in self.fields]
         if unknown:
             raise InvalidArgumentError(
                 f"fields {unknown} are not in the batch: extend grows fields the batch has "
                 "(put new fields with to_remote and union)"
             )
-        rows = ops.union_rows(self.task_ids, data.task_ids)
+        hint = f"extend takes one row per task of the batch ({len(self)}; the rows name {len(data)})"
+        rows = ops.union_rows(self.task_ids, data.task_ids, "extend", hint)
         state = data._state if rows is None else data._state.take(rows)
         if not isinstance(state, LocalState):  # (a LOCAL batch's rows are LOCAL)
             raise BatchStatusError("the rows to extend with must be LOCAL")

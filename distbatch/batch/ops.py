@@ -97,18 +97,24 @@ def balanced_rows(lengths: Sequence[int] | np.ndarray, n: int, group_size: int) 
     return [(np.asarray(part, dtype=np.int64)[:, None] * group_size + offsets).reshape(-1) for part in parts]
 
 
-def union_rows(mine: list[str], theirs: list[str]) -> np.ndarray | None:
+UNION_HINT = (
+    "union adds the fields of the same tasks: build both batches with the same task_ids= (each "
+    "batch made without them gets ids of its own), or use concat() to add tasks"
+)
+
+
+def union_rows(
+    mine: list[str], theirs: list[str], verb: str = "union", hint: str = UNION_HINT
+) -> np.ndarray | None:
     """Where each of `mine` is in `theirs` (None when both are in the same order); ValueError
-    unless both hold the same task ids."""
+    (`verb` needs the same task ids; `hint`) unless both hold the same task ids once each."""
     if mine == theirs:  # the usual case, checked in C
         return None
-    if set(mine) != set(theirs):
+    if len(mine) != len(theirs) or set(mine) != set(theirs):
         missing = sorted(set(mine) - set(theirs))[:5]
         extra = sorted(set(theirs) - set(mine))[:5]
         raise InvalidArgumentError(
-            f"union needs the same task ids: missing in other {missing}, extra {extra}; union adds "
-            "the fields of the same tasks: build both batches with the same task_ids= (each batch "
-            "made without them gets ids of its own), or use concat() to add tasks"
+            f"{verb} needs the same task ids: missing in other {missing}, extra {extra}; {hint}"
         )
     position = dict(zip(theirs, range(len(theirs))))
     return np.fromiter(map(position.__getitem__, mine), dtype=np.int64, count=len(mine))
