@@ -319,13 +319,18 @@ async def _gather(
     plan = plan_fetch(meta, plain, client) if plain else None
     if plan is not None:
         out.update(await fetch(twin, client, plan, progress_min_bytes))
+    # Fields sharing the same way (one put's `share=` fields: the same keys on the same nodes)
+    # are fetched together, one request per node for all of them.
+    alike: dict[tuple[bytes, bytes], list[str]] = {}
     for name in shared:
-        kept, inverse = shared_rows(meta.fields[name])
-        once = meta.take(kept).select_fields([name])
-        plan = plan_fetch(once, [name], client)
+        fm = meta.fields[name]
+        alike.setdefault((fm.shared.tobytes(), fm.nodes.tobytes()), []).append(name)  # type: ignore[union-attr]
+    for group in alike.values():
+        kept, inverse = shared_rows(meta.fields[group[0]])
+        plan = plan_fetch(meta.take(kept).select_fields(group), group, client)
         if plan is not None:  # (always: a field with shared values has tasks)
             gathered = await fetch(twin, client, plan, progress_min_bytes)
-            out[name] = take_column(gathered[name].column(), inverse)
+            out.update((name, take_column(gathered[name].column(), inverse)) for name in group)
     return out
 
 

@@ -201,3 +201,17 @@ def test_a_put_split_into_staged_parts_shares_across_them(nodes: list[str]) -> N
         finally:
             batch.clear()
         assert stored_bytes(client, nodes[1:2]) == before
+
+
+def test_fields_shared_alike_are_gathered_in_one_request_per_node(
+    nodes: list[str], module_client: ShardClient
+) -> None:
+    """`prompt` and `image_id` share by the same groups (one put's `share=`): one fetch request
+    for both, not one per field."""
+    local, _ = groups()
+    batch = local.select_fields(["prompt", "image_id"]).to_remote(nodes[0], module_client, share=SHARE)
+    before = module_client.traffic()
+    got = batch.to_local()
+    assert (module_client.traffic() - before).requests == 1
+    assert got["prompt"] == local["prompt"] and torch.equal(got["image_id"], local["image_id"])
+    batch.clear()
