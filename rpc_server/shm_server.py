@@ -47,7 +47,7 @@ from distbatch.transport.shm import (
     send_message,
     split_payload,
 )
-from distbatch.wire.container import Buffer
+from distbatch.wire.container import Part
 from rpc_server.checks import (
     ERROR_ANSWERS,
     check_field_count,
@@ -230,7 +230,7 @@ class SharedMemoryService:
 
     # ------------------------------------------------------------------ operations
 
-    def _fetch(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[Buffer], list[SharedRegion], int]:
+    def _fetch(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[Part], list[SharedRegion], int]:
         """The answer to a fetch: header, skeleton parts, the regions its runs name, and the shard
         bytes it serves (inline or by reference)."""
         max_keys = self.config.max_keys_per_request

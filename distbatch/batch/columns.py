@@ -397,12 +397,13 @@ def _shared_wire_column(
 
 def _wire_column(name: str, col: Column, task_ids: list[str], copy: bool) -> wire.RawColumn:
     """A stacked tensor travels as it is (no per-task work), so does the packed tensor of
-    `RaggedViews`; another ragged column is packed with one `cat`."""
+    `RaggedViews`; another ragged column's tensors travel from where they lie (`wire.Pieces`;
+    with `copy`, packed with one `cat`)."""
     if isinstance(col, RaggedViews):
         shapes = RowShapes.ragged(col.lengths, col.values.shape[1:])
         return _tensor_wire_column(name, col.values, copy, shapes)
     if not isinstance(col, torch.Tensor):
-        return wire.list_column(name, col, task_ids, copy=copy)
+        return wire.list_column(name, col, task_ids, copy=copy, scatter=not copy)
     return _tensor_wire_column(name, col, copy)
 
 

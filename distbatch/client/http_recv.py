@@ -16,10 +16,17 @@ it receives, an upload (`distbatch.client.transport`) by the bytes the worker ac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import contextlib
+import os
+import socket
+import struct
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from distbatch.errors import InvalidArgumentError, ResponseError
+from distbatch.transport.gather import GatherWrite
+from distbatch.wire.container import parts_size
 
 T = TypeVar("T")
 
@@ -209,9 +216,7 @@ async def request_into_buffer(
     `stall_timeout`, `StalledTransfer` when no byte arrives for that long (judging progress, not
     the total time: a slow link that keeps moving is never cut).
     """
-    for name, value in headers.items():
-        if any(c in f"{name}{value}" for c in "\r\n"):
-            raise InvalidArgumentError(f"header {name!r} holds a line break")
+    head = _head(method, path, host, port, headers, len(body))
     loop = asyncio.get_running_loop()
     if connect_timeout is None:
         connect_timeout = asyncio.timeout(None)
@@ -220,10 +225,137 @@ async def request_into_buffer(
             lambda: _BodyProtocol(max_body, allocate), host, port
         )
     try:
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        transport.write(head + body)
         await _done_or_stalled(protocol, stall_timeout)  # the clock starts once the request is sent
+        return protocol.status, protocol.headers, protocol.body
+    finally:
+        transport.close()
+
+
+def _head(method: str, path: str, host: str, port: int, headers: Mapping[str, str], length: int) -> bytes:
+    for name, value in headers.items():
+        if any(c in f"{name}{value}" for c in "\r\n"):
+            raise InvalidArgumentError(f"header {name!r} holds a line break")
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {length}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def unacknowledged(transport: Any) -> int:
+    """Bytes the kernel holds for `transport`'s socket that the peer has not acknowledged yet
+    (Linux's SIOCOUTQ); 0 where that cannot be read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not sys.platform.startswith("linux"):
+        return 0
+    import fcntl
+    import termios
+
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+class GatheredUpload:
+    """A request (head and body parts) written straight to a connection's socket with gathering
+    writes (`distbatch.transport.gather`): a ragged column's per-task tensors leave from where
+    they lie, never joined. Waits for room through a descriptor of its own (a `dup`: the
+    transport owns, and may close, the one it has), so the event loop's transport is never
+    written behind its back while it holds bytes: it holds none, this writes everything."""
+
+    def __init__(self, transport: asyncio.Transport, parts: Sequence[Any]) -> None:
+        self.transport = transport
+        self.body = GatherWrite(parts)
+        self.delivered = False
+
+    async def send(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = self.transport.get_extra_info("socket")
+        fd = os.dup(sock.fileno())
+        try:
+            while not self.body.done:
+                try:
+                    self.body.write(fd)
+                except BlockingIOError:
+                    await _writable(loop, fd)
+        finally:
+            os.close(fd)
+
+    def acknowledged(self) -> int:
+        """Bytes of the request the peer has acknowledged: for the stall watchdog."""
+        if self.transport.is_closing():
+            return self.body.sent
+        unacked = unacknowledged(self.transport)
+        self.delivered = self.body.done and unacked == 0
+        return self.body.sent - unacked
+
+    def cut(self) -> None:
+        reset(self.transport)
+
+
+def reset(transport: asyncio.BaseTransport) -> None:
+    """Close a connection at once, with a reset: what the event loop and the kernel still queue
+    is dropped, so an upload given up on never completes later (a link that comes back would
+    otherwise deliver it, and the worker store a put its caller was told failed)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # type: ignore[attr-defined]
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    """Until `fd` has room to write."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
+
+
+async def request_with_parts(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    parts: Sequence[Any],
+    max_body: int,
+    connect_timeout: asyncio.Timeout | None = None,
+    stall_timeout: float | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    """Send one request whose body is `parts` (buffers and `wire.Pieces`) with gathering writes,
+    and read its response: (status, lower-case headers, body). Errors as `request_into_buffer`;
+    with `stall_timeout`, `StalledTransfer` once nothing went out (or, after all of it was
+    acknowledged, nothing came back) for that long."""
+    loop = asyncio.get_running_loop()
+    async with connect_timeout or asyncio.timeout(None):
+        transport, protocol = await loop.create_connection(
+            lambda: _BodyProtocol(max_body, bytearray), host, port
+        )
+    try:
+        length = parts_size(parts)
+        upload = GatheredUpload(transport, [_head(method, path, host, port, headers, length), *parts])
+        try:
+            if stall_timeout is None:
+                await upload.send()
+            else:
+                await until_stalled(
+                    upload.send(), upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
+                )
+        except OSError:
+            if not (protocol.done.done() and protocol.done.exception() is None):
+                raise  # the worker answered before it read the body (a refusal): that answer counts
+        try:
+            await _done_or_stalled(protocol, stall_timeout)
+        except StalledTransfer as stalled:  # the worker has every byte: it may have stored it
+            raise StalledTransfer(stalled.seconds, upload.body.sent, sending=True, delivered=True) from None
         return protocol.status, protocol.headers, protocol.body
     finally:
         transport.close()

@@ -11,13 +11,9 @@ they share one retry policy and one error mapping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
-import socket
-import struct
-import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +27,7 @@ from distbatch.client.http_recv import StalledTransfer
 from distbatch.client.loop import ProcessRuntime, Runtime
 from distbatch.client.responses import error_from_response, json_reply, read_into_bytearray
 from distbatch.client.results import Traffic
-from distbatch.errors import AnsweredError, NodeError, ServerError, WorkerUnavailableError
+from distbatch.errors import AnsweredError, NodeError, ProtocolError, ServerError, WorkerUnavailableError
 
 SEND_SLICE_BYTES = 4 << 20
 MAX_RESPONSE_BYTES = 1 << 40  # a response announcing more than this is refused before allocating
@@ -40,7 +36,7 @@ _MAX_DOUBLINGS = 30  # the backoff's exponent is capped, so a worker busy for ho
 _UNANSWERED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, OSError)
 """What a request that got no answer raises (connection refused or lost, a timeout)."""
 
-Body = bytes | list[wire.Buffer] | None
+Body = bytes | list[wire.Part] | None
 
 
 def unanswered_reason(exc: BaseException) -> str:
@@ -129,7 +125,7 @@ class _Retries:
         await asyncio.sleep(delay)
 
 
-async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
+async def _send_slices(parts: list[wire.Part]) -> AsyncIterator[memoryview]:
     """A body's parts in slices of a few MiB, sent as they are (never joined).
 
     aiohttp waits for the socket to drain after each slice; handing it one big buffer
@@ -141,27 +137,12 @@ async def _send_slices(parts: list[wire.Buffer]) -> AsyncIterator[memoryview]:
             yield view[start : start + SEND_SLICE_BYTES]
 
 
-def _unacknowledged(transport: Any) -> int:
-    """Bytes the kernel holds for `transport`'s socket that the peer has not acknowledged yet
-    (Linux's SIOCOUTQ); 0 where that cannot be read."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or not sys.platform.startswith("linux"):
-        return 0
-    import fcntl
-    import termios
-
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-    except (OSError, ValueError):
-        return 0
-
-
 class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
     """A container body sent in slices (`_send_slices`) that says how far it got, for the stall
     watchdog: a slice is a few MiB and the kernel queues more, so progress is read from the
     connection, not from the slices handed over."""
 
-    def __init__(self, parts: list[wire.Buffer]) -> None:
+    def __init__(self, parts: list[wire.Part]) -> None:
         super().__init__(_send_slices(parts))  # type: ignore[arg-type]  # memoryviews are written as bytes
         self._writer: Any = None  # aiohttp's, once the body is being written
         self._acknowledged = 0
@@ -187,7 +168,7 @@ class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
         transport = getattr(self._writer, "transport", None)
         if transport is not None and not transport.is_closing():
             queued = transport.get_write_buffer_size()
-            unacknowledged = _unacknowledged(transport)
+            unacknowledged = http_recv.unacknowledged(transport)
             self._acknowledged = self._writer.output_size - queued - unacknowledged
             self.delivered = self._written and queued == 0 and unacknowledged == 0
         return self._acknowledged
@@ -197,13 +178,8 @@ class _WatchedUpload(aiohttp.payload.AsyncIterablePayload):
         queue is dropped, so an upload given up on never completes later (a link that comes back
         would otherwise deliver it, and the worker store a put its caller was told failed)."""
         transport = getattr(self._writer, "transport", None)
-        if transport is None:
-            return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
+        if transport is not None:
+            http_recv.reset(transport)
 
 
 class HttpTransport:
@@ -318,6 +294,9 @@ class HttpTransport:
             if request.binary_response and isinstance(request.body, bytes):
                 async with asyncio.timeout(remaining):
                     return await self._fetch_into_buffer(request, request.body)
+            if isinstance(request.body, list) and any(isinstance(p, wire.Pieces) for p in request.body):
+                async with asyncio.timeout(remaining):
+                    return await self._put_gathered(request, request.body)
             return await self._send(session, request, remaining)
 
     async def _fetch_into_buffer(self, request: _Outgoing, body: bytes) -> Any:
@@ -341,6 +320,34 @@ class HttpTransport:
         if status < 400:
             return payload
         raise AnsweredError(error_from_response(request.node, status, bytes(payload)))
+
+    async def _put_gathered(self, request: _Outgoing, parts: list[Any]) -> Any:
+        """A body holding a ragged column's per-task tensors (`wire.Pieces`): written with
+        gathering writes, on a connection of its own (see `http_recv.request_with_parts`)."""
+        host, _, port = request.node.rpartition(":")
+        host = host[1:-1] if host.startswith("[") else host
+        status, headers, payload = await http_recv.request_with_parts(
+            host,
+            int(port),
+            request.method,
+            request.path,
+            request.headers,
+            parts,
+            MAX_RESPONSE_BYTES,
+            asyncio.timeout(self.policy.connect_timeout),
+            self.policy.stall_timeout,
+        )
+        self.traffic.bytes_received += len(payload)
+        if status >= 400:
+            raise AnsweredError(error_from_response(request.node, status, bytes(payload)))
+        try:
+            return json.loads(payload)
+        except (ValueError, RecursionError):
+            raise ProtocolError(
+                request.node,
+                f"{request.method} {request.path} answered HTTP {status} with a body that is not JSON "
+                f"({headers.get('content-type') or 'no Content-Type'}); is this address a distbatch worker?",
+            ) from None
 
     async def _send(self, session: aiohttp.ClientSession, request: _Outgoing, remaining: float | None) -> Any:
         """One try through aiohttp: JSON replies, and binary ones of unknown size. A container

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from distbatch.errors import ShmError
-from distbatch.wire.container import Buffer, byte_view
+from distbatch.transport.gather import GatherWrite
+from distbatch.wire.container import Buffer, Part, byte_view
 
 __all__ = [
     "ENV_HOST_ID",
@@ -106,15 +107,16 @@ def host_id() -> str:
     return f"{boot}/{namespace}"
 
 
-def sealed_memfd(parts: Sequence[Buffer], name: str = "distbatch") -> tuple[int, int]:
+def sealed_memfd(parts: Sequence[Part], name: str = "distbatch") -> tuple[int, int]:
     """A new memfd holding `parts` one after another, sealed; returns (descriptor, size).
 
-    The bytes go in with `writev` (the kernel copies them once; no mapping, so sealing
-    against writes succeeds at once). The caller owns the descriptor.
+    The bytes go in with gathering writes (`gather`: the kernel copies them once, per-task
+    tensors straight from where they lie; no mapping, so sealing against writes succeeds at
+    once). The caller owns the descriptor.
     """
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        size = _write_all(lambda views: os.writev(fd, views), [byte_view(p) for p in parts])
+        size = GatherWrite(parts).write_all(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
@@ -238,7 +240,7 @@ def map_for_reading(fd: int, size: int) -> mmap.mmap:
 # --------------------------------------------------------------------------- messages
 
 
-def send_message(sock: socket.socket, payload: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
+def send_message(sock: socket.socket, payload: Sequence[Part], fds: Sequence[int] = ()) -> None:
     """Send one message: a head, the payload's buffers, and `fds` with `SCM_RIGHTS`.
 
     The head and the payload go out in one gathering `sendmsg` (more only after a short send),
@@ -334,7 +336,7 @@ def abstract_address(name: str) -> str:
     return "\0" + name
 
 
-def json_payload(header: dict[str, Any], body: Sequence[Buffer] = ()) -> list[Buffer]:
+def json_payload(header: dict[str, Any], body: Sequence[Part] = ()) -> list[Part]:
     """A message payload: a JSON header (length-prefixed), then binary parts."""
     text = json.dumps(header, separators=(",", ":")).encode()
     return [struct.pack("<I", len(text)), text, *body]

@@ -53,6 +53,8 @@ from distbatch.wire.container import (
     METADATA_KEY,
     Buffer,
     Entry,
+    Part,
+    Pieces,
     RawTensor,
     build_container,
     byte_view,
@@ -129,7 +131,7 @@ class RawColumn:
 
     dtype: str | None
     shapes: RowShapes | None = None
-    parts: Sequence[Buffer] = ()
+    parts: Sequence[Part] = ()
     nbytes: int = 0
     values: list[Any] | None = None
     rows: np.ndarray | None = None
@@ -215,7 +217,7 @@ def _table(values: np.ndarray) -> memoryview:
     return byte_view(np.ascontiguousarray(values, dtype="<i8"))
 
 
-def build_bundle(bundle: Bundle) -> list[Buffer]:
+def build_bundle(bundle: Bundle) -> list[Part]:
     """Lay a bundle out as container parts (header first); tensor bytes are not copied."""
     description: dict[str, Any] = {}
     metadata: dict[str, str] = {"format": "pt"}
@@ -525,12 +527,15 @@ def slice_column(column: RawColumn, start: int, stop: int, rows: np.ndarray | No
     """Rows `start:stop` of a column (byte views, no copies); `rows` is the slice's own row table."""
     if column.dtype is None:
         return RawColumn(None, values=(column.values or [])[start:stop], rows=rows)
+    shapes = column.tensor_shapes.take(slice(start, stop))
+    append = None if column.append is None else column.append[start:stop]
+    if len(column.parts) == 1 and isinstance(column.parts[0], Pieces):  # one piece per row
+        pieces = column.parts[0].rows(start, stop)
+        return RawColumn(column.dtype, shapes, [pieces], pieces.nbytes, rows=rows, append=append)
     sizes = column.row_nbytes()
     first = int(sizes[:start].sum())
     last = first + int(sizes[start:stop].sum())
     data = column.single_buffer()[first:last]
-    shapes = column.tensor_shapes.take(slice(start, stop))
-    append = None if column.append is None else column.append[start:stop]
     return RawColumn(column.dtype, shapes, [data], last - first, rows=rows, append=append)
 
 

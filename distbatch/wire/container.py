@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -72,7 +72,7 @@ class Entry(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
-    parts: Sequence[Buffer]
+    parts: Sequence[Part]
 
 
 @dataclass(slots=True)
@@ -83,7 +83,7 @@ class Container:
     metadata: dict[str, str]
 
 
-def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> list[Buffer]:
+def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> list[Part]:
     """Lay out a container; returns its parts, header first (send them in order, or join them).
 
     Entries are ordered by element size, largest first, and the header is padded so the
@@ -92,7 +92,7 @@ def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> li
     the spec's rule that the byte buffer has no holes.
     """
     header: dict[str, Any] = {METADATA_KEY: dict(metadata)}
-    parts: list[Buffer] = [b""]
+    parts: list[Part] = [b""]
     offset = 0
     for entry in sorted(entries, key=lambda e: -ITEMSIZE[e.dtype]):
         nbytes = math.prod(entry.shape) * ITEMSIZE[entry.dtype]
@@ -114,6 +114,43 @@ def build_container(entries: Sequence[Entry], metadata: Mapping[str, str]) -> li
     return parts
 
 
+class Pieces:
+    """Bytes lying in many buffers, one row each: a ragged column's per-task tensors, as they are.
+
+    Packing thousands of per-task tensors into one column costs a `cat` (~1-2 us a tensor) and
+    a copy of every byte into fresh memory, most of a ragged put. Kept as (address, length)
+    rows instead, they go out with gathering writes (`distbatch.transport.gather`): the kernel
+    copies each straight into the socket or the shared region, one copy and no per-task object.
+    `owners` keep the memory alive (one per row); `concat` joins them into one buffer, the one
+    copy a reader that needs contiguous bytes pays (`byte_view`).
+    """
+
+    __slots__ = ("owners", "iov", "nbytes", "_concat")
+
+    def __init__(
+        self, owners: Sequence[Any], iov: Any, concat: Callable[[Sequence[Any]], memoryview]
+    ) -> None:
+        self.owners = owners
+        self.iov = iov  # (rows, 2) uint64: address and length, struct iovec's layout
+        self.nbytes = int(iov[:, 1].sum()) if len(iov) else 0
+        self._concat = concat
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def rows(self, start: int, stop: int) -> Pieces:
+        """Rows `start:stop` (no copy)."""
+        return Pieces(self.owners[start:stop], self.iov[start:stop], self._concat)
+
+    def join(self) -> memoryview:
+        """Every row's bytes in one buffer (one copy)."""
+        return self._concat(self.owners) if self.nbytes else memoryview(b"")
+
+
+Part = Buffer | Pieces
+"""One part of a body: a buffer, or many (`Pieces`)."""
+
+
 def byte_view(buf: Buffer | Any) -> memoryview:
     """A flat byte view (format "B", one dimension) of any buffer, without a copy where the
     buffer is C-contiguous.
@@ -122,6 +159,8 @@ def byte_view(buf: Buffer | Any) -> memoryview:
     array) and one that is not C-contiguous; every place that sends, writes or slices a part's
     bytes goes through here instead, so an empty field never leaves a fast path.
     """
+    if isinstance(buf, Pieces):
+        return buf.join()
     view = memoryview(buf)
     if view.ndim == 1 and view.format == "B" and view.c_contiguous:
         return view
@@ -132,12 +171,12 @@ def byte_view(buf: Buffer | Any) -> memoryview:
     return view.cast("B")
 
 
-def parts_size(parts: Sequence[Buffer]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
+def parts_size(parts: Sequence[Part]) -> int:
+    return sum(p.nbytes if isinstance(p, Pieces) else memoryview(p).nbytes for p in parts)
 
 
-def join_parts(parts: Sequence[Buffer]) -> bytes:
-    return b"".join(parts)
+def join_parts(parts: Sequence[Part]) -> bytes:
+    return b"".join(byte_view(p) if isinstance(p, Pieces) else p for p in parts)
 
 
 def unique_keys(pairs: list[tuple[str, Any]], where: str = "container header") -> dict[str, Any]:

@@ -20,6 +20,8 @@ from distbatch.ids import ShardKey, validate_key
 from distbatch.wire.container import (
     ITEMSIZE,
     Buffer,
+    Part,
+    Pieces,
     RawTensor,
     join_parts,
 )
@@ -187,6 +189,9 @@ def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
     return RawColumn(None, values=values, text=text)
 
 _DTYPE_OF = operator.attrgetter("dtype")
+# A ragged column of at least this many separate tensors is put as `Pieces` (when asked to):
+# below it, one `cat` costs less than describing the pieces.
+SCATTER_MIN_TENSORS = 64
 
 
 def tensor_column(tensor: torch.Tensor, shapes: RowShapes | None = None) -> RawColumn:
@@ -206,14 +211,18 @@ def tensor_column(tensor: torch.Tensor, shapes: RowShapes | None = None) -> RawC
     return RawColumn(raw.dtype, shapes, [raw.data] if raw.nbytes else [], raw.nbytes)
 
 
-def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str], copy: bool = False) -> RawColumn:
+def list_column(
+    name: str, values: Sequence[Any], task_ids: Sequence[str], copy: bool = False, scatter: bool = False
+) -> RawColumn:
     """A column from one value per task: tensors (any shapes, one dtype) or JSON values.
 
     Tensors are joined with one `cat` (one copy; on their device, then one copy to the
     host). The per-task work is attribute reads in comprehensions; a field whose tasks
     share rank and trailing dims is joined as it is, others are flattened first. 1-D views
     laid end to end in one storage are taken as one view (no copy) unless `copy` (for a
-    store that keeps the column while its owner may write to the tensors).
+    store that keeps the column while its owner may write to the tensors). `scatter`: many
+    separate 1-D CPU tensors are not joined at all but kept where they lie (`Pieces`), for a
+    put that writes them out with gathering writes.
     """
     import torch
 
@@ -221,7 +230,7 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str], copy:
     kinds = set(map(type, values))
     if not any(issubclass(k, torch.Tensor) for k in kinds):
         if any(k.__module__ == "numpy" and k.__name__ == "ndarray" for k in kinds):
-            return list_column(name, [_from_numpy(v) for v in values], task_ids, copy)
+            return list_column(name, [_from_numpy(v) for v in values], task_ids, copy, scatter)
         return json_column(name, values, task_ids)
     if not all(issubclass(k, torch.Tensor) for k in kinds):
         values = [_from_numpy(v) for v in values]
@@ -230,9 +239,12 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str], copy:
             f"field {name!r} mixes tensors and other values (task {task_ids[bad]!r} holds a "
             f"{type(values[bad]).__name__}): a field holds tensors or JSON values, not both"
         )
-    fast = _pack_fast(values, copy)
+    fast = _pack_fast(values, copy, scatter)
     if fast is not None:
-        return tensor_column(*fast)
+        packed, shapes = fast
+        if isinstance(packed, Pieces):
+            return RawColumn(dtype_name(values[0].dtype), shapes, [packed], packed.nbytes)
+        return tensor_column(packed, shapes)
     traits = {(v.dtype, v.layout, v.device, v.is_nested, v.is_quantized) for v in values}
     for trait in traits:
         dtype, layout, device, nested, quantized = trait
@@ -256,11 +268,14 @@ def list_column(name: str, values: Sequence[Any], task_ids: Sequence[str], copy:
     return tensor_column(packed, shapes)
 
 
-def _pack_fast(values: list[torch.Tensor], copy: bool = False) -> tuple[torch.Tensor, RowShapes] | None:
+def _pack_fast(
+    values: list[torch.Tensor], copy: bool = False, scatter: bool = False
+) -> tuple[torch.Tensor | Pieces, RowShapes] | None:
     """The common case, without reading each tensor's shape (torch's slowest attribute): 1-D
     CPU tensors of one storable dtype. Views laid end to end in one storage (what `split`
-    makes, and what a gather hands out) are taken as one view, no copy; others are joined
-    with one `cat`. None: use the careful path (it names any task whose value is wrong)."""
+    makes, and what a gather hands out) are taken as one view, no copy; with `scatter`, many
+    others stay where they lie (`Pieces`); else they are joined with one `cat`. None: use the
+    careful path (it names any task whose value is wrong)."""
     import torch
 
     if set(map(torch.Tensor.dim, values)) != {1}:
@@ -287,6 +302,10 @@ def _pack_fast(values: list[torch.Tensor], copy: bool = False) -> tuple[torch.Te
         and all(v._base is base or v is base for v in values)
         and base.layout == torch.strided
     )
+    if not end_to_end and scatter and not copy and n >= SCATTER_MIN_TENSORS:
+        pieces = _pieces(values, pointers, lengths * itemsize)
+        if pieces is not None:
+            return pieces, shapes
     with torch.no_grad():
         if end_to_end and base.is_contiguous():
             start = (int(pointers[0]) - base.data_ptr()) // itemsize
@@ -305,6 +324,34 @@ def _pack_fast(values: list[torch.Tensor], copy: bool = False) -> tuple[torch.Te
         if packed.layout != torch.strided or packed.device.type != "cpu" or packed.is_quantized:
             return None
         return packed, shapes
+
+
+def _pieces(values: list[torch.Tensor], pointers: np.ndarray, nbytes: np.ndarray) -> Pieces | None:
+    """1-D tensors as `Pieces` (their addresses and byte lengths), if every one is a plain
+    contiguous CPU tensor whose memory holds its values as they read; else None."""
+    import torch
+
+    if (  # 1-D already: no nested tensor; only a complex one can hold a conjugate bit
+        not all(map(operator.attrgetter("is_cpu"), values))
+        or set(map(operator.attrgetter("layout"), values)) != {torch.strided}
+        or not all(map(torch.Tensor.is_contiguous, values))
+        or (values[0].dtype.is_complex and any(map(torch.Tensor.is_conj, values)))
+        or any(map(torch.Tensor.is_neg, values))
+    ):
+        return None
+    iov = np.empty((len(values), 2), dtype=np.uint64)
+    iov[:, 0] = pointers
+    iov[:, 1] = nbytes
+    return Pieces(values, iov, _joined_bytes)
+
+
+def _joined_bytes(values: Sequence[torch.Tensor]) -> memoryview:
+    """The tensors' bytes one after another (one `cat`)."""
+    import torch
+
+    with torch.no_grad():
+        joined = torch.cat([v.detach() for v in values]) if len(values) > 1 else values[0].detach().clone()
+    return joined.view(torch.uint8).numpy().data
 
 
 def _from_numpy(value: Any) -> Any:
@@ -426,7 +473,7 @@ def bundle_to_shards(bundle: Bundle) -> dict[ShardKey, Any]:
     return out
 
 
-def encode_bundle(shards: Mapping[Any, Any]) -> list[Buffer]:
+def encode_bundle(shards: Mapping[Any, Any]) -> list[Part]:
     """Encode `{(task_id, field): value}` as container parts (join them to get the bytes)."""
     with paused_gc():
         return build_bundle(bundle_from_shards(shards))

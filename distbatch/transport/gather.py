@@ -1,0 +1,92 @@
+"""Gathering writes: a body's parts handed to the kernel as one array of (address, length) rows.
+
+A ragged column's per-task tensors (`wire.Pieces`) go straight from where they lie into a socket
+or a memfd: no `cat` into fresh memory first, and no Python object per task (the rows are a numpy
+array of `struct iovec`; one `writev` takes up to `IOV_MAX` of them, through ctypes, which
+releases the GIL). Plain buffers in the same body become one row each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from distbatch.wire.container import Part, Pieces, byte_view
+
+IOV_MAX = 1024
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_writev = _libc.writev
+_writev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+_writev.restype = ctypes.c_ssize_t
+
+
+def iovecs(parts: Sequence[Part]) -> tuple[np.ndarray, list[Any]]:
+    """The rows of `parts` in order, empty ones left out, and the objects that own their memory."""
+    rows: list[np.ndarray] = []
+    keep: list[Any] = []
+    for part in parts:
+        if isinstance(part, Pieces):
+            rows.append(part.iov)
+        else:
+            view = byte_view(part)
+            if not view.nbytes:
+                continue
+            array = np.frombuffer(view, dtype=np.uint8)  # read-only buffers too: only read here
+            rows.append(np.array([[array.ctypes.data, array.nbytes]], dtype=np.uint64))
+        keep.append(part)
+    iov = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.uint64)
+    return np.ascontiguousarray(iov[iov[:, 1] > 0]), keep
+
+
+class GatherWrite:
+    """A body's parts written with `writev`, resuming where a short or refused write stopped.
+
+    `write(fd)` makes one call; on a non-blocking socket it raises `BlockingIOError` when the
+    socket is full (wait until it is writable, then call again). `sent` counts the bytes out.
+    """
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.iov, self._keep = iovecs(parts)
+        self._ends = np.cumsum(self.iov[:, 1], dtype=np.uint64)
+        self.size = int(self._ends[-1]) if len(self._ends) else 0
+        self.sent = 0
+        self._row = 0  # the first row not yet written whole
+
+    @property
+    def done(self) -> bool:
+        return self.sent >= self.size
+
+    def write(self, fd: int) -> int:
+        """One `writev` of the next rows (at most `IOV_MAX`); the bytes it wrote."""
+        if self.done:
+            return 0
+        batch = self.iov[self._row : self._row + IOV_MAX]
+        start = int(self._ends[self._row] - self.iov[self._row, 1])  # where the row begins
+        if self.sent > start:  # a short write stopped inside this row: a copy of the batch, moved on
+            batch = batch.copy()
+            skip = self.sent - start
+            batch[0, 0] += np.uint64(skip)
+            batch[0, 1] -= np.uint64(skip)
+        written = _writev(fd, batch.ctypes.data, len(batch))
+        if written < 0:
+            code = ctypes.get_errno()
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise BlockingIOError(code, os.strerror(code))
+            if code == errno.EINTR:
+                return 0
+            raise OSError(code, os.strerror(code))
+        self.sent += written
+        self._row = int(np.searchsorted(self._ends, self.sent, side="right"))
+        return written
+
+    def write_all(self, fd: int) -> int:
+        """Write everything to a blocking descriptor (a memfd, a file); the bytes written."""
+        while not self.done:
+            self.write(fd)
+        return self.sent

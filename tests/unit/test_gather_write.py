@@ -1,0 +1,93 @@
+"""Gathering writes (`distbatch.transport.gather`): every byte once, in order, however the kernel
+cuts the writes."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from distbatch import wire
+from distbatch.transport.gather import IOV_MAX, GatherWrite
+from distbatch.wire.tensors import list_column
+
+
+def _pieces(n: int, seed: int) -> wire.Pieces:
+    gen = torch.Generator().manual_seed(seed)
+    values = [
+        torch.randint(0, 255, (int(k),), generator=gen, dtype=torch.int16)
+        for k in torch.randint(0, 40, (n,), generator=gen)
+    ]
+    (part,) = list_column("x", values, [f"t{i}" for i in range(n)], scatter=True).parts
+    assert isinstance(part, wire.Pieces)
+    return part
+
+
+def _receive_all(sock: socket.socket, size: int, out: bytearray) -> None:
+    while len(out) < size:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return
+        out += chunk
+
+
+@pytest.mark.parametrize("rows", [3 * IOV_MAX + 7, 70])
+def test_a_non_blocking_socket_gets_every_byte_in_order_through_short_writes(rows: int) -> None:
+    pieces = _pieces(rows, seed=rows)
+    parts: list[wire.Part] = [b"head", b"", pieces, memoryview(b"tail" * 1000), pieces.rows(5, 60)]
+    want = b"".join(bytes(wire.byte_view(p)) for p in parts)
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # many short writes
+    sender.setblocking(False)
+    got = bytearray()
+    reader = threading.Thread(target=_receive_all, args=(receiver, len(want), got))
+    reader.start()
+    body, calls = GatherWrite(parts), 0
+    try:
+        while not body.done:
+            try:
+                body.write(sender.fileno())
+                calls += 1
+            except BlockingIOError:
+                select.select([], [sender], [], 5.0)
+    finally:
+        reader.join(10)
+        sender.close()
+        receiver.close()
+    assert body.sent == body.size == len(want)
+    assert bytes(got) == want
+    assert calls > 1
+
+
+def test_a_blocking_descriptor_is_written_whole_and_empty_rows_cost_nothing() -> None:
+    pieces = _pieces(IOV_MAX + 1, seed=1)
+    empty = pieces.rows(0, 0)
+    assert empty.nbytes == 0 and len(empty.iov) == 0
+    read_end, write_end = os.pipe()
+    try:
+        body = GatherWrite([empty, b"x", pieces])
+        assert len(body.iov) == 1 + int(np.count_nonzero(pieces.iov[:, 1]))
+        got = bytearray()
+        reader = threading.Thread(target=lambda: got.extend(_read_all(read_end, body.size)))
+        reader.start()
+        assert body.write_all(write_end) == 1 + pieces.nbytes
+        reader.join(10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert bytes(got) == b"x" + bytes(wire.byte_view(pieces))
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    out = bytearray()
+    while len(out) < size:
+        chunk = os.read(fd, size - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
