@@ -4,6 +4,7 @@ is loaded (repeated keys refused). Needs neither numpy nor torch."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -101,13 +102,32 @@ def dump_if_exact(values: list[Any]) -> str | None:
     deep; None when any value needs the careful walk (which says what is wrong)."""
     try:
         text = json.dumps(values, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
-        if json.loads(text) != values:
+        flat = _surely_exact(values)
+        if not flat and json.loads(text) != values:
             return None
     except (TypeError, ValueError, RecursionError):
         return None
-    if _depth(text) > MAX_JSON_DEPTH + 1:  # +1: the array
+    if not flat and _depth(text) > MAX_JSON_DEPTH + 1:  # +1: the array
         return None
     return text
+
+
+# Values of these exact types encode to JSON that decodes back equal (a float may not: NaN).
+_EXACT_SCALARS = frozenset({str, int, bool, type(None)})
+
+
+def _surely_exact(values: list[Any]) -> bool:
+    """Whether the values need no decode to know they come back equal and shallow: each a
+    scalar of an exact type above, or each a dict of them under string keys (C-level passes,
+    no step per value in Python)."""
+    kinds = set(map(type, values))
+    if kinds <= _EXACT_SCALARS:
+        return True
+    if kinds != {dict}:
+        return False
+    keys = set(map(type, itertools.chain.from_iterable(values)))
+    items = set(map(type, itertools.chain.from_iterable(map(dict.values, values))))
+    return keys <= {str} and items <= _EXACT_SCALARS
 
 
 def _depth(text: str) -> int:

@@ -189,6 +189,7 @@ def json_column(name: str, values: Sequence[Any], task_ids: Sequence[str]) -> Ra
     return RawColumn(None, values=values, text=text)
 
 _DTYPE_OF = operator.attrgetter("dtype")
+_BASE_OF = operator.attrgetter("_base")
 # A ragged column of at least this many separate tensors is put as `Pieces` (when asked to):
 # below it, one `cat` costs less than describing the pieces.
 SCATTER_MIN_TENSORS = 64
@@ -292,14 +293,16 @@ def _pack_fast(
     itemsize = first.element_size()
     pointers = np.fromiter(map(torch.Tensor.data_ptr, values), dtype=np.int64, count=n)
     base = first._base if first._base is not None else first
+    views = values if first._base is not None else values[1:]  # each a view of `base`
+    complex_ = first.dtype.is_complex  # only a complex tensor can hold a conjugate bit
     end_to_end = (
         bool(np.array_equal(pointers[1:], pointers[:-1] + lengths[:-1] * itemsize))
         and all(map(torch.Tensor.is_contiguous, values))
-        and not any(map(torch.Tensor.is_conj, values))
+        and not (complex_ and any(map(torch.Tensor.is_conj, values)))
         and not any(map(torch.Tensor.is_neg, values))
         and not base.is_conj()
         and not base.is_neg()
-        and all(v._base is base or v is base for v in values)
+        and set(map(id, map(_BASE_OF, views))) <= {id(base)}
         and base.layout == torch.strided
     )
     if not end_to_end and scatter and not copy and n >= SCATTER_MIN_TENSORS:

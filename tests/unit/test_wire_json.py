@@ -258,3 +258,23 @@ def test_invalid_task_id_or_field_raises_at_encode(bad: Any) -> None:
 def test_keys_that_are_not_pairs_raise_at_encode(key: Any) -> None:
     assert_wire_error(lambda: wire.encode_bundle_bytes({key: 1}))
     assert_wire_error(lambda: wire.encode_bundle_bytes({("ok", "ok"): 1, key: torch.ones(1)}))
+
+
+def test_shallow_columns_skip_the_decode_and_every_other_column_still_gets_it() -> None:
+    """A column of exact scalars, or of dicts of them under string keys, is known to decode back
+    equal without decoding it; anything else is still decoded and compared (or walked)."""
+    from distbatch.wire.json_values import MAX_JSON_DEPTH, dump_if_exact
+
+    class Tag(str):
+        pass
+
+    shallow = [{"uid": f"p{i}", "turn": i, "ok": i % 2 == 0, "none": None} for i in range(100)]
+    assert dump_if_exact(shallow) == json.dumps(shallow, separators=(",", ":"), ensure_ascii=False)
+    assert dump_if_exact(["a", 1, True, None, 2**70]) == '["a",1,true,null,1180591620717411303424]'
+    assert dump_if_exact([{"a": 1}, {2: 1}]) is None  # an int key would come back a string
+    assert dump_if_exact([1.0, math.nan]) is None  # NaN never equals itself
+    assert dump_if_exact([Tag("b"), "c"]) == '["b","c"]'  # equal once decoded, as before
+    deep: Any = 1
+    for _ in range(MAX_JSON_DEPTH + 1):
+        deep = {"k": deep}
+    assert dump_if_exact([{"a": 1}, deep]) is None  # nested too deep: walked, refused
