@@ -4,7 +4,8 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
 (`scripts/bench` does). Modules:
 
 - `__main__` (the CLI), `workloads` (the batches), `measure` (shared timing and checks), `rss`
-  (whether a worker gives memory back over put + clear cycles);
+  (whether a worker gives memory back over put + clear cycles; the peak RSS of a producer, a
+  consumer and the controller against what each must hold);
 - `baselines` (raw TCP, pickle/HTTP, base64 JSON, Ray), `transferqueue` (TransferQueue's
   SimpleStorage and our backend), `areal` (AReaL's RTensor: its HTTP backend and ours),
   `servers` (the worker app on other WSGI servers), `same_host` (shared memory next to Ray's

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import areal, baselines, control_plane, same_host, scaling, shared_fields, transferqueue
+from bench import areal, baselines, control_plane, rss, same_host, scaling, shared_fields, transferqueue
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
@@ -337,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-tq", action="store_true", help="skip TransferQueue even if installed")
     parser.add_argument("--no-areal", action="store_true", help="skip AReaL's RTensor rows even if installed")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the traffic job's step times")
+    parser.add_argument(
+        "--no-rss", action="store_true", help="skip the peak-RSS row of producer, consumer and controller"
+    )
     parser.add_argument("--pipeline-steps", type=int, default=3)
     parser.add_argument(
         "--peers",
@@ -510,6 +513,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if peer:
                 bar.set_postfix_str(f"{name} same host")
                 result["same_host"] = same_host.run(name, args.seed, args.workers, args.repeats, use_ray, bar)
+                if not args.no_rss:
+                    bar.set_postfix_str(f"{name} peak RSS")
+                    result["rss"] = {
+                        "http": rss.roles(name, args.workers),
+                        "same_host": rss.roles(name, args.workers, shm=True),
+                    }
                 if not args.no_areal:
                     bar.set_postfix_str(f"{name} AReaL RTensor")
                     result["areal"] = areal.run(name, args.seed, args.repeats, args.peer_timeout, args.out)
@@ -586,6 +595,8 @@ def summary(results: dict[str, Any]) -> str:
             lines.append(backend_summary(name, r))
         if r.get("same_host"):
             lines.append(same_host.table(name, r["same_host"]))
+        if r.get("rss"):
+            lines.append(rss.table(name, r["rss"]))
         if r.get("areal"):
             lines.append(areal.table(name, r["areal"]))
     if SCALING in results:

@@ -10,13 +10,17 @@ a few percent of the start once the recycled put bodies expire (a couple of seco
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from distbatch import DistributedBatchMemory, ShardClient
 from distbatch.launch import spawn_worker
+from distbatch.transport.shm import ENV_SWITCH
 from rpc_server.context import BODY_POOL_IDLE_SECONDS
 
 
@@ -66,11 +70,168 @@ def run(cycles: int = 10, mib: int = 1024, tasks: int = 16) -> dict[str, Any]:
         worker.stop()
 
 
+# ----------------------------------------------------------------------------- the roles
+
+ROLES = ("producer", "consumer", "controller")
+
+
+def peak_since_reset() -> tuple[float, float]:
+    """(RSS now, MiB) after resetting this process's peak RSS (Linux: /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return rss_mib(os.getpid()), 0.0
+
+
+def peak_mib() -> float:
+    """This process's peak RSS since the last reset, MiB (VmHWM)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def role_main(role: str, workload: str, nodes: list[str], meta_path: Path, shm: bool) -> dict[str, Any]:
+    """One role of an RL step in this process, its peak RSS over what it started with, and the
+    bytes it must hold: a producer its batch (built, then put on `nodes`), a consumer the batch
+    it gathers, the controller the metadata of every task (registered, then handed out)."""
+    if not shm:
+        os.environ[ENV_SWITCH] = "0"
+    from bench.workloads import WORKLOADS, make_columns, payload_bytes
+    from distbatch import Controller, DistributedBatchMemory, ShardClient
+
+    start, _ = peak_since_reset()
+    if role == "producer":
+        columns = make_columns(WORKLOADS[workload], 0)
+        must_hold = payload_bytes(columns)
+        built = peak_mib() - start  # the batch as the producer made it: its tensors, one object each
+        with ShardClient() as client:
+            shares = DistributedBatchMemory.from_dict(columns).chunk(len(nodes))
+            parts = [share.to_remote(node, client) for share, node in zip(shares, nodes)]
+        meta_path.write_text(DistributedBatchMemory.concat(parts).to_json())
+    elif role == "consumer":
+        with ShardClient() as client:
+            got = DistributedBatchMemory.from_json(meta_path.read_text(), client).get_data()
+        must_hold = sum(
+            sum(v.nbytes for v in col)
+            if isinstance(col, list) and col and isinstance(col[0], torch.Tensor)
+            else col.nbytes
+            if isinstance(col, torch.Tensor)
+            else 0
+            for col in got.values()
+        )
+    else:
+        batch = DistributedBatchMemory.from_json(meta_path.read_text())
+        controller = Controller()
+        controller.put("rss", batch)
+        handed = controller.get_meta("rss", "train", list(batch.fields), len(batch))
+        if len(handed) != len(batch):
+            raise RuntimeError(f"the controller handed out {len(handed)} of {len(batch)} tasks")
+        must_hold = len(pickle.dumps(controller.state_dict(), protocol=pickle.HIGHEST_PROTOCOL))
+    grown = max(peak_mib() - start, 0.0) * (1 << 20)
+    if role != "producer":
+        built = 0.0
+    return {
+        "role": role,
+        "start_mib": start,
+        "grown_bytes": grown,
+        "must_hold_bytes": must_hold,
+        "built_bytes": built * (1 << 20),
+        "ratio": grown / must_hold if must_hold else float("nan"),
+    }
+
+
+def roles(workload: str = "grpo", workers: int = 2, shm: bool = False) -> dict[str, Any]:
+    """Each role in a process of its own, one after the other, against `workers` local workers."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from distbatch.launch import spawn_workers
+
+    out: dict[str, Any] = {}
+    procs = spawn_workers(workers)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = Path(tmp) / "meta.json"
+            for role in ROLES:
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "bench.rss",
+                    "--role",
+                    role,
+                    "--workload",
+                    workload,
+                    "--nodes",
+                    ",".join(p.node for p in procs),
+                    "--meta",
+                    str(meta),
+                ]
+                done = subprocess.run(
+                    [*argv, *(["--shm"] if shm else [])],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    check=False,
+                )
+                if done.returncode:
+                    raise RuntimeError(f"bench.rss {role} failed: {done.stderr[-2000:]}")
+                out[role] = json.loads(done.stdout.strip().splitlines()[-1])
+            with ShardClient() as client:
+                DistributedBatchMemory.from_json(meta.read_text(), client).clear()
+    finally:
+        for p in procs:
+            p.stop()
+    return out
+
+
+def table(name: str, result: dict[str, Any]) -> str:
+    """The peak-RSS rows of the summary: per path and role, growth over what it must hold."""
+    lines = [
+        f"peak RSS, {name} (each role its own process; growth of its peak RSS over the bytes it must hold):",
+        f"  {'path':<10} {'role':<11} {'grew MiB':>9} {'holds MiB':>10} {'ratio':>7}   note",
+    ]
+    for path, entries in result.items():
+        for role, e in entries.items():
+            note = ""
+            if role == "producer":
+                note = f"the batch as built took {e['built_bytes'] / 2**20:.1f} MiB; the put added the rest"
+            elif role == "controller":
+                note = "holds: its pickled state (metadata only)"
+            lines.append(
+                f"  {path:<10} {role:<11} {e['grown_bytes'] / 2**20:>9.1f}"
+                f" {e['must_hold_bytes'] / 2**20:>10.1f} {e['ratio']:>6.2f}x   {note}"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.rss", description=__doc__)
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--mib", type=int, default=1024, help="MiB per put")
+    parser.add_argument("--role", choices=ROLES, help="run one role of the roles row (see `roles`)")
+    parser.add_argument("--roles", action="store_true", help="the roles row: producer, consumer, controller")
+    parser.add_argument("--workload", default="grpo")
+    parser.add_argument("--nodes", default="")
+    parser.add_argument("--meta", type=Path)
+    parser.add_argument("--shm", action="store_true", help="roles: the same-host path on")
     args = parser.parse_args(argv)
+    if args.role:
+        import json
+
+        result = role_main(args.role, args.workload, args.nodes.split(","), args.meta, args.shm)
+        print(json.dumps(result))
+        return result
+    if args.roles:
+        result = roles(args.workload, shm=args.shm)
+        for role, entry in result.items():
+            print(
+                f"{role}: peak RSS grew {entry['grown_bytes'] / 2**20:.1f} MiB for "
+                f"{entry['must_hold_bytes'] / 2**20:.1f} MiB it must hold ({entry['ratio']:.2f}x)"
+            )
+        return result
     result = run(args.cycles, args.mib)
     for i, (up, down) in enumerate(zip(result["after_put_mib"], result["after_clear_mib"])):
         print(f"cycle {i}: after put {up:.0f} MiB, after clear {down:.0f} MiB")

@@ -9,7 +9,10 @@ For one workload's ragged batch and its dense variant, in one run on one machine
 - `gather`: a fresh REMOTE batch's `get_data()` (every field, from every worker), and Ray's
   `ray.get` of the same batch put by an actor on this node;
 - `gather+read`: the same, then one pass over every byte (a sum per tensor), since a mapped
-  region's pages are faulted in on first touch: what a trainer pays before it has used the data.
+  region's pages are faulted in on first touch: what a trainer pays before it has used the data;
+- `region`: writing the batch's bytes into fresh sealed memfds, one share per worker at once,
+  from one contiguous buffer: what the kernel charges any put through a new region for its
+  pages (allocated and zeroed; a sealed region can never be reused). The put's limit.
 
 Run alone: `python -m bench.same_host [--workload grpo] [--repeats 5]`; `python -m bench`
 runs it for its `--peers` workloads.
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,7 +34,7 @@ from tqdm import tqdm
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
-from distbatch.transport.shm import disabled_reason
+from distbatch.transport.shm import disabled_reason, sealed_memfd
 
 KINDS = ("ragged", "dense")
 
@@ -50,6 +55,18 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     dst.copy_(src)
     return [timed(lambda: dst.copy_(src))[0] for _ in range(repeats)]
+
+
+def fresh_region_seconds(nbytes: int, workers: int, repeats: int) -> list[float]:
+    """Writing `nbytes` into fresh sealed memfds, one share per worker, all at once (threads)."""
+    share = torch.ones(nbytes // workers, dtype=torch.uint8).numpy().data
+
+    def write_one(_: int) -> None:
+        fd, _size = sealed_memfd([share])
+        os.close(fd)
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [timed(lambda: list(pool.map(write_one, range(workers))))[0] for _ in range(repeats)]
 
 
 def bench_ours(columns: dict[str, Any], workers: int, repeats: int, bar: tqdm) -> dict[str, Any]:
@@ -148,6 +165,7 @@ def run(
             bar.set_postfix_str(f"same-host {kind}")
             entry: dict[str, Any] = {"payload_bytes": nbytes}
             entry["memcpy"] = stats(memcpy_seconds(nbytes, repeats), nbytes)
+            entry["region"] = stats(fresh_region_seconds(nbytes, workers, repeats), nbytes)
             entry["distbatch"] = bench_ours(columns, workers, repeats, bar)
             del columns
             if use_ray:
@@ -167,6 +185,8 @@ def same_host_ratios(entry: dict[str, Any]) -> dict[str, float]:
         "gather_vs_memcpy": ours["gather"]["gbps"] / copy,
         "gather_read_vs_memcpy": ours["gather_read"]["gbps"] / copy,
         "put_vs_memcpy": ours["put"]["gbps"] / copy,
+        "put_vs_region": ours["put"]["gbps"] / entry["region"]["gbps"],
+        "region_vs_memcpy": entry["region"]["gbps"] / copy,
     }
     ray = entry.get("ray")
     if ray:
@@ -182,9 +202,10 @@ def table(name: str, result: dict[str, Any]) -> str:
         return f"same host, {name}: skipped ({result['skipped']})"
     gib = 1e9 / (1 << 30)
     lines = [
-        f"same host, {name} (GiB/s, medians; ours over Ray / memcpy in the same run):",
-        f"  {'batch':<8} {'memcpy':>7} {'put':>7} {'Ray put':>8} {'gather':>8} {'Ray get':>8}"
-        f" {'+read':>7} {'Ray+read':>9}   {'put/Ray':>8} {'get/Ray':>8} {'get/memcpy':>10}",
+        f"same host, {name} (GiB/s, medians; ours over Ray / memcpy / a fresh region in the same run):",
+        f"  {'batch':<8} {'memcpy':>7} {'region':>7} {'put':>7} {'Ray put':>8} {'gather':>8}"
+        f" {'Ray get':>8} {'+read':>7} {'Ray+read':>9}   {'put/Ray':>8} {'get/Ray':>8} {'get/memcpy':>10}"
+        f" {'put/memcpy':>10} {'put/region':>10}",
     ]
     nan = float("nan")
     for kind, entry in result.items():
@@ -194,10 +215,13 @@ def table(name: str, result: dict[str, Any]) -> str:
             return stat["gbps"] * gib if stat else nan
 
         lines.append(
-            f"  {kind:<8} {g(entry['memcpy']):>7.2f} {g(ours['put']):>7.2f} {g(ray.get('put')):>8.2f}"
-            f" {g(ours['gather']):>8.2f} {g(ray.get('gather')):>8.2f} {g(ours['gather_read']):>7.2f}"
+            f"  {kind:<8} {g(entry['memcpy']):>7.2f} {g(entry.get('region')):>7.2f} {g(ours['put']):>7.2f}"
+            f" {g(ray.get('put')):>8.2f} {g(ours['gather']):>8.2f}"
+            f" {g(ray.get('gather')):>8.2f} {g(ours['gather_read']):>7.2f}"
             f" {g(ray.get('gather_read')):>9.2f}   {q.get('put_vs_ray', nan):>7.2f}x"
             f" {q.get('gather_vs_ray', nan):>7.2f}x {q['gather_vs_memcpy']:>9.2f}x"
+            f" {q['put_vs_memcpy']:>9.2f}x"
+            f" {q.get('put_vs_region', nan):>9.2f}x"
         )
     return "\n".join(lines)
 

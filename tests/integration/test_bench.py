@@ -91,7 +91,7 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
     monkeypatch.delenv("DISTBATCH_SHM")  # the suite's default; the same-host run needs the path on
     results = main(
         ["--workloads", "tiny", "--repeats", "1", "--no-ray", "--no-pipeline", "--no-tq", "--no-areal"]
-        + ["--peers", "tiny", "--out", str(tmp_path)]
+        + ["--peers", "tiny", "--no-rss", "--out", str(tmp_path)]
     )
     peers = results["workloads"]["tiny"]["peers"]
     dense = peers["distbatch_dense"]
@@ -108,11 +108,18 @@ def test_peers_run_distbatch_on_the_dense_batch_and_say_why_tq_is_missing(
             ours["put"]["bytes"]
             == ours["gather"]["bytes"]
             == entry["memcpy"]["bytes"]
+            == entry["region"]["bytes"]
             == entry["payload_bytes"]
         )
         assert ours["same_host_requests"] >= 1 and ours["shared_regions"] >= 1
         assert ours["http_bytes"] < entry["payload_bytes"]  # only metadata went over HTTP
-        assert set(entry["ratios"]) == {"gather_vs_memcpy", "gather_read_vs_memcpy", "put_vs_memcpy"}
+        assert set(entry["ratios"]) == {
+            "gather_vs_memcpy",
+            "gather_read_vs_memcpy",
+            "put_vs_memcpy",
+            "put_vs_region",
+            "region_vs_memcpy",
+        }
     assert "same host, tiny" in summary(results)
 
 
@@ -291,3 +298,19 @@ def test_server_comparison_runs_each_server_on_the_real_app() -> None:
     for result in results.values():
         assert result["small_per_s"] > 0 and result["put_gbps"] > 0 and result["fetch_gbps"] > 0
     assert all(kind in servers.table(results) for kind in kinds)
+
+
+def test_the_peak_rss_row_measures_each_role_in_a_process_of_its_own() -> None:
+    """`bench.rss.roles`: a producer, a consumer and a controller, each its own process, each
+    reporting its peak RSS growth and what it must hold (the consumer: the batch it gathered,
+    exactly the producer's payload); the workers are left empty."""
+    from bench import rss
+
+    result = rss.roles("tiny", workers=1)
+    payload = payload_bytes(make_columns(WORKLOADS["tiny"], 0))
+    assert set(result) == set(rss.ROLES)
+    assert result["producer"]["must_hold_bytes"] == result["consumer"]["must_hold_bytes"] == payload
+    assert result["producer"]["built_bytes"] > 0 and result["controller"]["must_hold_bytes"] > 0
+    for entry in result.values():
+        assert entry["grown_bytes"] >= 0 and entry["ratio"] == entry["grown_bytes"] / entry["must_hold_bytes"]
+    assert "producer" in rss.table("tiny", {"http": result})
