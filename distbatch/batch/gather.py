@@ -9,6 +9,7 @@ this module turns the workers' responses into columns.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -112,15 +113,32 @@ class Gathered:
         piece_shapes = [column.tensor_shapes for _, column in pieces]
         if in_order:
             return Gathered(flats, piece_shapes, allocate=allocate)
+        # Rows interleaved across responses: each row is copied once, from its response straight
+        # to its place (not joined first and reordered after: two copies of every byte).
         shapes = RowShapes.concat(piece_shapes)
-        flat = join(flats, allocate)
         back = np.argsort(order, kind="stable")
-        if shapes.shape is not None:  # equal rows: one C-level take
-            width = max(1, int(np.prod(shapes.shape)))
-            taken = flat.view(-1, width)[torch.from_numpy(back)].reshape(-1) if flat.numel() else flat
-            return Gathered([taken], [shapes.take(back)])
-        rows = list(torch.split(flat, shapes.counts().tolist()))
-        return Gathered([join(reorder(rows, order), allocate) if rows else flat], [shapes.take(back)])
+        if shapes.shape is not None:  # equal rows: one index_copy_ per response
+            width = int(np.prod(shapes.shape))
+            if not width:  # rows of no elements
+                return Gathered([flats[0].new_empty(0)], [shapes.take(back)])
+            total = n * width
+            nbytes = total * flats[0].element_size()
+            out = (
+                torch.frombuffer(allocate(nbytes), dtype=flats[0].dtype, count=total)
+                if allocate is not None and nbytes
+                else torch.empty(total, dtype=flats[0].dtype)
+            ).view(-1, width)
+            for (rows, _), piece in zip(pieces, flats):
+                if len(rows):
+                    out.index_copy_(0, torch.from_numpy(rows), piece.view(-1, width))
+            return Gathered([out.reshape(-1)], [shapes.take(back)])
+        views = list(
+            itertools.chain.from_iterable(
+                torch.split(piece, ps.counts().tolist()) for piece, ps in zip(flats, piece_shapes)
+            )
+        )
+        flat = join(reorder(views, order), allocate) if views else join(flats, allocate)
+        return Gathered([flat], [shapes.take(back)])
 
     def flat(self) -> torch.Tensor:
         """Every task's elements in one tensor (joins several responses: one copy)."""
