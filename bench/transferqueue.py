@@ -215,9 +215,9 @@ def child_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--same-host", action="store_true", help="Distbatch: the same-host path on")
     parser.add_argument("--prompts", type=int, default=None, help=f"{MULTIMODAL}: prompts in the batch")
     parser.add_argument(
-        "--gc-freeze",
+        "--no-freeze-gc",
         action="store_true",
-        help="gc.freeze() after tq.init: full collections then skip the start-up heap (see the guide)",
+        help="Distbatch: backend option freeze_gc false (the collector keeps walking the start-up heap)",
     )
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -239,17 +239,13 @@ def child_main(argv: list[str] | None = None) -> None:
         if args.backend == "Distbatch":
             import distbatch.transferqueue  # noqa: F401  (registers the backend)
 
-            options = {"workers": args.units, "same_host": args.same_host}
+            options = {"workers": args.units, "same_host": args.same_host, "freeze_gc": not args.no_freeze_gc}
             out["same_host"] = args.same_host
+            out["freeze_gc"] = not args.no_freeze_gc
         else:
             options = {"num_data_storage_units": args.units}
         conf = {"backend": {"storage_backend": args.backend, args.backend: options}}
         tq.init(OmegaConf.create(conf))
-        if args.gc_freeze:
-            import gc
-
-            gc.freeze()
-            out["gc_freeze"] = True
         try:
             for kind in kinds:
                 if kind == MULTIMODAL:

@@ -10,6 +10,10 @@ Trainers often manage the collector themselves (`gc.disable()` and a manual
 collection starts while the pause holds) and, when the last overlapping pause ends, puts
 the threshold back only if it still holds the pause's value. Whatever the application
 did meanwhile — disable the collector, set thresholds of its own — stays as it set it.
+
+`freeze_long_lived` is the other half, for a process whose imports dwarf its work (a
+TransferQueue client: torch, Ray and TransferQueue): once, everything alive goes where no
+collection walks it again.
 """
 
 from __future__ import annotations
@@ -71,3 +75,19 @@ _PROCESS_GC_PAUSE = GcPause()
 def paused_gc() -> contextlib.AbstractContextManager[None]:
     """Postpone automatic garbage collection for the block; see the module docstring."""
     return _PROCESS_GC_PAUSE.paused()
+
+
+def freeze_long_lived() -> bool:
+    """Collect once, then move every object alive (a process's imports and set-up: torch, Ray,
+    TransferQueue, millions of objects) into the permanent generation (`gc.freeze()`), where no
+    collection walks them again. Full collections then cost what the running job allocates, not
+    what the process imported: a ragged 5,120-sample `kv_batch_put` through TransferQueue spent
+    more than half its time in them. Nothing is done (False) where something is frozen already:
+    the application manages it. Objects frozen here are never collected, so call it once the
+    long-lived state exists, not in a loop.
+    """
+    if gc.get_freeze_count():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

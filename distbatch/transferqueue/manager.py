@@ -49,6 +49,7 @@ from distbatch.errors import (
     NotFoundError,
     WorkerUnavailableError,
 )
+from distbatch.gc_pause import freeze_long_lived
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import (
@@ -107,6 +108,8 @@ class DistbatchStorageManager(StorageManager):
         self.slot = options.endpoints.index(self.home)
         if options.fast_schema:
             fast_schema.install()
+        if options.freeze_gc:
+            freeze_long_lived()
 
     # ------------------------------------------------------------------ put
 

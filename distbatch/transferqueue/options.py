@@ -48,6 +48,11 @@ class BackendOptions:
             from offsets instead of one tensor per sample (equal result; see `fast_schema`). It
             applies to the whole process from the first manager that installs it until
             `distbatch.transferqueue.close()`.
+        freeze_gc: the first manager of a process collects once and moves every object alive
+            then (torch, Ray, TransferQueue: millions) out of the collector's sight
+            (`gc.freeze()`), so full collections, which TransferQueue's per-sample metadata sets
+            off during puts, stop walking them (`distbatch.gc_pause.freeze_long_lived`); not
+            where something is frozen already. For the rest of the process.
     """
 
     endpoints: tuple[str, ...] = ()
@@ -57,6 +62,7 @@ class BackendOptions:
     same_host: bool = True
     timeout: float = 60.0
     fast_schema: bool = True
+    freeze_gc: bool = True
 
     @staticmethod
     def from_config(section: Mapping[str, Any] | None) -> BackendOptions:
@@ -80,6 +86,7 @@ class BackendOptions:
             "same_host": self.same_host,
             "timeout": self.timeout,
             "fast_schema": self.fast_schema,
+            "freeze_gc": self.freeze_gc,
         }
 
 
@@ -134,4 +141,5 @@ _CHECKS: dict[str, Any] = {
     "same_host": lambda v: _plain(v, bool, "same_host"),
     "timeout": _timeout,
     "fast_schema": lambda v: _plain(v, bool, "fast_schema"),
+    "freeze_gc": lambda v: _plain(v, bool, "freeze_gc"),
 }

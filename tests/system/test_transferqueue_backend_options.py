@@ -35,6 +35,7 @@ BAD_OPTIONS = [
     ({"endpoints": ["not an address"]}, "node"),
     ({"timeout": 0}, "seconds > 0"),
     ({"fast_schema": 1}, "must be bool"),
+    ({"freeze_gc": "yes"}, "must be bool"),
 ]
 
 

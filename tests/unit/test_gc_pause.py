@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -102,3 +105,32 @@ def test_a_threshold_of_zero_is_left_alone():
     with paused_gc():
         assert gc.get_threshold()[0] == 0
     assert gc.get_threshold()[0] == 0
+
+
+FREEZE_SCRIPT = """
+import gc, json, sys
+from distbatch.gc_pause import freeze_long_lived
+if sys.argv[1] == "app-froze-first":
+    gc.freeze()
+before = gc.get_freeze_count()
+first = freeze_long_lived()
+after = gc.get_freeze_count()
+second = freeze_long_lived()
+print(json.dumps({"before": before, "first": first, "after": after, "second": second,
+                  "again": gc.get_freeze_count()}))
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "app-froze-first"])
+def test_freeze_long_lived_freezes_once_and_never_over_the_applications_own(case: str) -> None:
+    """In a process of its own (a freeze lasts for the process): the first call freezes what is
+    alive, a second does nothing; where the application froze first, nothing is done at all."""
+    done = subprocess.run(
+        [sys.executable, "-c", FREEZE_SCRIPT, case], capture_output=True, text=True, timeout=60, check=True
+    )
+    got = json.loads(done.stdout)
+    if case == "alone":
+        assert got["before"] == 0 and got["first"] is True and got["after"] > 1000
+    else:
+        assert got["before"] > 0 and got["first"] is False and got["after"] == got["before"]
+    assert got["second"] is False and got["again"] == got["after"]
