@@ -23,6 +23,7 @@ that could say whether they held anything.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -301,6 +302,15 @@ def _slot(entry: Any) -> int:
     return -1 if slot is None else slot
 
 
+def _slots(locations: list[dict[str, Any]], name: str) -> np.ndarray:
+    """Each sample's worker slot for field `name` (-1: none): C-level passes when every location
+    is a plain slot (the usual case), one step per sample otherwise."""
+    entries = list(map(dict.get, locations, itertools.repeat(name, len(locations))))
+    if set(map(type, entries)) <= {int}:
+        return np.fromiter(entries, dtype=np.int64, count=len(entries))
+    return np.fromiter(map(_slot, entries), dtype=np.int64, count=len(entries))
+
+
 def _locations(metadata: TQBatchMeta) -> list[dict[str, Any]]:
     return list(getattr(metadata, "_custom_backend_meta", None) or [{} for _ in metadata.global_indexes])
 
@@ -313,7 +323,7 @@ def _batch_meta(metadata: TQBatchMeta, names: list[str], endpoints: Sequence[str
     n = len(locations)
     fields: dict[str, FieldMeta] = {}
     for name in names:
-        slots = np.fromiter((_slot(where.get(name)) for where in locations), dtype=np.int64, count=n)
+        slots = _slots(locations, name)
         if (slots < 0).any():
             gi = metadata.global_indexes[int(np.flatnonzero(slots < 0)[0])]
             raise NotFoundError(f"sample {gi} has no Distbatch location for field {name!r}")
