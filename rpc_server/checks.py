@@ -89,6 +89,14 @@ def check_response_size(keys: int, size: int, limit: int) -> None:
         )
 
 
+def answer_ids_as_count(value: Any) -> bool:
+    """A fetch's `answer_ids` (default true): false asks for the number of task ids in the
+    answer instead of the ids the request just named. 400 unless a bool."""
+    if type(value) is not bool:
+        raise ApiError(400, "bad_request", f"'answer_ids' must be true or false, got {value!r}")
+    return not value
+
+
 def generation_list(value: Any, count: int) -> np.ndarray | None:
     """A request's `generations` (per task: the put its values came from, 0 for any) as an
     array, None when absent; one whole number stands for every task (the usual case: the

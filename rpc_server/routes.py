@@ -21,6 +21,7 @@ from distbatch.serving.handler import SENDS_BUFFERS
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.server import connection_gauges
 from rpc_server.checks import (
+    answer_ids_as_count,
     check_field_count,
     check_put,
     check_response_size,
@@ -254,6 +255,7 @@ def fetch_shards() -> Response:
     if has_product == has_keys:
         raise ApiError(400, "bad_request", "give either 'task_ids' and 'fields', or 'keys'")
     store = state().store
+    ids_as_count = has_product and answer_ids_as_count(body.get("answer_ids", True))
     if has_product:
         task_ids = wire.validate_id_list(_key_list(body["task_ids"], "task_ids"))
         fields = wire.validate_id_list(_key_list(body.get("fields"), "fields"), "field")
@@ -266,7 +268,7 @@ def fetch_shards() -> Response:
     stored = sum(c.nbytes for c in bundle.columns.values())
     check_response_size(shards, stored, limit)
     with paused_gc():
-        parts = wire.build_bundle(bundle)
+        parts = wire.build_bundle(bundle, ids_as_count)
     size = wire.parts_size(parts)
     check_response_size(shards, size, limit)
     response = Response(

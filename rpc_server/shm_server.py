@@ -50,6 +50,7 @@ from distbatch.transport.shm import (
 from distbatch.wire.container import Part
 from rpc_server.checks import (
     ERROR_ANSWERS,
+    answer_ids_as_count,
     check_field_count,
     check_put,
     check_response_size,
@@ -238,9 +239,10 @@ class SharedMemoryService:
         fields = wire.validate_id_list(key_list(header.get("fields"), "fields", max_keys), "field")
         check_field_count(len(fields))
         generations = generation_list(header.get("generations"), len(task_ids))
+        ids_as_count = answer_ids_as_count(header.get("answer_ids", True))
         bundle, regions = self.store.fetch_shared(task_ids, fields, INLINE_BELOW_BYTES, generations)
         with paused_gc():
-            parts = wire.build_bundle(bundle)
+            parts = wire.build_bundle(bundle, ids_as_count)
         # Only the inline part counts: the regions are handed over, not sent.
         check_response_size(bundle.shard_count(), wire.parts_size(parts), self.config.max_response_bytes)
         served = sum(c.nbytes for c in bundle.columns.values())

@@ -123,9 +123,10 @@ def plan_refs(refs: Iterable[Any]) -> tuple[list[tuple[str, ShardKey]], dict[str
 
 
 def product_body(task_ids: list[str], fields: list[str], generations: list[int] | None) -> dict[str, Any]:
-    """A fetch or delete request naming a product (and the generations it was made for, if known:
-    one number when every task's is the same, the usual product of one put)."""
-    body: dict[str, Any] = {"task_ids": task_ids, "fields": fields}
+    """A fetch request naming a product (and the generations it was made for, if known: one
+    number when every task's is the same, the usual product of one put). The answer gives the
+    number of its task ids, not the ids again (`answer_ids: false`): they are these."""
+    body: dict[str, Any] = {"task_ids": task_ids, "fields": fields, "answer_ids": False}
     if generations is not None:
         same = bool(generations) and min(generations) == max(generations)
         body["generations"] = generations[0] if same else generations

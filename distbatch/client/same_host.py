@@ -307,7 +307,7 @@ class SameHostPaths:
             ]
         finally:
             close_all(fds)
-        return wire.parse_bundle(rest, RegionResolver(regions, self._allocate))
+        return wire.parse_bundle(rest, RegionResolver(regions, self._allocate), asked=task_ids)
 
     def put(
         self, channel: SameHostChannel, parts: Sequence[Buffer], stage: str | None, part: str | None

@@ -176,7 +176,7 @@ class HttpShardPath:
         if progress is not None:
             progress(len(body))
         try:
-            return wire.parse_bundle(body)
+            return wire.parse_bundle(body, asked=task_ids)
         except WireFormatError as exc:
             raise WireFormatError(f"{node}: bad response container: {exc}") from None
 

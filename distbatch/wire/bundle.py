@@ -217,8 +217,11 @@ def _table(values: np.ndarray) -> memoryview:
     return byte_view(np.ascontiguousarray(values, dtype="<i8"))
 
 
-def build_bundle(bundle: Bundle) -> list[Part]:
-    """Lay a bundle out as container parts (header first); tensor bytes are not copied."""
+def build_bundle(bundle: Bundle, ids_as_count: bool = False) -> list[Part]:
+    """Lay a bundle out as container parts (header first); tensor bytes are not copied.
+
+    `ids_as_count`: the description gives the number of task ids, not the ids (the answer to a
+    request that named them, in this order, and asked for that: see `parse_bundle`'s `asked`)."""
     description: dict[str, Any] = {}
     metadata: dict[str, str] = {"format": "pt"}
     entries: list[Entry] = []
@@ -261,7 +264,11 @@ def build_bundle(bundle: Bundle) -> list[Part]:
             entries.append(Entry(name, column.dtype, data_shape, column.parts))
         description[name] = info
     metadata[BUNDLE_KEY] = json.dumps(
-        {"version": BUNDLE_VERSION, "task_ids": bundle.task_ids, "fields": description},
+        {
+            "version": BUNDLE_VERSION,
+            "task_ids": len(bundle.task_ids) if ids_as_count else bundle.task_ids,
+            "fields": description,
+        },
         separators=(",", ":"),
     )
     return build_container(entries, metadata)
@@ -271,18 +278,20 @@ def build_bundle(bundle: Bundle) -> list[Part]:
 Resolver = Callable[[np.ndarray, int], Sequence[Buffer]]
 
 
-def parse_bundle(buf: Buffer, resolve: Resolver | None = None) -> Bundle:
+def parse_bundle(buf: Buffer, resolve: Resolver | None = None, asked: list[str] | None = None) -> Bundle:
     """Validate a bundle and describe its columns (views into `buf`, no copies).
 
     Every malformation raises `WireFormatError`: container errors, a missing or
     unknown description, invalid or repeated ids, tables that do not match the data,
     entries no field claims. A column whose bytes travel by reference (same-host replies)
-    is accepted only with `resolve`, which turns its runs into buffers.
+    is accepted only with `resolve`, which turns its runs into buffers. `asked`: the task
+    ids a fetch named (already checked); an answer may then give their number instead of
+    them (`build_bundle(ids_as_count=True)`), and must give exactly that number.
     """
     with paused_gc():
         container = parse_container(buf)
         try:
-            return _parse_bundle(container.tensors, container.metadata, resolve)
+            return _parse_bundle(container.tensors, container.metadata, resolve, asked)
         except (InvalidIdError, ShapeError) as exc:
             raise WireFormatError(str(exc)) from None
 
@@ -302,7 +311,10 @@ def _int_table(tensors: dict[str, RawTensor], name: str, shape: tuple[int, ...] 
 
 
 def _parse_bundle(
-    tensors: dict[str, RawTensor], metadata: dict[str, str], resolve: Resolver | None = None
+    tensors: dict[str, RawTensor],
+    metadata: dict[str, str],
+    resolve: Resolver | None = None,
+    asked: list[str] | None = None,
 ) -> Bundle:
     text = metadata.get(BUNDLE_KEY)
     if text is None:
@@ -312,7 +324,14 @@ def _parse_bundle(
     description = load_json(BUNDLE_KEY, text, unique_keys=True)
     if not isinstance(description, dict) or description.get("version") != BUNDLE_VERSION:
         raise WireFormatError(f"expected a bundle description of version {BUNDLE_VERSION}")
-    task_ids = validate_id_list(description.get("task_ids"))
+    named = description.get("task_ids")
+    if isinstance(named, int) and not isinstance(named, bool):
+        if asked is None or named != len(asked):
+            expected = "no count: the request did not name its tasks" if asked is None else len(asked)
+            raise WireFormatError(f"the answer counts {named} task ids where the request expects {expected}")
+        task_ids = asked
+    else:
+        task_ids = validate_id_list(named)
     fields = description.get("fields")
     if not isinstance(fields, dict):
         raise WireFormatError("the bundle description's 'fields' must be an object")

@@ -23,6 +23,7 @@ import safetensors.torch
 import torch
 from bundle_support import GOOD_VALUES, MALFORMED_BUNDLES, describe, forge
 
+from distbatch.errors import WireFormatError
 from distbatch.launch import WorkerProcess, read_first_line
 from distbatch.wire import decode_bundle, encode_bundle_bytes
 
@@ -455,6 +456,42 @@ def test_put_accepts_safetensors_package_containers(plain: WorkerProcess) -> Non
 
 def split_header(buf: bytes) -> dict[str, Any]:
     return json.loads(buf[8 : 8 + int.from_bytes(buf[:8], "little")])
+
+
+def test_a_product_fetch_may_ask_for_the_count_of_its_task_ids_instead_of_them(plain: WorkerProcess) -> None:
+    """`answer_ids: false`: the answer's description gives the number of task ids (the request
+    named them), which only a reader that knows them accepts; by default, the ids; anything but
+    a bool is a 400 that changes nothing."""
+    from distbatch import wire
+
+    shards = {(f"ai-{i}", "x"): torch.arange(i + 1, dtype=torch.int32) for i in range(3)}
+    assert put(plain, shards).status_code == 200
+    asked = [f"ai-{i}" for i in (2, 0, 1)]
+    body = {"task_ids": asked, "fields": ["x"]}
+
+    def description(answer: requests.Response) -> dict[str, Any]:
+        assert answer.status_code == 200, answer.text
+        header = json.loads(answer.content[8 : 8 + int.from_bytes(answer.content[:8], "little")])
+        return json.loads(header["__metadata__"]["distbatch"])
+
+    counted = post_json(plain, "/v1/shards/fetch", {**body, "answer_ids": False})
+    assert description(counted)["task_ids"] == 3
+    bundle = wire.parse_bundle(counted.content, asked=asked)
+    assert bundle.task_ids == asked
+    assert [
+        t.tolist()
+        for t in wire.split_rows(wire.column_tensor(bundle.columns["x"]), bundle.columns["x"].tensor_shapes)
+    ] == [
+        [0, 1, 2],
+        [0],
+        [0, 1],
+    ]
+    for wrong in (None, asked[:2]):
+        with pytest.raises(WireFormatError, match="counts 3 task ids"):
+            wire.parse_bundle(counted.content, asked=wrong)
+    assert description(post_json(plain, "/v1/shards/fetch", body))["task_ids"] == asked
+    refused = post_json(plain, "/v1/shards/fetch", {**body, "answer_ids": "no"})
+    assert refused.status_code == 400 and "answer_ids" in refused.json()["message"]
 
 
 def test_fetch_empty_and_duplicate_keys(plain: WorkerProcess) -> None:
