@@ -41,6 +41,7 @@ from distbatch.errors import (
 )
 from distbatch.protocol import CLIENT_KEEPALIVE_SECONDS
 from distbatch.serving.open_files import raise_open_file_limit
+from distbatch.transport.gather import copy_runs
 from distbatch.transport.shm import (
     ENV_SWITCH,
     abstract_address,
@@ -356,8 +357,11 @@ class RegionResolver:
             start = int(starts[0])
             return [region[start : start + int(lengths[0])].data]
         out = np.frombuffer(self.allocate(nbytes), dtype=np.uint8, count=nbytes)
-        at = 0
-        for slot, start, length in runs.tolist():
-            out[at : at + length] = self.regions[slot][start : start + length]
-            at += length
+        bases = np.fromiter((r.ctypes.data for r in self.regions), dtype=np.uint64, count=len(self.regions))
+        sources = np.stack([bases[slots] + starts.astype(np.uint64), lengths.astype(np.uint64)], axis=1)
+        if not copy_runs(out, sources):  # the kernel would not copy them for us: one slice each
+            at = 0
+            for slot, start, length in runs.tolist():
+                out[at : at + length] = self.regions[slot][start : start + length]
+                at += length
         return [out.data]

@@ -24,6 +24,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _writev = _libc.writev
 _writev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 _writev.restype = ctypes.c_ssize_t
+_vm_readv = getattr(_libc, "process_vm_readv", None)
+if _vm_readv is not None:
+    _vm_readv.argtypes = (
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
+    _vm_readv.restype = ctypes.c_ssize_t
 
 
 def iovecs(parts: Sequence[Part]) -> tuple[np.ndarray, list[Any]]:
@@ -90,3 +101,31 @@ class GatherWrite:
         while not self.done:
             self.write(fd)
         return self.sent
+
+
+def copy_runs(out: np.ndarray, sources: np.ndarray) -> bool:
+    """Copy the byte runs `sources` ((n, 2) uint64: address and length, in this process's
+    memory) one after another into `out` (uint8, their total length), with `process_vm_readv` on
+    this very process: the kernel walks both arrays, `IOV_MAX` runs a call, no step per run here.
+    False where the kernel refuses it (no such call, or a sandbox that forbids it): copy another
+    way."""
+    if _vm_readv is None:
+        return False
+    sources = np.ascontiguousarray(sources, dtype=np.uint64)
+    lengths = sources[:, 1]
+    dest = np.empty_like(sources)
+    dest[:, 0] = np.uint64(out.ctypes.data) + np.cumsum(lengths, dtype=np.uint64) - lengths
+    dest[:, 1] = lengths
+    pid = os.getpid()
+    for at in range(0, len(sources), IOV_MAX):
+        local, remote = dest[at : at + IOV_MAX], sources[at : at + IOV_MAX]
+        want = int(remote[:, 1].sum())
+        done = _vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+        if done < 0:
+            if at == 0 and ctypes.get_errno() in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                return False
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        if done != want:  # a partial copy: a run past what is mapped (a bug upstream)
+            raise OSError(errno.EFAULT, f"copied {done} of {want} bytes")
+    return True
