@@ -78,7 +78,9 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
 def _host_engine(server_state: ServerState) -> None:
     from rpc_server.engine import host_engine  # imports torch
 
-    server_state.engine = host_engine(server_state.store, server_state.config)
+    server_state.engine = host_engine(
+        server_state.store, server_state.config, lambda: server_state.shm is not None
+    )
 
 
 def _bound(server_state: ServerState, node: str) -> None:

@@ -13,14 +13,16 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distbatch import wire
 from distbatch.batch.calls import decode_call, encode_value, loaded_batch_class
 from distbatch.errors import WireFormatError
 from distbatch.launch.flags import check_engine_kwargs, check_rank
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle
 from distbatch.wire.json_values import check_json, find_non_json
 from rpc_server.context import ServerState
@@ -29,6 +31,7 @@ from rpc_server.errors import (
     BadArgumentsError,
     EngineCallFailed,
     EngineLoadError,
+    SharedMemoryUnavailable,
     ShuttingDownError,
     StoreCapacityError,
     UnknownMethodError,
@@ -148,11 +151,15 @@ def load_engine(spec: str, context: WorkerContext, kwargs: Mapping[str, Any] | N
     return factory(**arguments)
 
 
-def host_engine(store: ShardStore, config: Any) -> EngineHost:
+def host_engine(
+    store: ShardStore, config: Any, same_host_readers: Callable[[], bool] = lambda: False
+) -> EngineHost:
     """Build the engine `config` names (`engine`, `engine_kwargs`, `rank`, `world_size`, and its
-    `node`, which must be known by now) and the host that runs its methods."""
+    `node`, which must be known by now) and the host that runs its methods. `same_host_readers`:
+    whether the worker serves shared memory yet (its results then go into shared regions)."""
     context = WorkerContext(store, config)
-    return EngineHost(load_engine(config.engine, context, config.engine_kwargs), context)
+    engine = load_engine(config.engine, context, config.engine_kwargs)
+    return EngineHost(engine, context, same_host_readers=same_host_readers)
 
 
 def start_requested_engine(current: ServerState, body: Any) -> dict[str, Any]:
@@ -193,7 +200,7 @@ def start_requested_engine(current: ServerState, body: Any) -> dict[str, Any]:
         for name, value in asked.items():
             setattr(config, name, value)
         try:
-            current.engine = host_engine(current.store, config)
+            current.engine = host_engine(current.store, config, lambda: current.shm is not None)
         except BaseException as exc:
             for name, value in hosted.items():  # as it was: no engine
                 setattr(config, name, value)
@@ -383,9 +390,16 @@ class EngineHost:
     bytes after a clear, finished calls are forgotten after `finished_ttl` seconds.
     """
 
-    def __init__(self, engine: Any, context: WorkerContext, finished_ttl: float = FINISHED_CALL_TTL) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        context: WorkerContext,
+        finished_ttl: float = FINISHED_CALL_TTL,
+        same_host_readers: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.engine = engine
         self.context = context
+        self.same_host_readers = same_host_readers  # whether the worker serves shared memory yet
         self.name = type(engine).__name__
         self.finished_ttl = finished_ttl
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -489,16 +503,17 @@ class EngineHost:
             count, freed = count + c, freed + b
         return count, freed
 
-    def _put_for_call(self, bundle: Bundle) -> int:
-        """Store a call's result, unless the call was abandoned; remember the put. Returns the
-        put's generation (0 when nothing was stored)."""
+    def _put_for_call(self, bundle: Bundle, region: SharedRegion | None = None) -> int:
+        """Store a call's result (in `region`, when it lies in one), unless the call was
+        abandoned; remember the put. Returns the put's generation (0 when nothing was stored)."""
+        size = None if region is None else region.size
         call_id = getattr(self._engine_thread, "call_id", None)
         if call_id is None:
-            return self.context.store.put(bundle).generation
+            return self.context.store.put(bundle, size, region).generation
         with self._calls_lock:
             if call_id in self._abandoned:
                 return 0  # `_run_call` reports the abandonment once the engine's code returns
-            receipt = self.context.store.put(bundle)
+            receipt = self.context.store.put(bundle, size, region)
             self._active[call_id].stored.append(receipt)
         return receipt.generation
 
@@ -580,7 +595,21 @@ class EngineHost:
 
     def store_local(self, batch: DistributedBatchMemory) -> DistributedBatchMemory:
         """Keep a LOCAL batch's columns in this worker's store (one copy per column); return the
-        REMOTE view."""
+        REMOTE view.
+
+        Once a client on this host reads through shared memory, the copy goes into a sealed
+        region (gathering writes from the engine's tensors), which same-host readers map as it
+        is; otherwise into the store's own memory, whence a same-host reader's first read would
+        copy it into a region again."""
+        if self.same_host_readers():
+            bundle, meta = batch.export_bundle(self.context.node)  # not copied: the region is the copy
+            try:
+                region = SharedRegion.from_parts(wire.build_bundle(bundle))
+                generation = self._put_for_call(wire.parse_bundle(region.array.data), region)
+            except (OSError, SharedMemoryUnavailable):
+                pass  # the kernel refused a region, or --shm-max-bytes: the store's own memory below
+            else:
+                return type(batch).from_meta(meta.stored_by(generation), self.context.client)
         bundle, meta = batch.export_bundle(self.context.node, copy=True)
         generation = self._put_for_call(bundle)
         return type(batch).from_meta(meta.stored_by(generation), self.context.client)

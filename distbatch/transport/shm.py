@@ -34,7 +34,7 @@ import numpy as np
 
 from distbatch.errors import ShmError
 from distbatch.transport.gather import GatherWrite
-from distbatch.wire.container import Buffer, Part, byte_view
+from distbatch.wire.container import Part, byte_view
 
 __all__ = [
     "ENV_HOST_ID",
@@ -174,7 +174,7 @@ class SharedRegion:
         weakref.finalize(self, os.close, fd)  # only once the mapping exists: one owner, one close
 
     @classmethod
-    def from_parts(cls, parts: Sequence[Buffer]) -> SharedRegion:
+    def from_parts(cls, parts: Sequence[Part]) -> SharedRegion:
         """A new region holding `parts` back to back."""
         fd, size = sealed_memfd(parts)
         return cls._owning(fd, size)

@@ -277,6 +277,39 @@ def test_data_put_over_http_moves_into_a_region_once(
     assert tensor_bytes <= stats["shared_bytes"] < tensor_bytes + 64 * 2  # both tensor fields, aligned
 
 
+def test_an_engines_result_goes_straight_into_a_region_once_a_reader_is_on_the_host(
+    tokenless_client: ShardClient,
+) -> None:
+    """Before any same-host client, an engine's result is kept in the store's own memory (moved
+    into a region by the first same-host read); once one has connected, the result is written
+    into a region as it is stored, and the reads that follow make no other."""
+    from engines_for_tests import ECHO, ENGINES_ENV
+
+    from distbatch import WorkerGroup
+
+    group = WorkerGroup.local(1, ECHO, env={**NO_TOKEN, **ENGINES_ENV}, client=tokenless_client)
+    n = 20_000  # 80 KB of "z": over the size answered inline
+    want = [i * 10.0 for i in range(n)]
+    try:
+        node = group.nodes[0]
+        first = group.call_on(0, "make_batch", n, prefix="before")
+        assert tokenless_client.stats(node)["shared_regions"] == 0
+        column = DistributedBatchMemory.from_meta(first.meta, tokenless_client)["z"]
+        assert column.tolist() == want
+        assert tokenless_client.stats(node)["shared_regions"] == 1  # the first read moved it
+        second = group.call_on(0, "make_batch", n, prefix="after")
+        assert tokenless_client.stats(node)["shared_regions"] == 2  # stored in a region at once
+        for _ in range(2):
+            got = DistributedBatchMemory.from_meta(second.meta, tokenless_client).get_data()
+            assert got["z"].tolist() == want and got["name"][3] == "after/3"
+        assert tokenless_client.stats(node)["shared_regions"] == 2  # reading made no copy
+        first.clear()
+        second.clear()
+        assert tokenless_client.stats(node)["shared_regions"] == 0
+    finally:
+        group.shutdown()
+
+
 # --------------------------------------------------------------------------- puts
 
 
