@@ -79,7 +79,7 @@ def _host_engine(server_state: ServerState) -> None:
     from rpc_server.engine import host_engine  # imports torch
 
     server_state.engine = host_engine(
-        server_state.store, server_state.config, lambda: server_state.shm is not None
+        server_state.store, server_state.config, server_state.serves_same_host_readers
     )
 
 

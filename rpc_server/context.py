@@ -65,6 +65,10 @@ class ServerState:
     shm_refused: str | None = None
     _shm_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def serves_same_host_readers(self) -> bool:
+        """Whether a client on this host has connected through shared memory."""
+        return self.shm is not None and self.shm.greeted
+
     def shared_memory(self) -> dict[str, Any]:
         """What `GET /v1/shm` answers: how to reach the same-host endpoint (started on first
         use), or why there is none."""

@@ -200,7 +200,7 @@ def start_requested_engine(current: ServerState, body: Any) -> dict[str, Any]:
         for name, value in asked.items():
             setattr(config, name, value)
         try:
-            current.engine = host_engine(current.store, config, lambda: current.shm is not None)
+            current.engine = host_engine(current.store, config, current.serves_same_host_readers)
         except BaseException as exc:
             for name, value in hosted.items():  # as it was: no engine
                 setattr(config, name, value)
@@ -604,6 +604,8 @@ class EngineHost:
         if self.same_host_readers():
             bundle, meta = batch.export_bundle(self.context.node)  # not copied: the region is the copy
             try:
+                if not self.context.store.shared_room(bundle.nbytes()):
+                    raise SharedMemoryUnavailable("--shm-max-bytes")
                 region = SharedRegion.from_parts(wire.build_bundle(bundle))
                 generation = self._put_for_call(wire.parse_bundle(region.array.data), region)
             except (OSError, SharedMemoryUnavailable):

@@ -95,6 +95,9 @@ class SharedMemoryService:
         self._listener.listen(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        # A client on this host has shaken hands: one that reads through shared memory exists
+        # (`GET /v1/shm` alone, which any client asks, is not enough).
+        self.greeted = False
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept, name="shm-accept", daemon=True)
         self._acceptor.start()
@@ -180,6 +183,7 @@ class SharedMemoryService:
             self._reply_error(conn, ApiError(401, "unauthorized", "missing or wrong bearer token"))
             return False
         send_message(conn, json_payload({"ok": True, "pid": os.getpid()}))
+        self.greeted = True
         return True
 
     def _answer(self, conn: socket.socket) -> bool:

@@ -237,8 +237,13 @@ def _head(method: str, path: str, host: str, port: int, headers: Mapping[str, st
         if any(c in f"{name}{value}" for c in "\r\n"):
             raise InvalidArgumentError(f"header {name!r} holds a line break")
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {length}"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
+    # The framing is ours: a Host or Content-Length among `headers` would say it twice (a
+    # server must then treat the length as ambiguous: RFC 9112).
+    lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in _FRAMING]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 def unacknowledged(transport: Any) -> int:
@@ -268,16 +273,17 @@ class GatheredUpload:
         self.body = GatherWrite(parts)
         self.delivered = False
 
-    async def send(self) -> None:
+    async def send(self, until: asyncio.Future[Any] | None = None) -> None:
+        """Write the whole request, or stop once `until` is done (the worker answered early)."""
         loop = asyncio.get_running_loop()
         sock = self.transport.get_extra_info("socket")
         fd = os.dup(sock.fileno())
         try:
-            while not self.body.done:
+            while not self.body.done and not (until is not None and until.done()):
                 try:
                     self.body.write(fd)
                 except BlockingIOError:
-                    await _writable(loop, fd)
+                    await _writable(loop, fd, until)
         finally:
             os.close(fd)
 
@@ -304,19 +310,23 @@ def reset(transport: asyncio.BaseTransport) -> None:
     transport.abort()  # type: ignore[attr-defined]
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    """Until `fd` has room to write."""
+async def _writable(loop: asyncio.AbstractEventLoop, fd: int, until: asyncio.Future[Any] | None) -> None:
+    """Until `fd` has room to write, or `until` is done."""
     ready: asyncio.Future[None] = loop.create_future()
 
-    def wake() -> None:
+    def wake(*_: Any) -> None:
         if not ready.done():
             ready.set_result(None)
 
     loop.add_writer(fd, wake)
+    if until is not None:
+        until.add_done_callback(wake)
     try:
         await ready
     finally:
         loop.remove_writer(fd)
+        if until is not None:
+            until.remove_done_callback(wake)
 
 
 async def request_with_parts(
@@ -331,34 +341,57 @@ async def request_with_parts(
     stall_timeout: float | None = None,
 ) -> tuple[int, dict[str, str], Any]:
     """Send one request whose body is `parts` (buffers and `wire.Pieces`) with gathering writes,
-    and read its response: (status, lower-case headers, body). Errors as `request_into_buffer`;
-    with `stall_timeout`, `StalledTransfer` once nothing went out (or, after all of it was
-    acknowledged, nothing came back) for that long."""
+    and read its response: (status, lower-case headers, body). Errors as `request_into_buffer`.
+
+    With `stall_timeout`, `StalledTransfer` once nothing moved for that long: neither a byte of
+    the request acknowledged by the worker nor one of its answer (a slow link that keeps moving
+    is never cut); `delivered` when the worker had acknowledged all of the request. A worker that
+    answers before it has read the body (a refusal) is heard at once, and sending stops. Any way
+    out but an answer resets the connection, so a request given up on is never completed later.
+    """
     loop = asyncio.get_running_loop()
     async with connect_timeout or asyncio.timeout(None):
         transport, protocol = await loop.create_connection(
             lambda: _BodyProtocol(max_body, bytearray), host, port
         )
+    answered = False
     try:
         length = parts_size(parts)
         upload = GatheredUpload(transport, [_head(method, path, host, port, headers, length), *parts])
-        try:
-            if stall_timeout is None:
-                await upload.send()
-            else:
+
+        async def exchange() -> None:
+            try:
+                await upload.send(until=protocol.done)
+            except OSError:
+                if not (protocol.done.done() and protocol.done.exception() is None):
+                    raise  # no answer came with the broken connection
+            await protocol.done
+
+        if stall_timeout is None:
+            await exchange()
+        else:
+            try:
                 await until_stalled(
-                    upload.send(), upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
+                    exchange(),
+                    lambda: upload.acknowledged() + protocol.head_len + protocol.received,
+                    stall_timeout,
+                    sending=True,
+                    cut=upload.cut,
                 )
-        except OSError:
-            if not (protocol.done.done() and protocol.done.exception() is None):
-                raise  # the worker answered before it read the body (a refusal): that answer counts
-        try:
-            await _done_or_stalled(protocol, stall_timeout)
-        except StalledTransfer as stalled:  # the worker has every byte: it may have stored it
-            raise StalledTransfer(stalled.seconds, upload.body.sent, sending=True, delivered=True) from None
+            except StalledTransfer as stalled:
+                if not upload.delivered:
+                    raise
+                # The worker has every byte: it may have stored it; say so rather than "nothing went out".
+                raise StalledTransfer(
+                    stalled.seconds, upload.body.sent, sending=True, delivered=True
+                ) from None
+        answered = True
         return protocol.status, protocol.headers, protocol.body
     finally:
-        transport.close()
+        if answered:
+            transport.close()
+        else:
+            reset(transport)
 
 
 async def _done_or_stalled(protocol: _BodyProtocol, stall_timeout: float | None) -> None:

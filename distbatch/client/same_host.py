@@ -350,7 +350,7 @@ class RegionResolver:
         slots, starts, lengths = runs[:, 0], runs[:, 1], runs[:, 2]
         if int(slots.max()) >= len(self.regions):
             raise WireFormatError("a run names a region the answer did not send")
-        if bool(np.any(starts + lengths > self.sizes[slots])):
+        if bool(np.any(starts > self.sizes[slots] - lengths)):  # (no sum: forged values could wrap)
             raise WireFormatError("a run lies past the end of its region")
         if len(runs) == 1:
             region = self.regions[int(slots[0])]

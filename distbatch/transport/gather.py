@@ -19,6 +19,7 @@ import numpy as np
 from distbatch.wire.container import Part, Pieces, byte_view
 
 IOV_MAX = 1024
+MAX_CALL_BYTES = 1 << 30  # process_vm_readv copies less than 2 GiB a call
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _writev = _libc.writev
@@ -50,6 +51,7 @@ def iovecs(parts: Sequence[Part]) -> tuple[np.ndarray, list[Any]]:
                 continue
             array = np.frombuffer(view, dtype=np.uint8)  # read-only buffers too: only read here
             rows.append(np.array([[array.ctypes.data, array.nbytes]], dtype=np.uint64))
+            part = view  # what the address points into: a strided buffer's flat copy, not the buffer
         keep.append(part)
     iov = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.uint64)
     return np.ascontiguousarray(iov[iov[:, 1] > 0]), keep
@@ -117,15 +119,30 @@ def copy_runs(out: np.ndarray, sources: np.ndarray) -> bool:
     dest[:, 0] = np.uint64(out.ctypes.data) + np.cumsum(lengths, dtype=np.uint64) - lengths
     dest[:, 1] = lengths
     pid = os.getpid()
-    for at in range(0, len(sources), IOV_MAX):
-        local, remote = dest[at : at + IOV_MAX], sources[at : at + IOV_MAX]
-        want = int(remote[:, 1].sum())
-        done = _vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    first = True
+    pending_src, pending_dst = sources, dest
+    while len(pending_src):
+        # At most IOV_MAX runs and about MAX_CALL_BYTES a call (the kernel copies under 2 GiB a
+        # call); a run longer than that goes alone and resumes where the kernel stopped.
+        ends = np.cumsum(pending_src[:IOV_MAX, 1], dtype=np.uint64)
+        count = max(1, int(np.searchsorted(ends, MAX_CALL_BYTES, side="right")))
+        remote, local = pending_src[:count].copy(), pending_dst[:count].copy()
+        done = _vm_readv(pid, local.ctypes.data, count, remote.ctypes.data, count, 0)
         if done < 0:
-            if at == 0 and ctypes.get_errno() in (errno.EPERM, errno.ENOSYS, errno.EACCES):
-                return False
             code = ctypes.get_errno()
+            if first and code in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                return False
             raise OSError(code, os.strerror(code))
-        if done != want:  # a partial copy: a run past what is mapped (a bug upstream)
-            raise OSError(errno.EFAULT, f"copied {done} of {want} bytes")
+        if done == 0 and int(remote[:, 1].sum()):
+            raise OSError(errno.EFAULT, "process_vm_readv copied nothing")
+        first = False
+        copied = np.cumsum(remote[:, 1], dtype=np.uint64)
+        whole = int(np.searchsorted(copied, done, side="right"))  # runs copied whole
+        pending_src, pending_dst = pending_src[whole:].copy(), pending_dst[whole:].copy()
+        partial = done - (int(copied[whole - 1]) if whole else 0)
+        if partial and len(pending_src):  # the next run was copied in part: move both ends on
+            pending_src[0, 0] += np.uint64(partial)
+            pending_src[0, 1] -= np.uint64(partial)
+            pending_dst[0, 0] += np.uint64(partial)
+            pending_dst[0, 1] -= np.uint64(partial)
     return True

@@ -121,6 +121,16 @@ class ShardStore:
     def max_shared_regions(self, value: int | None) -> None:
         self._shared.max_regions = value
 
+    def shared_room(self, nbytes: int) -> bool:
+        """Whether one more shared region of `nbytes` fits the budget now (a put may still be
+        refused if others fill it first)."""
+        with self._lock:
+            try:
+                self._shared.check(self._shards.segments, nbytes)
+            except SharedMemoryUnavailable:
+                return False
+        return True
+
     # ------------------------------------------------------------------ putting
 
     def put(

@@ -115,3 +115,50 @@ def test_copy_runs_lays_every_run_end_to_end_in_order(runs: int) -> None:
         pytest.skip("this kernel or sandbox refuses process_vm_readv")
     want = np.concatenate([buffers[w][s : s + n] for w, s, n in zip(which, starts, lengths)])
     assert np.array_equal(out, want)
+
+
+def test_a_strided_buffer_is_written_from_its_flat_copy_kept_alive_until_written() -> None:
+    """`byte_view` copies a strided buffer; the gathering write must point at (and hold) that
+    copy, not at the buffer it came from."""
+    values = np.arange(200_000, dtype=np.int64)[::2]
+    read_end, write_end = os.pipe()
+    try:
+        body = GatherWrite([memoryview(values), b"end"])
+        got = bytearray()
+        reader = threading.Thread(target=lambda: got.extend(_read_all(read_end, body.size)))
+        reader.start()
+        body.write_all(write_end)
+        reader.join(10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert bytes(got) == values.tobytes() + b"end"
+
+
+def test_copy_runs_in_calls_of_a_bounded_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls carry at most MAX_CALL_BYTES (the kernel copies under 2 GiB a call); a run longer
+    than that goes alone. Shrunk here so that a few KiB take many calls."""
+    from distbatch.transport import gather
+
+    monkeypatch.setattr(gather, "MAX_CALL_BYTES", 1000)
+    source = np.random.default_rng(7).integers(0, 256, 100_000, dtype=np.uint8)
+    lengths = np.array([10, 3000, 0, 999, 1, 2500, 400], dtype=np.uint64)
+    starts = np.array([0, 50, 70_000, 9_000, 5, 20_000, 99_000], dtype=np.uint64)
+    sources = np.stack([np.uint64(source.ctypes.data) + starts, lengths], axis=1)
+    out = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    if not gather.copy_runs(out, sources):
+        pytest.skip("this kernel or sandbox refuses process_vm_readv")
+    want = np.concatenate([source[int(s) : int(s) + int(n)] for s, n in zip(starts, lengths)])
+    assert np.array_equal(out, want)
+
+
+def test_the_request_head_frames_the_body_once() -> None:
+    """Host and Content-Length come from the request itself: ones among the caller's headers
+    (the transport's own carry a Content-Length) are not repeated (RFC 9112: a repeated length
+    makes the framing ambiguous)."""
+    from distbatch.client.http_recv import _head
+
+    head = _head("PUT", "/v1/shards", "127.0.0.1", 9, {"Content-Length": "5", "host": "x", "X-A": "1"}, 5)
+    lines = head.decode("latin-1").split("\r\n")
+    assert [line.split(":")[0].lower() for line in lines[1:] if line].count("content-length") == 1
+    assert sum(line.lower().startswith("host:") for line in lines) == 1 and "X-A: 1" in lines
