@@ -75,11 +75,11 @@ def run(cycles: int = 10, mib: int = 1024, tasks: int = 16) -> dict[str, Any]:
 ROLES = ("producer", "consumer", "controller")
 
 
-def peak_since_reset() -> tuple[float, float]:
-    """(RSS now, MiB) after resetting this process's peak RSS (Linux: /proc/self/clear_refs)."""
+def peak_since_reset() -> float:
+    """This process's RSS now (MiB), after resetting its peak RSS (Linux: /proc/self/clear_refs)."""
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    return rss_mib(os.getpid()), 0.0
+    return rss_mib(os.getpid())
 
 
 def peak_mib() -> float:
@@ -100,7 +100,7 @@ def role_main(role: str, workload: str, nodes: list[str], meta_path: Path, shm: 
     from bench.workloads import WORKLOADS, make_columns, payload_bytes
     from distbatch import Controller, DistributedBatchMemory, ShardClient
 
-    start, _ = peak_since_reset()
+    start = peak_since_reset()
     if role == "producer":
         columns = make_columns(WORKLOADS[workload], 0)
         must_hold = payload_bytes(columns)
@@ -112,14 +112,7 @@ def role_main(role: str, workload: str, nodes: list[str], meta_path: Path, shm: 
     elif role == "consumer":
         with ShardClient() as client:
             got = DistributedBatchMemory.from_json(meta_path.read_text(), client).get_data()
-        must_hold = sum(
-            sum(v.nbytes for v in col)
-            if isinstance(col, list) and col and isinstance(col[0], torch.Tensor)
-            else col.nbytes
-            if isinstance(col, torch.Tensor)
-            else 0
-            for col in got.values()
-        )
+        must_hold = payload_bytes(got)
     else:
         batch = DistributedBatchMemory.from_json(meta_path.read_text())
         controller = Controller()

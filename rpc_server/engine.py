@@ -603,15 +603,14 @@ class EngineHost:
         copy it into a region again."""
         if self.same_host_readers():
             bundle, meta = batch.export_bundle(self.context.node)  # not copied: the region is the copy
-            try:
-                if not self.context.store.shared_room(bundle.nbytes()):
-                    raise SharedMemoryUnavailable("--shm-max-bytes")
-                region = SharedRegion.from_parts(wire.build_bundle(bundle))
-                generation = self._put_for_call(wire.parse_bundle(region.array.data), region)
-            except (OSError, SharedMemoryUnavailable):
-                pass  # the kernel refused a region, or --shm-max-bytes: the store's own memory below
-            else:
-                return type(batch).from_meta(meta.stored_by(generation), self.context.client)
+            if self.context.store.shared_room(bundle.nbytes()):
+                try:
+                    region = SharedRegion.from_parts(wire.build_bundle(bundle))
+                    generation = self._put_for_call(wire.parse_bundle(region.array.data), region)
+                except (OSError, SharedMemoryUnavailable):
+                    pass  # the kernel refused a region, or others filled the budget: below
+                else:
+                    return type(batch).from_meta(meta.stored_by(generation), self.context.client)
         bundle, meta = batch.export_bundle(self.context.node, copy=True)
         generation = self._put_for_call(bundle)
         return type(batch).from_meta(meta.stored_by(generation), self.context.client)

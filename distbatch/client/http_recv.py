@@ -22,7 +22,7 @@ import socket
 import struct
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from distbatch.errors import InvalidArgumentError, ResponseError
 from distbatch.transport.gather import GatherWrite
@@ -261,6 +261,32 @@ def unacknowledged(transport: Any) -> int:
         return 0
 
 
+class Upload(Protocol):
+    """A request body going out, as the stall watchdog follows it."""
+
+    delivered: bool  # every byte written and acknowledged by the peer
+
+    def acknowledged(self) -> int | None:
+        """Bytes that moved so far (None: not started)."""
+        ...
+
+    def cut(self) -> None:
+        """Close the connection at once, with a reset."""
+        ...
+
+
+async def until_upload_stalled(work: Awaitable[T], upload: Upload, stall_timeout: float) -> T:
+    """`until_stalled` for a request with a body: progress is `upload.acknowledged()`, a stall
+    cuts the connection (`upload.cut`), and one after the worker had every byte is said so
+    (`delivered`: it may have stored it), not "nothing went out"."""
+    try:
+        return await until_stalled(work, upload.acknowledged, stall_timeout, sending=True, cut=upload.cut)
+    except StalledTransfer as stalled:
+        if not upload.delivered:
+            raise
+        raise StalledTransfer(stalled.seconds, stalled.moved, sending=True, delivered=True) from None
+
+
 class GatheredUpload:
     """A request (head and body parts) written straight to a connection's socket with gathering
     writes (`distbatch.transport.gather`): a ragged column's per-task tensors leave from where
@@ -268,9 +294,10 @@ class GatheredUpload:
     transport owns, and may close, the one it has), so the event loop's transport is never
     written behind its back while it holds bytes: it holds none, this writes everything."""
 
-    def __init__(self, transport: asyncio.Transport, parts: Sequence[Any]) -> None:
+    def __init__(self, transport: asyncio.Transport, parts: Sequence[Any], answer: _BodyProtocol) -> None:
         self.transport = transport
         self.body = GatherWrite(parts)
+        self.answer = answer  # the response: its bytes count as progress too
         self.delivered = False
 
     async def send(self, until: asyncio.Future[Any] | None = None) -> None:
@@ -288,12 +315,14 @@ class GatheredUpload:
             os.close(fd)
 
     def acknowledged(self) -> int:
-        """Bytes of the request the peer has acknowledged: for the stall watchdog."""
+        """Bytes of the request the peer has acknowledged plus those of its answer received: for
+        the stall watchdog."""
+        answered = self.answer.head_len + self.answer.received
         if self.transport.is_closing():
-            return self.body.sent
+            return self.body.sent + answered
         unacked = unacknowledged(self.transport)
         self.delivered = self.body.done and unacked == 0
-        return self.body.sent - unacked
+        return self.body.sent - unacked + answered
 
     def cut(self) -> None:
         reset(self.transport)
@@ -357,7 +386,9 @@ async def request_with_parts(
     answered = False
     try:
         length = parts_size(parts)
-        upload = GatheredUpload(transport, [_head(method, path, host, port, headers, length), *parts])
+        upload = GatheredUpload(
+            transport, [_head(method, path, host, port, headers, length), *parts], protocol
+        )
 
         async def exchange() -> None:
             try:
@@ -370,21 +401,7 @@ async def request_with_parts(
         if stall_timeout is None:
             await exchange()
         else:
-            try:
-                await until_stalled(
-                    exchange(),
-                    lambda: upload.acknowledged() + protocol.head_len + protocol.received,
-                    stall_timeout,
-                    sending=True,
-                    cut=upload.cut,
-                )
-            except StalledTransfer as stalled:
-                if not upload.delivered:
-                    raise
-                # The worker has every byte: it may have stored it; say so rather than "nothing went out".
-                raise StalledTransfer(
-                    stalled.seconds, upload.body.sent, sending=True, delivered=True
-                ) from None
+            await until_upload_stalled(exchange(), upload, stall_timeout)
         answered = True
         return protocol.status, protocol.headers, protocol.body
     finally:

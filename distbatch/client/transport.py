@@ -360,16 +360,9 @@ class HttpTransport:
         if stall_timeout is None:
             return await self._exchange(session, request, remaining, _send_slices(body))
         upload = _WatchedUpload(body)
-        exchange = self._exchange(session, request, remaining, upload)
-        try:
-            return await http_recv.until_stalled(
-                exchange, upload.acknowledged, stall_timeout, sending=True, cut=upload.cut
-            )
-        except StalledTransfer as stalled:
-            if not upload.delivered:
-                raise
-            # The worker had all of it: it may have stored it; say so rather than "nothing went out".
-            raise StalledTransfer(stalled.seconds, stalled.moved, sending=True, delivered=True) from None
+        return await http_recv.until_upload_stalled(
+            self._exchange(session, request, remaining, upload), upload, stall_timeout
+        )
 
     async def _exchange(
         self, session: aiohttp.ClientSession, request: _Outgoing, remaining: float | None, data: Any

@@ -57,6 +57,19 @@ def iovecs(parts: Sequence[Part]) -> tuple[np.ndarray, list[Any]]:
     return np.ascontiguousarray(iov[iov[:, 1] > 0]), keep
 
 
+def past(iov: np.ndarray, nbytes: int) -> np.ndarray:
+    """The rows of `iov` after its first `nbytes` bytes: rows covered whole dropped, the row a
+    short transfer stopped inside moved on (a copy: `iov` is left as it is)."""
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    whole = int(np.searchsorted(ends, nbytes, side="right"))
+    rest = iov[whole:].copy()
+    into = nbytes - (int(ends[whole - 1]) if whole else 0)
+    if into and len(rest):
+        rest[0, 0] += np.uint64(into)
+        rest[0, 1] -= np.uint64(into)
+    return rest
+
+
 class GatherWrite:
     """A body's parts written with `writev`, resuming where a short or refused write stopped.
 
@@ -66,10 +79,9 @@ class GatherWrite:
 
     def __init__(self, parts: Sequence[Part]) -> None:
         self.iov, self._keep = iovecs(parts)
-        self._ends = np.cumsum(self.iov[:, 1], dtype=np.uint64)
-        self.size = int(self._ends[-1]) if len(self._ends) else 0
+        self.size = int(self.iov[:, 1].sum())
         self.sent = 0
-        self._row = 0  # the first row not yet written whole
+        self._pending = self.iov  # the rows not yet written, the first one perhaps in part
 
     @property
     def done(self) -> bool:
@@ -79,13 +91,7 @@ class GatherWrite:
         """One `writev` of the next rows (at most `IOV_MAX`); the bytes it wrote."""
         if self.done:
             return 0
-        batch = self.iov[self._row : self._row + IOV_MAX]
-        start = int(self._ends[self._row] - self.iov[self._row, 1])  # where the row begins
-        if self.sent > start:  # a short write stopped inside this row: a copy of the batch, moved on
-            batch = batch.copy()
-            skip = self.sent - start
-            batch[0, 0] += np.uint64(skip)
-            batch[0, 1] -= np.uint64(skip)
+        batch = self._pending[:IOV_MAX]
         written = _writev(fd, batch.ctypes.data, len(batch))
         if written < 0:
             code = ctypes.get_errno()
@@ -95,7 +101,7 @@ class GatherWrite:
                 return 0
             raise OSError(code, os.strerror(code))
         self.sent += written
-        self._row = int(np.searchsorted(self._ends, self.sent, side="right"))
+        self._pending = past(self._pending, written)
         return written
 
     def write_all(self, fd: int) -> int:
@@ -126,7 +132,7 @@ def copy_runs(out: np.ndarray, sources: np.ndarray) -> bool:
         # call); a run longer than that goes alone and resumes where the kernel stopped.
         ends = np.cumsum(pending_src[:IOV_MAX, 1], dtype=np.uint64)
         count = max(1, int(np.searchsorted(ends, MAX_CALL_BYTES, side="right")))
-        remote, local = pending_src[:count].copy(), pending_dst[:count].copy()
+        remote, local = pending_src[:count], pending_dst[:count]
         done = _vm_readv(pid, local.ctypes.data, count, remote.ctypes.data, count, 0)
         if done < 0:
             code = ctypes.get_errno()
@@ -136,13 +142,5 @@ def copy_runs(out: np.ndarray, sources: np.ndarray) -> bool:
         if done == 0 and int(remote[:, 1].sum()):
             raise OSError(errno.EFAULT, "process_vm_readv copied nothing")
         first = False
-        copied = np.cumsum(remote[:, 1], dtype=np.uint64)
-        whole = int(np.searchsorted(copied, done, side="right"))  # runs copied whole
-        pending_src, pending_dst = pending_src[whole:].copy(), pending_dst[whole:].copy()
-        partial = done - (int(copied[whole - 1]) if whole else 0)
-        if partial and len(pending_src):  # the next run was copied in part: move both ends on
-            pending_src[0, 0] += np.uint64(partial)
-            pending_src[0, 1] -= np.uint64(partial)
-            pending_dst[0, 0] += np.uint64(partial)
-            pending_dst[0, 1] -= np.uint64(partial)
+        pending_src, pending_dst = past(pending_src, done), past(pending_dst, done)
     return True
