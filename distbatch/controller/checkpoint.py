@@ -10,14 +10,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from distbatch.checks import check_int
 from distbatch.controller.arguments import custom_meta_object
-from distbatch.controller.partitions import Column, Partition
+from distbatch.controller.partitions import NO_VERSION, Column, Partition
 from distbatch.errors import InvalidArgumentError
 from distbatch.ids import validate_id, validate_node
 from distbatch.wire.container import ITEMSIZE
+from distbatch.wire.shapes import RowShapes
 
 CHECKPOINT_VERSION = 1
+# The most task indexes a checkpoint's partition may claim (slots are arrays: a forged next_index
+# must not make the next put allocate them).
+MAX_SLOTS = 1 << 31
 
 
 def partitions_to_state(partitions: Mapping[str, Partition]) -> dict[str, Any]:
@@ -26,30 +32,40 @@ def partitions_to_state(partitions: Mapping[str, Partition]) -> dict[str, Any]:
 
 
 def _partition_to_state(p: Partition) -> dict[str, Any]:
+    tasks = np.flatnonzero(p.task_of != None)  # noqa: E711 (elementwise, on an object array)
     return {
-        "tasks": [[i, t] for i, t in sorted(p.task_of.items())],
+        "tasks": [list(row) for row in zip(tasks.tolist(), p.task_of[tasks].tolist())],
         "next_index": p.next_index,
         "nodes": list(p.nodes),
         "columns": {
             name: {
                 "dtype": c.dtype,
                 "ragged": c.ragged,
-                "rows": [_row(c, i) for i in sorted(c.node)],
-                "partial": sorted(c.partial),
+                "rows": _rows(c),
+                "partial": np.flatnonzero(c.partial).tolist(),
             }
             for name, c in p.columns.items()
         },
-        "consumed": {name: sorted(s) for name, s in p.consumed.items()},
+        "consumed": {name: np.flatnonzero(mask).tolist() for name, mask in p.consumed.items()},
         "expected_fields": sorted(p.expected),
         "custom_meta": [[i, meta] for i, meta in sorted(p.custom_meta.items())],
-        "versions": [[i, v] for i, v in sorted(p.versions.items())],
+        "versions": _versions(p),
     }
 
 
-def _row(c: Column, i: int) -> list[Any]:
-    """Task `i`'s value of a column: [index, node, shape, generation(, share key)]."""
-    row = [i, c.node[i], list(c.shape[i]), c.generation.get(i, 0)]
-    return row + [c.shared[i]] if i in c.shared else row
+def _rows(c: Column) -> list[list[Any]]:
+    """Each value of a column: [index, node, shape, generation(, share key)]."""
+    rows = np.flatnonzero(c.node >= 0)
+    shared = [0] * len(rows) if c.shared is None else c.shared[rows].tolist()
+    columns = zip(
+        rows.tolist(), c.node[rows].tolist(), c.shapes_at(rows).tolist(), c.generation[rows].tolist(), shared
+    )
+    return [[i, n, list(shape), g, k] if k else [i, n, list(shape), g] for i, n, shape, g, k in columns]
+
+
+def _versions(p: Partition) -> list[list[int]]:
+    rows = np.flatnonzero(p.versions != NO_VERSION)
+    return [list(row) for row in zip(rows.tolist(), p.versions[rows].tolist())]
 
 
 def partitions_from_state(state: Mapping[str, Any]) -> dict[str, Partition]:
@@ -71,51 +87,66 @@ def _count(value: Any) -> int:
 
 def _partition_from_state(pid: str, raw: Mapping[str, Any]) -> Partition:
     p = Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
+    if p.next_index > MAX_SLOTS:
+        raise InvalidArgumentError(f"next_index {p.next_index} is past {MAX_SLOTS} task indexes")
     _load_tasks(p, raw["tasks"])
     for node in raw["nodes"]:
         p.intern_node(validate_node(node))
     for name, col in raw["columns"].items():
         _load_column(p, name, col)
     for name, indexes in raw["consumed"].items():
-        consumed = {_count(i) for i in indexes}
-        if not consumed <= p.task_of.keys():
-            raise InvalidArgumentError(f"consumer {name!r} consumed unknown task indexes")
-        p.consumed[validate_id(name, "task_name")] = consumed
+        consumed = _task_rows(p, indexes, f"consumer {name!r} consumed")
+        p.consume(validate_id(name, "task_name"), consumed)
     expected = raw.get("expected_fields", [])
     if not isinstance(expected, list):
         raise InvalidArgumentError("'expected_fields' must be a list")
     p.expected = {validate_id(f, "field") for f in expected}
     for i, meta in raw.get("custom_meta", []):
-        if _count(i) not in p.task_of:
+        if not p.has_task(_count(i)):
             raise InvalidArgumentError(f"custom_meta names unknown task index {i}")
         p.custom_meta[i] = custom_meta_object(meta, p.task_of[i])
     for i, version in raw.get("versions", []):
-        if _count(i) not in p.task_of:
+        if not p.has_task(_count(i)):
             raise InvalidArgumentError(f"versions names unknown task index {i}")
         p.versions[i] = check_int(version, "a task's policy version", 0)
+        p.versioned = True
     return p
 
 
+def _task_rows(p: Partition, indexes: Any, what: str) -> np.ndarray:
+    """Checked indexes of tasks of `p` (a list of a checkpoint), as an array."""
+    if not isinstance(indexes, list):
+        raise InvalidArgumentError(f"{what}: expected a list of task indexes")
+    rows = np.asarray([_count(i) for i in indexes], dtype=np.int64)
+    if len(p.live(rows)) != len(rows):
+        raise InvalidArgumentError(f"{what} unknown task indexes")
+    return rows
+
+
 def _load_tasks(p: Partition, tasks: Any) -> None:
+    rows, ids = [], []
     for i, t in tasks:
-        i = _count(i)
-        if i in p.task_of or validate_id(t, "task_id") in p.index_of:
-            raise InvalidArgumentError(f"task index {i} or task id {t!r} is listed twice")
-        p.task_of[i] = t
-        p.index_of[t] = i
-    if p.task_of and p.next_index <= max(p.task_of):
+        rows.append(_count(i))
+        ids.append(validate_id(t, "task_id"))
+    if len(set(rows)) != len(rows) or len(set(ids)) != len(ids):
+        raise InvalidArgumentError("a task index or task id is listed twice")
+    if rows and p.next_index <= max(rows):
         raise InvalidArgumentError(f"next_index {p.next_index} is not past every task index")
+    p.reserve(p.next_index)
+    p.task_of[rows] = ids
+    p.index_of.update(zip(ids, rows))
 
 
 def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
     dtype = col["dtype"]
     if dtype is not None and dtype not in ITEMSIZE:
         raise InvalidArgumentError(f"field {name!r} has unknown dtype {dtype!r}")
-    column = p.columns.setdefault(validate_id(name, "field"), Column(dtype))
+    column = p.column(validate_id(name, "field"), dtype)
     ragged = col.get("ragged", False)  # absent in checkpoints from before kinds were kept
     if not isinstance(ragged, bool):
         raise InvalidArgumentError(f"field {name!r}: 'ragged' must be true or false")
     column.ragged = ragged
+    rows, nodes, shapes, generations, shared = [], [], [], [], []
     for row in col["rows"]:
         # [index, node, shape], since generations are kept [index, node, shape, generation], and
         # for a shared value [index, node, shape, generation, share key]
@@ -124,21 +155,28 @@ def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:
                 f"field {name!r}: a row must be [index, node, shape(, generation(, share key))]"
             )
         i, n, shape = row[:3]
-        if _count(i) not in p.task_of or not _count(n) < len(p.nodes):
+        if not p.has_task(_count(i)) or not _count(n) < len(p.nodes):
             raise InvalidArgumentError(f"field {name!r} names unknown task index {i} or node {n}")
-        column.node[i] = n
-        column.shape[i] = tuple(_count(d) for d in shape)
-        if len(row) >= 4 and _count(row[3]):
-            column.generation[i] = row[3]
-        if len(row) == 5 and _count(row[4]):
-            column.shared[i] = row[4]
+        rows.append(i)
+        nodes.append(n)
+        shapes.append(tuple(_count(d) for d in shape))
+        generations.append(_count(row[3]) if len(row) >= 4 else 0)
+        shared.append(_count(row[4]) if len(row) == 5 else 0)
+    if len(set(rows)) != len(rows):
+        raise InvalidArgumentError(f"field {name!r} names a task index twice")
+    index = np.asarray(rows, dtype=np.int64)
+    column.node[index] = nodes
+    column.set_shapes(index, RowShapes.from_list(shapes))
+    column.generation[index] = generations
+    column.set_shared(index, np.asarray(shared, dtype=np.int64))
     partial = col.get("partial", [])  # absent in checkpoints from before partial values
     if not isinstance(partial, list):
         raise InvalidArgumentError(f"field {name!r}: 'partial' must be a list of task indexes")
-    column.partial = {_count(i) for i in partial}
-    if not column.partial <= column.node.keys():
+    partial_rows = _task_rows(p, partial, f"field {name!r}: 'partial' names")
+    if (column.node[partial_rows] < 0).any():
         raise InvalidArgumentError(f"field {name!r}: 'partial' names tasks without a value of it")
-    shapes = set(column.shape.values())
-    if dtype is not None and not ragged and shapes:  # a fixed field's shape, for later puts to match
-        column.ragged = len(shapes) > 1
-        column.fixed_shape = None if column.ragged else shapes.pop()
+    column.partial[partial_rows] = True
+    if dtype is not None and not ragged and rows:  # a fixed field's shape, for later puts to match
+        fixed = RowShapes.from_list(shapes).shape
+        column.ragged = fixed is None
+        column.fixed_shape = fixed

@@ -38,6 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from distbatch.atomic import write_json_atomically
 from distbatch.batch.memory import BatchStatus, DistributedBatchMemory
 from distbatch.checks import check_int
@@ -57,7 +59,7 @@ from distbatch.controller.arguments import (
     refuse_local_batch,
 )
 from distbatch.controller.checkpoint import CHECKPOINT_VERSION, partitions_from_state, partitions_to_state
-from distbatch.controller.partitions import Partition
+from distbatch.controller.partitions import NO_VERSION, Partition, as_rows, at
 from distbatch.controller.results import ForgottenNode
 from distbatch.errors import (
     ClearError,
@@ -372,14 +374,15 @@ class Controller:
             return None
         if not sampled:
             return None
-        missing = [i for i in sampled if i not in partition.task_of]
+        missing = partition.unknown(sampled)
         if missing:
             raise DistBatchError(f"sampler returned unknown task indexes {missing[:5]}")
         meta = partition.meta_for(sampled, fields)
         partition.consume(task_name, consumed)
-        if partition.versions:  # what this consumer took (a rank served from the cache counts once)
-            now, versions = self._policy_version, partition.versions
-            self._served_staleness.update(max(now - versions[i], 0) for i in consumed if i in versions)
+        if partition.has_versions():  # what this consumer took (a rank served from the cache counts once)
+            versions = at(partition.versions, as_rows(consumed))
+            ages = np.maximum(self._policy_version - versions[versions != NO_VERSION], 0)
+            self._served_staleness.update(ages.tolist())
         if request_id is not None:
             self._answers.remember(request_id, request, partition_id, meta.task_ids)
         return DistributedBatchMemory.from_meta(meta, self._client)
@@ -496,7 +499,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return {"tasks": 0, "consumed": 0}
-            return {"tasks": len(partition.task_of), "consumed": len(partition.consumed.get(task_name, ()))}
+            return {"tasks": partition.task_count, "consumed": partition.consumed_count(task_name)}
 
     def all_consumed(self, partition_id: str, task_name: str) -> bool:
         status = self.consumption_status(partition_id, task_name)
@@ -577,9 +580,7 @@ class Controller:
         with self._changed:
             if self._partitions.get(partition_id) is partition:
                 forgotten = partition.settle_clear(indexes, plan, failed)
-                self._answers.forget(
-                    partition_id, [partition.task_of[i] for i in forgotten if i in partition.task_of]
-                )
+                self._answers.forget(partition_id, partition.task_ids_at(forgotten))
                 partition.forget(forgotten)
                 _forget_in_sampler(self.sampler, partition_id, forgotten)
                 self._changed.notify_all()
@@ -621,7 +622,7 @@ class Controller:
         deleted = self.clear_tasks(partition_id, task_ids)
         with self._changed:
             partition = self._partitions.get(partition_id)
-            if partition is not None and not partition.task_of:
+            if partition is not None and not partition.task_count:
                 del self._partitions[partition_id]
                 self.sampler.clear_cache(partition_id)
                 self._answers.forget(partition_id)
@@ -688,7 +689,7 @@ class Controller:
                 if self._partitions.get(partition_id) is not partition:  # replaced by a load meanwhile
                     continue
                 partition.mark_clearing(indexes, -1)
-                task_ids = tuple(partition.task_of[i] for i in indexes if i in partition.task_of)
+                task_ids = tuple(partition.task_ids_at(indexes))
                 self._answers.forget(partition_id, task_ids)
                 partition.forget(indexes)
                 _forget_in_sampler(self.sampler, partition_id, indexes)
@@ -757,13 +758,10 @@ def _forget_in_sampler(sampler: BaseSampler, partition_id: str, indexes: list[in
 
 def _rows_with(partition: Partition, task_ids: Sequence[str], fields: Sequence[str]) -> list[int] | None:
     """The indexes of `task_ids` if every one is still there with every field, else None."""
-    rows = []
-    for task_id in task_ids:
-        i = partition.index_of.get(task_id)
-        if i is None or any(i not in partition.columns[f].node for f in fields):
-            return None
-        rows.append(i)
-    return rows
+    rows = partition.rows_of(task_ids)
+    if (rows < 0).any() or any((partition.columns[f].node[rows] < 0).any() for f in fields):
+        return None
+    return rows.tolist()
 
 
 def _has_cached_result(

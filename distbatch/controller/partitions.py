@@ -4,15 +4,33 @@ each task's shard and its shape, who consumed what, what is being cleared, custo
 Plain data plus the queries the controller and samplers make of it (ready tasks, lengths, the
 metadata of a batch); the `Controller` holds the lock around every use.
 
+**Columns, not objects per task.** Everything kept per task is a numpy array indexed by the
+task's index (a slot of the partition): its id (an object array), per field the node holding
+its shard (-1: none), its shape (a rank and its dims), the generation of the put that
+stored it, its share key and whether it is partial; per consumer a consumed mask; per task a
+policy version (-1: none) and how many clears hold it. A task costs its id's string, one entry
+in `index_of` (id -> index) and some 30 bytes a field, instead of a dict entry, an int and a
+tuple per field; a put, a `get_meta` and a clear each run as a few array operations over the
+batch's rows, and `ready` is a handful of boolean ANDs over the partition's slots (tens of
+microseconds for 100k tasks).
+
+**Under the lock, no numpy call that lets the GIL go.** A served controller answers
+`get_meta` under its lock while hundreds of request threads want the interpreter. numpy
+releases the GIL in fancy indexing, sorts and loops over large arrays; a thread that does so
+under the lock waits for the interpreter again (up to a switch interval, 5 ms) while every other
+`get_meta` waits for the lock: measured, a 16-task `get_meta` went from 0.06 ms to 5 ms with a
+few busy threads about. So what a `get_meta` does per call reads a few rows item by item
+(`at`), and what it does over every task is kept instead:
+
 **Ready tasks are kept, not recomputed.** `ready(task_name, fields)` is what every `get_meta`
-asks; computing it from the columns costs time in proportion to every task the partition holds
-(tens of thousands in a streaming run, under the controller's lock). So the answer for each
-(task name, fields) asked is kept, in ascending order (`_ready`), and updated where it can
-change: a put (`register`), a consumption (`consume`), a forgotten task (`forget`), a deleted
-shard (`drop_rows`), a reset (`reset_consumption`). It is built on first use, and at most
+asks. The answer for each (task
+name, fields) asked is kept as a list in ascending order and edited where it can change, by the
+put's or the consumption's own rows: a put (`register`), a consumption (`consume`), a forgotten
+task (`forget`), a deleted shard (`drop_rows`), a reset (`reset_consumption`); tasks being
+cleared are left out when it is read. It is built from the columns on first use, and at most
 `MAX_READY_SETS` are kept per partition (least recently asked dropped, rebuilt when asked
-again). Consumption goes through `consume` / `reset_consumption`, never `consumed` directly,
-once the partition is in use (a checkpoint fills `consumed` before any `ready`).
+again). Whatever changes the arrays goes through these methods once the partition is in use (a
+checkpoint fills them before any `ready`).
 """
 
 from __future__ import annotations
@@ -22,11 +40,12 @@ from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta
+from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta, pick
 from distbatch.errors import (
     ClearInProgressError,
     InvalidArgumentError,
@@ -36,27 +55,40 @@ from distbatch.errors import (
 from distbatch.ids import ShardKey
 from distbatch.wire.shapes import RowShapes
 
+NO_VERSION = -1  # a task put without a policy version: never stale
+_UNSET = object()  # a column no value was put into yet
+# Up to this many rows, a `get_meta`'s reads go item by item (`at`), never through numpy's
+# fancy indexing, which releases the GIL.
+FEW_ROWS = 256
 # (task name, fields) pairs whose ready set a partition keeps; past that, the least recently asked
 # is dropped (and rebuilt, once, if asked again).
 MAX_READY_SETS = 64
 # Past this many indexes added or removed at once, a kept ready set is rebuilt, not edited in place.
 _BULK = 64
+_NEWEST = np.iinfo(np.int64).max
+
+
+def _grown(array: np.ndarray, capacity: int, fill: Any) -> np.ndarray:
+    """`array` with `capacity` rows, the new ones set to `fill`."""
+    out = np.full((capacity, *array.shape[1:]), fill, dtype=array.dtype)
+    out[: len(array)] = array
+    return out
 
 
 class _Ascending:
     """Distinct indexes in ascending order: a kept ready set.
 
     New tasks mostly get the highest indexes and consumers mostly take the lowest, so an
-    addition is mostly an append and a removal a bisection and a move of pointers in C; many at
-    once (a clear) rebuild the list in one pass.
+    addition is mostly an append and a removal a cut off the front or a bisection and a move of
+    pointers in C; many at once (a clear) rebuild the list in one pass.
     """
 
     __slots__ = ("items",)
 
-    def __init__(self, indexes: Iterable[int]) -> None:
-        self.items = sorted(set(indexes))
+    def __init__(self, indexes: list[int]) -> None:
+        self.items = indexes  # ascending, distinct
 
-    def add_many(self, indexes: Iterable[int]) -> None:
+    def add_many(self, indexes: list[int]) -> None:
         new = sorted(set(indexes))
         items = self.items
         if not new:
@@ -73,38 +105,90 @@ class _Ascending:
 
     def discard_many(self, indexes: Collection[int]) -> None:
         items = self.items
-        if len(indexes) > _BULK:
-            gone = set(indexes)
-            self.items = [i for i in items if i not in gone]
-            return
-        for i in indexes:
-            at = bisect_left(items, i)
-            if at < len(items) and items[at] == i:
-                del items[at]
+        gone = sorted(set(indexes))
+        if items[: len(gone)] == gone:  # the lowest: what a sampler mostly takes
+            del items[: len(gone)]
+        elif len(gone) > _BULK:
+            drop = set(gone)
+            self.items = [i for i in items if i not in drop]
+        else:
+            for i in gone:
+                at = bisect_left(items, i)
+                if at < len(items) and items[at] == i:
+                    del items[at]
 
 
-@dataclass
+def at(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`array[rows]` of a 1-D array; a few rows are read one at a time (see the module
+    docstring: numpy's fancy indexing releases the GIL, and under the controller's lock a release
+    can cost a thread switch; reading an item never releases it)."""
+    if len(rows) > FEW_ROWS:
+        return array[rows]
+    return np.array(list(map(array.item, rows.tolist())), dtype=array.dtype)
+
+
+def as_rows(indexes: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Task indexes as an int64 array (from a list, a range, a set or an array)."""
+    if isinstance(indexes, np.ndarray):
+        return indexes.astype(np.int64, copy=False).reshape(-1)
+    if not isinstance(indexes, (list, tuple, range)):
+        indexes = list(indexes)
+    return np.asarray(indexes, dtype=np.int64).reshape(-1)
+
+
 class Column:
-    """One field of a partition: dtype, kind, and per task index its node and shape.
+    """One field of a partition: its dtype and kind, and per task slot its node, shape,
+    generation, share key and whether its value is partial.
 
     `ragged` (the field's kind) sticks once set: a put of ragged values, or of fixed-shape
     values of another shape than earlier puts', makes every later `get_meta` say ragged, so a
     consumer's column type never depends on which tasks it was given.
     """
 
-    dtype: str | None
-    node: dict[int, int] = field(default_factory=dict)
-    shape: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # The generation of the put that stored each task's value (absent: not known), so batches
-    # handed out by `get_meta` refuse values a later put of the same ids replaced.
-    generation: dict[int, int] = field(default_factory=dict)
-    # Per task whose value it shares with others on its node, the key naming that value.
-    shared: dict[int, int] = field(default_factory=dict)
-    # Tasks whose value is partial (`put(..., partial=True)`: a generation still growing): held
-    # and located, never produced, so never ready, until a put without `partial` completes it.
-    partial: set[int] = field(default_factory=set)
-    ragged: bool = False
-    fixed_shape: tuple[int, ...] | None = None
+    __slots__ = (
+        "dtype",
+        "node",
+        "ranks",
+        "dims",
+        "layout",
+        "generation",
+        "shared",
+        "partial",
+        "ragged",
+        "fixed_shape",
+    )
+
+    def __init__(self, dtype: str | None, capacity: int) -> None:
+        self.dtype = dtype
+        # The node (the partition's numbering) holding each task's value; -1: no value.
+        self.node = np.full(capacity, -1, dtype=NODE_INDEX)
+        # Each task's shape: its rank, and per dimension (as many as the widest rank put so far)
+        # an array of that dimension of each task (0 past its rank). One array a dimension, not
+        # a table: numpy releases the GIL writing rows of a table (see the module docstring).
+        self.ranks = np.zeros(capacity, dtype=np.int8)
+        self.dims: list[np.ndarray] = []
+        # (rank, trailing dims) every value put so far has; None once two differ (unset: none yet).
+        self.layout: tuple[int, tuple[int, ...]] | None | object = _UNSET
+        # The generation of the put that stored each task's value (0: not known), so batches
+        # handed out by `get_meta` refuse values a later put of the same ids replaced.
+        self.generation = np.zeros(capacity, dtype=np.int64)
+        # Per task whose value it shares with others on its node, the key naming that value (0:
+        # none); None until a put shares one.
+        self.shared: np.ndarray | None = None
+        # Tasks whose value is partial (`put(..., partial=True)`: a generation still growing):
+        # held and located, never produced, so never ready, until a put without `partial`.
+        self.partial = np.zeros(capacity, dtype=bool)
+        self.ragged = False
+        self.fixed_shape: tuple[int, ...] | None = None
+
+    def grow(self, capacity: int) -> None:
+        self.node = _grown(self.node, capacity, -1)
+        self.ranks = _grown(self.ranks, capacity, 0)
+        self.dims = [_grown(d, capacity, 0) for d in self.dims]
+        self.generation = _grown(self.generation, capacity, 0)
+        if self.shared is not None:
+            self.shared = _grown(self.shared, capacity, 0)
+        self.partial = _grown(self.partial, capacity, False)
 
     def learn_kind(self, fm: FieldMeta) -> None:
         """Fold a put's kind for this field into the partition's."""
@@ -115,33 +199,168 @@ class Column:
         elif self.fixed_shape is None:
             self.fixed_shape = fm.shapes.shape
 
+    def held(self) -> np.ndarray:
+        """Mask of the slots that have a value of this field (partial or not)."""
+        return self.node >= 0
 
-@dataclass
+    def produced(self) -> np.ndarray:
+        """Mask of the slots that have a complete value of this field."""
+        return (self.node >= 0) & ~self.partial
+
+    def set_shapes(self, rows: np.ndarray, shapes: RowShapes) -> None:
+        """Record the shapes of the values at `rows`, and whether every value put so far has one
+        rank and one trailing shape (`layout`: then a batch's shapes are built without checks)."""
+        given = (len(shapes.shape), shapes.shape[1:]) if shapes.shape is not None else None
+        if shapes.lengths is not None:
+            given = (1 + len(shapes.tail or ()), tuple(shapes.tail or ()))
+        if not len(rows):
+            pass
+        elif self.layout is _UNSET:
+            self.layout = given
+        elif self.layout != given:
+            self.layout = None
+        if isinstance(given, tuple):  # one rank: first dims (or one shape), then the same tail
+            rank, tail = given
+            self.ranks[rows] = rank
+            self._widen(rank)
+            columns: list[Any] = [shapes.first_dims(), *tail] if rank else []
+        else:
+            ranks, table = shapes.general_tables()
+            self.ranks[rows] = ranks.astype(np.int8)  # one dtype: a cast in an assignment lets the GIL go
+            self._widen(table.shape[1])
+            columns = [np.ascontiguousarray(table[:, k]) for k in range(table.shape[1])]
+        for k, dim in enumerate(self.dims):
+            dim[rows] = columns[k] if k < len(columns) else 0
+
+    def _widen(self, width: int) -> None:
+        while len(self.dims) < width:
+            self.dims.append(np.zeros(len(self.node), dtype=np.int64))
+
+    def shapes_at(self, rows: np.ndarray) -> RowShapes:
+        """The shapes of the values at `rows`."""
+        layout = self.layout
+        if isinstance(layout, tuple):
+            rank, tail = layout
+            if rank == 0:
+                return RowShapes(len(rows), shape=())
+            return RowShapes(len(rows), tail=tail, lengths=self.first_dims(rows)).normalized()
+        ranks = self.ranks[rows].astype(np.int64)
+        width = int(ranks.max(initial=0))
+        table = np.stack([d[rows] for d in self.dims[:width]], axis=1) if width else np.zeros((len(rows), 0))
+        return RowShapes(len(rows), ranks=ranks, dims=table.astype(np.int64)).normalized()
+
+    def first_dims(self, rows: np.ndarray) -> np.ndarray:
+        """The first dimension of the values at `rows` (0 for a 0-d value)."""
+        return at(self.dims[0], rows) if self.dims else np.zeros(len(rows), dtype=np.int64)
+
+    def set_shared(self, rows: np.ndarray, keys: np.ndarray | None) -> None:
+        if keys is not None and keys.any():
+            if self.shared is None:
+                self.shared = np.zeros(len(self.node), dtype=np.int64)
+            self.shared[rows] = keys
+        elif self.shared is not None:
+            self.shared[rows] = 0
+
+    def clear(self, rows: np.ndarray) -> None:
+        """Forget the values at `rows`."""
+        self.node[rows] = -1
+        self.ranks[rows] = 0
+        for dim in self.dims:
+            dim[rows] = 0
+        self.generation[rows] = 0
+        if self.shared is not None:
+            self.shared[rows] = 0
+        self.partial[rows] = False
+
+
+@dataclass(eq=False)  # numpy columns have no one truth value: partitions compare by identity
 class Partition:
     """One partition: its tasks, where each field of each task lives, and who consumed what."""
 
     partition_id: str
     index_of: dict[str, int] = field(default_factory=dict)
-    task_of: dict[int, str] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     node_index: dict[str, int] = field(default_factory=dict)
     columns: dict[str, Column] = field(default_factory=dict)
-    consumed: dict[str, set[int]] = field(default_factory=dict)
     next_index: int = 0
-    # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
-    clearing: dict[int, int] = field(default_factory=dict)
     # Fields declared with create_partition: a consumer may wait for them before any put.
     expected: set[str] = field(default_factory=set)
     # Per-task JSON objects set with Controller.set_custom_meta (TransferQueue's custom_meta).
     custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
-    # The policy version each task was generated with (`put(..., version=)`); a task without one
-    # is never stale. A task is as old as its oldest part: a later put keeps the older version.
-    versions: dict[int, int] = field(default_factory=dict)
+    # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
+    clearing: dict[int, int] = field(default_factory=dict)
+    # Per slot: the task's id (None: free) and the policy version it was generated with
+    # (`put(..., version=)`; NO_VERSION: never stale; a task is as old as its oldest part: a
+    # later put keeps the older).
+    task_of: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    versioned: bool = False  # whether `versions` ever held one
+    # Per consumer (task name): a mask of the slots it consumed, and how many are set (a count
+    # kept, not counted: a status query must not loop over every slot under the lock).
+    consumed: dict[str, np.ndarray] = field(default_factory=dict)
+    _consumed_counts: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     # (task name, fields) -> indexes with every one of those fields, not consumed by that task
     # name (tasks being cleared included: `ready` leaves them out); see the module docstring.
     _ready: dict[tuple[str, tuple[str, ...]], _Ascending] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    # ------------------------------------------------------------------ slots and tasks
+
+    @property
+    def capacity(self) -> int:
+        return len(self.task_of)
+
+    @property
+    def task_count(self) -> int:
+        return len(self.index_of)
+
+    def reserve(self, needed: int) -> None:
+        """Room for slots [0, needed): every per-slot array grows (by half at least)."""
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, self.capacity + self.capacity // 2, 64)
+        self.task_of = _grown(self.task_of, capacity, None)
+        self.versions = _grown(self.versions, capacity, NO_VERSION)
+        for name, mask in self.consumed.items():
+            self.consumed[name] = _grown(mask, capacity, False)
+        for column in self.columns.values():
+            column.grow(capacity)
+
+    def has_task(self, i: int) -> bool:
+        return 0 <= i < self.capacity and self.task_of[i] is not None
+
+    def live(self, indexes: Iterable[int] | np.ndarray) -> np.ndarray:
+        """Those of `indexes` that hold a task, in order."""
+        rows = as_rows(indexes)
+        if len(rows) <= FEW_ROWS:
+            return np.asarray([i for i in rows.tolist() if self.has_task(i)], dtype=np.int64)
+        rows = rows[(rows >= 0) & (rows < self.capacity)]
+        return rows[self.task_of[rows] != None]  # noqa: E711 (elementwise, on an object array)
+
+    def task_ids_at(self, indexes: Iterable[int] | np.ndarray) -> list[str]:
+        """The ids of the tasks at those of `indexes` that hold one, in order."""
+        return at(self.task_of, self.live(indexes)).tolist()
+
+    def unknown(self, indexes: Sequence[Any]) -> list[Any]:
+        """Those of `indexes` (a sampler's answer) that are not the index of a task here."""
+        rows = np.asarray(indexes)
+        if rows.dtype.kind not in "iu":
+            return list(indexes)
+        rows = rows.astype(np.int64, copy=False).reshape(-1)
+        live = self.live(rows)
+        if len(live) == len(rows):
+            return []
+        known = set(live.tolist())
+        return [i for i in rows.tolist() if i not in known]
+
+    def task_ids(self) -> list[str]:
+        """Every task's id, by index."""
+        return self.task_ids_at(np.flatnonzero(self.task_of != None))  # noqa: E711
+
+    def rows_of(self, task_ids: Sequence[str]) -> np.ndarray:
+        """The index of each of `task_ids` (-1: not in this partition), in C-level passes."""
+        return np.fromiter(map(self.index_of.get, task_ids, repeat(-1)), np.int64, len(task_ids))
 
     def knows(self, name: str) -> bool:
         """Whether `name` was ever put into this partition or declared for it."""
@@ -156,23 +375,43 @@ class Partition:
             self.nodes.append(node)
         return self.node_index[node]
 
+    def column(self, name: str, dtype: str | None) -> Column:
+        """Field `name`'s column, made (with `dtype`) on first use."""
+        column = self.columns.get(name)
+        if column is None:
+            column = self.columns[name] = Column(dtype, self.capacity)
+        return column
+
     def allocate(self, count: int) -> int:
         """First index of a free block of `count` indexes, aligned to `count`.
 
         Freed indexes are reused, and a put of whole GRPO groups always lands
         on group-aligned indexes (a block of k*n starts at a multiple of n).
         """
-        if len(self.task_of) < self.next_index:  # there are holes to reuse
-            for start in range(0, self.next_index, count):
-                # An index a clear still holds (its task forgotten by `forget_node` meanwhile)
-                # is not free yet: that clear settles by index.
-                block = range(start, start + count)
-                if all(i not in self.task_of and i not in self.clearing for i in block):
-                    self.next_index = max(self.next_index, start + count)
-                    return start
+        blocks = min(self.next_index, self.capacity) // count
+        if self.task_count < self.next_index and blocks:  # there are holes to reuse
+            # An index a clear still holds (its task forgotten by `forget_node` meanwhile) is
+            # not free yet: that clear settles by index.
+            span = slice(0, blocks * count)
+            free = self.task_of[span] == None  # noqa: E711 (elementwise, on an object array)
+            held = [i for i in self.clearing if i < span.stop]
+            free[held] = False
+            whole = np.flatnonzero(free.reshape(blocks, count).all(axis=1))
+            if len(whole):
+                return int(whole[0]) * count
         start = -(-self.next_index // count) * count
         self.next_index = start + count
         return start
+
+    def add_tasks(self, task_ids: Sequence[str]) -> int:
+        """Give new `task_ids` one block of indexes, in order; the block's first index."""
+        start = self.allocate(len(task_ids))
+        self.reserve(start + len(task_ids))
+        self.task_of[start : start + len(task_ids)] = task_ids
+        self.index_of.update(zip(task_ids, range(start, start + len(task_ids))))
+        return start
+
+    # ------------------------------------------------------------------ puts
 
     def check_put(self, meta: BatchMeta, group_size: int) -> list[str]:
         """The tasks a put of `meta` would add; raises, changing nothing, if it may not happen:
@@ -186,14 +425,17 @@ class Partition:
                 raise SchemaConflictError(
                     f"field {name!r} is {have} in partition {self.partition_id!r}, the put gives {given}"
                 )
-        self._check_same_nodes(meta)
-        clearing = [t for t in meta.task_ids if self.index_of.get(t) in self.clearing]
-        if clearing:
+        rows = self.rows_of(meta.task_ids)
+        self._check_same_nodes(meta, rows)
+        known = rows >= 0
+        clearing = self.clearing
+        held = [t for t, i in zip(meta.task_ids, rows.tolist()) if i in clearing] if clearing else []
+        if held:
             raise ClearInProgressError(
-                f"{len(clearing)} task(s) of partition {self.partition_id!r} are being cleared "
-                f"(e.g. {clearing[0]!r}): put them again once clear_tasks returns"
+                f"{len(held)} task(s) of partition {self.partition_id!r} are being cleared "
+                f"(e.g. {held[0]!r}): put them again once clear_tasks returns"
             )
-        new = [t for t in meta.task_ids if t not in self.index_of]
+        new = pick(meta.task_ids, np.flatnonzero(~known))
         if len(new) % group_size:
             raise InvalidArgumentError(
                 f"the put adds {len(new)} new task(s) to partition {self.partition_id!r}, not whole "
@@ -202,21 +444,17 @@ class Partition:
             )
         return new
 
-    def _check_same_nodes(self, meta: BatchMeta) -> None:
+    def _check_same_nodes(self, meta: BatchMeta, rows: np.ndarray) -> None:
         """`ShardElsewhereError` if a field this partition has for a task comes from another node."""
         fields = [name for name in meta.fields if name in self.columns]
-        if not fields:  # the usual later-stage put: new fields only
-            return
-        rows = np.asarray([self.index_of.get(t, -1) for t in meta.task_ids], dtype=np.int64)
         known = np.flatnonzero(rows >= 0)
-        if not len(known):
+        if not fields or not len(known):  # the usual later-stage put: new fields only
             return
         # The batch's nodes as this partition numbers them (-1: one it has never seen).
         local = np.asarray([self.node_index.get(node, -1) for node in meta.nodes], dtype=np.int64)
         for name in fields:
-            node_of = self.columns[name].node
-            held = np.fromiter((node_of.get(r, -1) for r in rows[known].tolist()), np.int64, len(known))
-            given = local[np.asarray(meta.fields[name].nodes, dtype=np.int64)[known]]
+            held = self.columns[name].node[rows[known]]
+            given = local[meta.fields[name].nodes[known].astype(np.intp)]  # int32 indexes let the GIL go
             moved = np.flatnonzero((held >= 0) & (held != given))
             if len(moved):
                 i, first = int(known[moved[0]]), int(moved[0])
@@ -232,140 +470,166 @@ class Partition:
         `meta`'s fields lives and its shape (checked first with `check_put`); the fields in
         `partial` are still growing: not produced until a later put that does not name them."""
         if new:
-            start = self.allocate(len(new))
-            for offset, task_id in enumerate(new):
-                self.index_of[task_id] = start + offset
-                self.task_of[start + offset] = task_id
-        rows = [self.index_of[t] for t in meta.task_ids]
-        local_nodes = [self.intern_node(n) for n in meta.nodes]
+            self.add_tasks(new)
+        rows = self.rows_of(meta.task_ids)
+        local_nodes = np.asarray([self.intern_node(n) for n in meta.nodes], dtype=NODE_INDEX)
         for name, fm in meta.fields.items():
-            column = self.columns.setdefault(name, Column(fm.dtype))
+            column = self.column(name, fm.dtype)
             column.learn_kind(fm)
-            for row, node, shape in zip(rows, fm.nodes.tolist(), fm.shapes.tolist()):
-                column.node[row] = local_nodes[node]
-                column.shape[row] = shape
-            if fm.generations is not None:
-                column.generation.update(zip(rows, fm.generations.tolist()))
-            else:
-                for row in rows:
-                    column.generation.pop(row, None)
-            _set_or_drop(column.shared, rows, fm.shared)
-            if name in partial:
-                column.partial.update(rows)
-            else:
-                column.partial.difference_update(rows)
+            column.node[rows] = local_nodes[fm.nodes.astype(np.intp)] if len(local_nodes) else -1
+            column.set_shapes(rows, fm.shapes)
+            column.generation[rows] = 0 if fm.generations is None else fm.generations
+            column.set_shared(rows, fm.shared)
+            column.partial[rows] = name in partial
         if partial:
             self._drop_ready(rows, partial)
         complete = meta.fields.keys() - partial
         if complete:
             self._add_ready(rows, complete)
 
-    def inflight(self) -> list[int]:
-        """Indexes of the tasks with a partial value (their generation still growing), ascending."""
-        rows: set[int] = set()
-        for column in self.columns.values():
-            rows |= column.partial
-        return sorted(rows)
-
-    def fields_of_all(self, indexes: Sequence[int]) -> list[str]:
-        """The fields every one of `indexes` has a value of (partial or not)."""
-        return [name for name, c in self.columns.items() if all(i in c.node for i in indexes)]
-
-    def _drop_ready(self, rows: Sequence[int], put_fields: AbstractSet[str]) -> None:
+    def _drop_ready(self, rows: np.ndarray, put_fields: AbstractSet[str]) -> None:
         """Rows whose `put_fields` just became partial: out of every kept ready set asking for them."""
+        gone = rows.tolist()
         for (_, names), ready in self._ready.items():
             if not put_fields.isdisjoint(names):
-                ready.discard_many(rows)
+                ready.discard_many(gone)
 
-    def set_versions(self, task_ids: Sequence[str], versions: Sequence[int]) -> None:
-        """Record each task's policy version (registered tasks; the older of two wins)."""
-        for task_id, version in zip(task_ids, versions):
-            row = self.index_of[task_id]
-            known = self.versions.get(row)
-            self.versions[row] = version if known is None else min(known, version)
-
-    def split_stale(self, indexes: Sequence[int], oldest: int) -> tuple[list[int], list[int]]:
-        """`indexes` as (fresh, stale): stale ones have a policy version below `oldest`."""
-        versions = self.versions
-        if not versions:
-            return list(indexes), []
-        fresh: list[int] = []
-        stale: list[int] = []
-        for i in indexes:
-            (stale if versions.get(i, oldest) < oldest else fresh).append(i)
-        return fresh, stale
-
-    def versions_of(self, task_ids: Iterable[str]) -> dict[str, int]:
-        """The policy versions of those `task_ids` that have one."""
-        out = {}
-        for task_id in task_ids:
-            i = self.index_of.get(task_id)
-            if i is not None and i in self.versions:
-                out[task_id] = self.versions[i]
-        return out
-
-    def _add_ready(self, rows: Sequence[int], put_fields: AbstractSet[str]) -> None:
+    def _add_ready(self, rows: np.ndarray, put_fields: AbstractSet[str]) -> None:
         """Rows that just got `put_fields`: into each kept ready set they now belong to."""
         for (task_name, names), ready in self._ready.items():
             if put_fields.isdisjoint(names):
                 continue
-            columns = [self.columns[f] for f in names]
-            consumed = self.consumed.get(task_name, ())
-            ready.add_many(
-                r
-                for r in rows
-                if r not in consumed and all(r in c.node and r not in c.partial for c in columns)
-            )
+            have = np.ones(len(rows), dtype=bool)
+            for name in names:
+                column = self.columns[name]
+                have &= (column.node[rows] >= 0) & ~column.partial[rows]
+            consumed = self.consumed.get(task_name)
+            if consumed is not None:
+                have &= ~consumed[rows]
+            ready.add_many(rows[have].tolist())
+
+    def set_versions(self, task_ids: Sequence[str], versions: Sequence[int]) -> None:
+        """Record each task's policy version (registered tasks; the older of two wins, also
+        for a task named twice in one call)."""
+        rows = self.rows_of(task_ids)
+        known = self.versions[rows]
+        older = np.minimum(
+            np.where(known == NO_VERSION, _NEWEST, known), np.asarray(versions, dtype=np.int64)
+        )
+        self.versions[rows] = _NEWEST
+        np.minimum.at(self.versions, rows, older)
+        self.versioned = self.versioned or bool(len(rows))
+
+    # ------------------------------------------------------------------ queries
+
+    def inflight(self) -> list[int]:
+        """Indexes of the tasks with a partial value (their generation still growing), ascending."""
+        mask = np.zeros(self.capacity, dtype=bool)
+        for column in self.columns.values():
+            mask |= column.partial
+        return np.flatnonzero(mask).tolist()
+
+    def fields_of_all(self, indexes: Sequence[int]) -> list[str]:
+        """The fields every one of `indexes` has a value of (partial or not)."""
+        rows = as_rows(indexes)
+        return [name for name, c in self.columns.items() if bool((c.node[rows] >= 0).all())]
+
+    def has_fields(self, i: int, fields: Iterable[str]) -> bool:
+        """Whether task `i` has a value of each of `fields` (partial or not)."""
+        return self.has_task(i) and all(self.columns[f].node[i] >= 0 for f in fields)
+
+    def split_stale(self, indexes: Sequence[int], oldest: int) -> tuple[list[int], list[int]]:
+        """`indexes` as (fresh, stale): stale ones have a policy version below `oldest`."""
+        rows = as_rows(indexes)
+        versions = at(self.versions, rows)
+        stale = (versions != NO_VERSION) & (versions < oldest)
+        if not stale.any():
+            return list(indexes), []
+        return rows[~stale].tolist(), rows[stale].tolist()
+
+    def has_versions(self) -> bool:
+        """Whether a task was ever given a policy version (then samplers order by version and
+        consumption is counted by age; without, neither has anything to do)."""
+        return self.versioned
+
+    def versions_of(self, task_ids: Sequence[str]) -> dict[str, int]:
+        """The policy versions of those `task_ids` that have one."""
+        rows = self.rows_of(task_ids)
+        versions = np.where(rows >= 0, self.versions[np.maximum(rows, 0)], NO_VERSION) if len(rows) else rows
+        have = np.flatnonzero(versions != NO_VERSION)
+        return dict(zip(pick(task_ids, have), versions[have].tolist()))
+
+    def _ready_mask(self, task_name: str | None, fields: Sequence[str], *, clearing: bool) -> np.ndarray:
+        """Slots with every one of `fields` produced, not consumed by `task_name` (when given);
+        tasks being cleared too when `clearing`. Time in proportion to the partition's slots:
+        to build a kept set, and for status queries."""
+        mask = np.ones(self.capacity, dtype=bool)
+        if self.clearing and not clearing:
+            mask[list(self.clearing)] = False
+        for name in set(fields):
+            mask &= self.columns[name].produced()
+        consumed = self.consumed.get(task_name) if task_name is not None else None
+        if consumed is not None:
+            mask &= ~consumed
+        return mask
 
     def ready(self, task_name: str, fields: Sequence[str]) -> list[int]:
-        """Indexes that have every field produced and are not consumed by `task_name`, ascending
-        (from the kept set: time in proportion to the ready tasks, not to all of them)."""
+        """Indexes that have every field produced, are not being cleared and are not consumed by
+        `task_name`, ascending."""
         if not fields or any(f not in self.columns for f in fields):
             return []
         key = (task_name, tuple(sorted(set(fields))))
         have = self._ready.pop(key, None)  # re-inserted last: the most recently asked
         if have is None:
-            have = _Ascending(self._compute_ready(task_name, key[1]))
+            have = _Ascending(np.flatnonzero(self._ready_mask(task_name, fields, clearing=True)).tolist())
             while len(self._ready) >= MAX_READY_SETS:
                 del self._ready[next(iter(self._ready))]
         self._ready[key] = have
         if self.clearing:
-            return [i for i in have.items if i not in self.clearing]
+            clearing = self.clearing
+            return [i for i in have.items if i not in clearing]
         return list(have.items)
-
-    def _compute_ready(self, task_name: str, fields: Sequence[str]) -> set[int]:
-        """`ready` from the columns (tasks being cleared included): time in proportion to the
-        partition's tasks. For status queries, and to build a kept set."""
-        columns = sorted((self.columns[f] for f in fields), key=lambda c: len(c.node))
-        have = set(columns[0].node)
-        for column in columns[1:]:
-            have.intersection_update(column.node)
-        have.difference_update(self.consumed.get(task_name, ()))
-        for column in columns:
-            have.difference_update(column.partial)
-        return have
 
     def count_ready(self, fields: Sequence[str]) -> int:
         """Tasks that have every one of `fields` (consumed or not, being cleared excluded)."""
         if not fields or any(f not in self.columns for f in fields):
             return 0
-        return len(self._compute_ready("\0", fields).difference(self.clearing))
+        return int(np.count_nonzero(self._ready_mask(None, fields, clearing=False)))
 
     def consume(self, task_name: str, indexes: Iterable[int]) -> None:
         """Mark `indexes` consumed by `task_name`: never ready for it again (until a reset)."""
-        taken = set(indexes)
-        self.consumed.setdefault(task_name, set()).update(taken)
+        mask = self.consumed.get(task_name)
+        if mask is None:
+            mask = self.consumed[task_name] = np.zeros(self.capacity, dtype=bool)
+        taken = list(indexes)
+        if len(taken) > FEW_ROWS:
+            rows = np.unique(np.asarray(taken, dtype=np.int64))
+            added = len(rows) - int(np.count_nonzero(mask[rows]))
+            mask[rows] = True
+        else:
+            added = 0
+            for i in taken:
+                if not mask[i]:
+                    mask[i] = True
+                    added += 1
+        self._consumed_counts[task_name] = self._consumed_counts.get(task_name, 0) + added
         for (name, _), ready in self._ready.items():
             if name == task_name:
                 ready.discard_many(taken)
+
+    def consumed_count(self, task_name: str) -> int:
+        """How many tasks `task_name` consumed."""
+        return self._consumed_counts.get(task_name, 0)
 
     def reset_consumption(self, task_name: str | None = None) -> None:
         """Forget what `task_name` (or every consumer) consumed."""
         if task_name is None:
             self.consumed.clear()
+            self._consumed_counts.clear()
             self._ready.clear()
             return
         self.consumed.pop(task_name, None)
+        self._consumed_counts.pop(task_name, None)
         for key in [k for k in self._ready if k[0] == task_name]:
             del self._ready[key]
 
@@ -376,15 +640,14 @@ class Partition:
             raise InvalidArgumentError(
                 f"partition {self.partition_id!r} has no tensor field {field!r} for lengths"
             )
-        out = []
-        for i in indexes:
-            shape = column.shape.get(i)
-            if shape is None:
-                raise InvalidArgumentError(
-                    f"task {self.task_of.get(i, i)!r} has no field {field!r} for lengths"
-                )
-            out.append(shape[0] if shape else 1)
-        return out
+        rows = as_rows(indexes)
+        inside = (rows >= 0) & (rows < self.capacity)
+        missing = np.flatnonzero(~inside | (column.node[np.where(inside, rows, 0)] < 0))
+        if len(missing):
+            i = int(rows[missing[0]])
+            task = self.task_of[i] if self.has_task(i) else i
+            raise InvalidArgumentError(f"task {task!r} has no field {field!r} for lengths")
+        return np.where(column.ranks[rows] > 0, column.first_dims(rows), 1).tolist()
 
     def get_custom_meta(self, indexes: Sequence[int]) -> dict[int, dict[str, Any]]:
         """Custom metadata of those `indexes` that have some, by index (TransferQueue's
@@ -393,35 +656,47 @@ class Partition:
         return {i: self.custom_meta[i] for i in indexes if i in self.custom_meta}
 
     def meta_for(self, indexes: Sequence[int], fields: Sequence[str]) -> BatchMeta:
-        node_map: dict[int, int] = {}
-        nodes: list[str] = []
+        """The batch metadata of `indexes` (tasks that have every one of `fields`), in order."""
+        rows = as_rows(indexes)
+        held = [at(self.columns[name].node, rows) for name in fields]
+        # The nodes the batch names, in the partition's order, numbered from 0.
+        if len(self.nodes) == 1:
+            used = [0] if len(rows) and held else []
+            held = [np.zeros(len(rows), dtype=NODE_INDEX) for _ in held]
+        else:
+            every = set().union(*(node.tolist() for node in held)) if held else set()
+            used = sorted(every)
+            local = {n: k for k, n in enumerate(used)}
+            if len(rows) > FEW_ROWS:
+                lookup = np.zeros(len(self.nodes), dtype=NODE_INDEX)
+                lookup[used] = np.arange(len(used), dtype=NODE_INDEX)
+                held = [lookup[node.astype(np.intp)] for node in held]
+            else:
+                held = [np.asarray([local[n] for n in node.tolist()], dtype=NODE_INDEX) for node in held]
         cols: dict[str, FieldMeta] = {}
-        for name in fields:
+        for name, node in zip(fields, held):
             column = self.columns[name]
-            node_list = []
-            for i in indexes:
-                n = column.node[i]
-                if n not in node_map:
-                    node_map[n] = len(nodes)
-                    nodes.append(self.nodes[n])
-                node_list.append(node_map[n])
-            shapes = RowShapes.from_list([column.shape[i] for i in indexes])
-            node_array = np.asarray(node_list, dtype=NODE_INDEX)
-            known = column.generation
-            gens = np.fromiter((known.get(i, 0) for i in indexes), np.int64, len(indexes)) if known else None
-            keys = column.shared
-            shared = np.fromiter((keys.get(i, 0) for i in indexes), np.int64, len(indexes)) if keys else None
-            cols[name] = FieldMeta(column.dtype, node_array, shapes, column.ragged, gens, shared)
-        return BatchMeta([self.task_of[i] for i in indexes], nodes, cols)
+            gens = at(column.generation, rows)
+            shared = None if column.shared is None else at(column.shared, rows)
+            cols[name] = FieldMeta(
+                column.dtype,
+                node,
+                column.shapes_at(rows),
+                column.ragged,
+                gens if gens.any() else None,
+                shared if shared is not None and shared.any() else None,
+            )
+        return BatchMeta(at(self.task_of, rows).tolist(), [self.nodes[n] for n in used], cols)
 
     def keys_by_node(self, indexes: Iterable[int]) -> dict[str, list[ShardKey]]:
+        """The shards of the tasks at `indexes`, by the node holding each."""
+        rows = np.unique(self.live(indexes))
         out: dict[str, list[ShardKey]] = {}
-        index_set = set(indexes)
         for name, column in self.columns.items():
-            for i in index_set:
-                n = column.node.get(i)
-                if n is not None:
-                    out.setdefault(self.nodes[n], []).append(ShardKey(self.task_of[i], name))
+            node = column.node[rows]
+            for n in np.unique(node[node >= 0]).tolist():
+                ids = self.task_of[rows[node == n]].tolist()
+                out.setdefault(self.nodes[n], []).extend(map(ShardKey, ids, repeat(name)))
         return out
 
     def rows_on(self, node: str) -> list[int]:
@@ -429,28 +704,38 @@ class Partition:
         n = self.node_index.get(node)
         if n is None:
             return []
-        return sorted({i for column in self.columns.values() for i, m in column.node.items() if m == n})
+        mask = np.zeros(self.capacity, dtype=bool)
+        for column in self.columns.values():
+            mask |= column.node == n
+        return np.flatnonzero(mask).tolist()
+
+    # ------------------------------------------------------------------ removal
 
     def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:
         """Forget that `node` holds these shards (they were deleted) while their tasks stay."""
         n = self.node_index.get(node)
-        dropped: dict[str, list[int]] = {}
+        if n is None:
+            return
+        by_field: dict[str, list[str]] = {}
         for key in keys:
-            i = self.index_of.get(key.task_id)
-            column = self.columns.get(key.field)
-            if i is not None and column is not None and column.node.get(i) == n:
-                del column.node[i]
-                column.shape.pop(i, None)
-                column.generation.pop(i, None)
-                column.shared.pop(i, None)
-                column.partial.discard(i)
-                dropped.setdefault(key.field, []).append(i)
+            by_field.setdefault(key.field, []).append(key.task_id)
+        dropped: dict[str, list[int]] = {}
+        for name, task_ids in by_field.items():
+            column = self.columns.get(name)
+            if column is None:
+                continue
+            rows = self.rows_of(task_ids)
+            rows = rows[rows >= 0]
+            rows = rows[column.node[rows] == n]
+            column.clear(rows)
+            dropped[name] = rows.tolist()
         for (_, names), ready in self._ready.items():
-            rows = [i for name in names for i in dropped.get(name, ())]
-            if rows:
-                ready.discard_many(rows)
+            gone = [i for name in names for i in dropped.get(name, ())]
+            if gone:
+                ready.discard_many(gone)
 
     def mark_clearing(self, indexes: Iterable[int], delta: int) -> None:
+        """Count a clear in flight holding `indexes` (+1), or one settled (-1)."""
         for i in indexes:
             count = self.clearing.get(i, 0) + delta
             if count > 0:
@@ -459,35 +744,53 @@ class Partition:
                 self.clearing.pop(i, None)
 
     def forget(self, indexes: Iterable[int]) -> None:
-        gone = []
-        for i in list(indexes):
-            task_id = self.task_of.pop(i, None)
-            if task_id is None:
-                continue
-            gone.append(i)
+        """Drop the tasks at `indexes`: their ids, values, consumption, versions, metadata."""
+        rows = np.unique(self.live(indexes))
+        if not len(rows):
+            return
+        for task_id in self.task_of[rows].tolist():
             del self.index_of[task_id]
-            self.custom_meta.pop(i, None)
-            self.versions.pop(i, None)
-            for column in self.columns.values():
-                column.node.pop(i, None)
-                column.shape.pop(i, None)
-                column.generation.pop(i, None)
-                column.shared.pop(i, None)
-                column.partial.discard(i)
-            for consumed in self.consumed.values():
-                consumed.discard(i)
+        self.task_of[rows] = None
+        self.versions[rows] = NO_VERSION
+        if self.custom_meta:
+            for i in rows.tolist():
+                self.custom_meta.pop(i, None)
+        for column in self.columns.values():
+            column.clear(rows)
+        for name, mask in self.consumed.items():
+            self._consumed_counts[name] -= int(np.count_nonzero(mask[rows]))
+            mask[rows] = False
+        gone = rows.tolist()
         for ready in self._ready.values():
             ready.discard_many(gone)
+
+    def settle_clear(
+        self, indexes: list[int], plan: Mapping[str, list[ShardKey]], failed: Iterable[str]
+    ) -> list[int]:
+        """After a clear's deletes: the tasks whose shards all went (returned, for the caller to
+        forget); a kept task keeps only the shards still there, so a deleted one is never handed
+        out again."""
+        self.mark_clearing(indexes, -1)
+        failed = set(failed)
+        stuck_ids = [k.task_id for n in failed for k in plan[n]]
+        stuck = set(self.rows_of(stuck_ids).tolist())
+        forgotten = [i for i in indexes if i not in stuck]
+        for node, keys in plan.items():
+            if node not in failed:
+                self.drop_rows(node, keys)
+        return forgotten
+
+    # ------------------------------------------------------------------ status
 
     def production(self, names: list[str]) -> dict[str, Any]:
         """Tasks, how many have each of `names`, and how many have all of them."""
         produced = {n: self._produced(n) for n in names}
-        return {"tasks": len(self.task_of), "produced": produced, "ready": self.count_ready(names)}
+        return {"tasks": self.task_count, "produced": produced, "ready": self.count_ready(names)}
 
     def _produced(self, name: str) -> int:
         """Tasks with a complete (not partial) value of field `name`."""
         column = self.columns.get(name)
-        return 0 if column is None else len(column.node) - len(column.partial)
+        return 0 if column is None else int(np.count_nonzero(column.produced()))
 
     def summary(self) -> dict[str, Any]:
         """Tasks, per field how many have it (and its kind), how many have every field, and per
@@ -497,21 +800,21 @@ class Partition:
             column = self.columns.get(name)
             fields[name] = {
                 "produced": self._produced(name),
-                "partial": len(column.partial) if column is not None else 0,
+                "partial": int(np.count_nonzero(column.partial)) if column is not None else 0,
                 "dtype": column.dtype if column is not None else None,
                 "ragged": column.ragged if column is not None else False,
             }
-        by_version: dict[int, int] = {}
-        for version in self.versions.values():
-            by_version[version] = by_version.get(version, 0) + 1
+        versions, counts = np.unique(self.versions[self.versions != NO_VERSION], return_counts=True)
         return {
-            "tasks": len(self.task_of),
+            "tasks": self.task_count,
             "ready": self.count_ready(self.known_fields()),
             "clearing": len(self.clearing),
             "fields": fields,
-            "consumed": {name: len(indexes) for name, indexes in self.consumed.items()},
-            "policy_versions": {str(v): n for v, n in sorted(by_version.items())},
+            "consumed": {name: self.consumed_count(name) for name in self.consumed},
+            "policy_versions": {str(v): n for v, n in zip(versions.tolist(), counts.tolist())},
         }
+
+    # ------------------------------------------------------------------ custom metadata
 
     def set_custom_meta(self, checked: Mapping[str, dict[str, Any]]) -> None:
         """Attach checked objects to tasks; an unknown task sets nothing."""
@@ -529,30 +832,3 @@ class Partition:
             if i is not None and i in self.custom_meta:
                 out[task_id] = json.loads(json.dumps(self.custom_meta[i]))
         return out
-
-    def settle_clear(
-        self, indexes: list[int], plan: Mapping[str, list[ShardKey]], failed: Collection[str]
-    ) -> list[int]:
-        """After a clear's deletes: the tasks whose shards all went (returned, for the caller to
-        forget); a kept task keeps only the shards still there, so a deleted one is never handed
-        out again."""
-        self.mark_clearing(indexes, -1)
-        stuck = {self.index_of[k.task_id] for n in failed for k in plan[n] if k.task_id in self.index_of}
-        forgotten = [i for i in indexes if i not in stuck]
-        for node, keys in plan.items():
-            if node not in failed:
-                self.drop_rows(node, keys)
-        return forgotten
-
-
-def _set_or_drop(known: dict[int, int], rows: Sequence[int], values: np.ndarray | None) -> None:
-    """`known[row]` = the row's value where it is nonzero, dropped where it is 0 (or all None)."""
-    if values is None or not values.any():
-        for row in rows:
-            known.pop(row, None)
-        return
-    for row, value in zip(rows, values.tolist()):
-        if value:
-            known[row] = value
-        else:
-            known.pop(row, None)

@@ -122,15 +122,15 @@ def _complete_groups(
     complete = sorted(g for g, c in members.items() if c == n)
     if len(complete) < count:
         return None
-    if _versions(partition):
+    if _keeps_versions(partition):
         return [i // n for i in oldest_first([g * n for g in complete], partition)[:count]]
     return complete[:count]
 
 
-def _versions(partition: Any) -> Mapping[int, int]:
-    """The policy version per task index a controller's partition keeps (empty: none known)."""
-    versions = getattr(partition, "versions", None)
-    return versions if isinstance(versions, Mapping) else {}
+def _keeps_versions(partition: Any) -> bool:
+    """Whether `partition` (a controller's) knows the policy version of some task."""
+    has_versions = getattr(partition, "has_versions", None)
+    return callable(has_versions) and bool(has_versions())
 
 
 def oldest_first(indexes: Sequence[int], partition: Any) -> list[int]:
@@ -138,11 +138,16 @@ def oldest_first(indexes: Sequence[int], partition: Any) -> list[int]:
     index (tasks without a version last): what an asynchronous consumer takes first, so fewer
     tasks grow too old. Index order alone is not age: a cleared task's index is reused by a
     later put. Unchanged where `partition` keeps no versions."""
-    versions = _versions(partition)
-    if not versions:
+    if not _keeps_versions(partition):
         return list(indexes)
-    newest = sys.maxsize
-    return sorted(indexes, key=lambda i: (versions.get(i, newest), i))
+    version = partition.versions.item  # item by item: no numpy call that releases the GIL
+    newest = sys.maxsize  # a task without a version (-1) sorts last
+
+    def age(i: int) -> tuple[int, int]:
+        v = version(i)
+        return (newest if v < 0 else v, i)
+
+    return sorted(indexes, key=age)
 
 
 class BaseSampler(ABC):

@@ -314,3 +314,15 @@ def test_the_peak_rss_row_measures_each_role_in_a_process_of_its_own() -> None:
     for entry in result.values():
         assert entry["grown_bytes"] >= 0 and entry["ratio"] == entry["grown_bytes"] / entry["must_hold_bytes"]
     assert "producer" in rss.table("tiny", {"http": result})
+
+
+def test_a_partition_keeps_its_tasks_in_columns() -> None:
+    """`bench.partition_scale`: a partition of a few thousand 8-field tasks holds well under the
+    ~1.7 KB a task that per-task dicts took (ids and their index included), and a consumer's
+    16-task calls take what was ready, 16 at a time."""
+    from bench import partition_scale
+
+    result = partition_scale.measure(3 * partition_scale.PUT, calls=5)
+    assert result["tasks"] == 3 * partition_scale.PUT and result["consumed"] == 16 * 5
+    assert 0 < result["bytes_per_task"] < 800
+    assert result["put_us_per_task"] > 0 and result["get_meta_16_us"] > 0 and result["meta_for_2560x8_ms"] > 0

@@ -210,12 +210,13 @@ def test_schema_conflicts_register_nothing(shared_workers: list[WorkerProcess]) 
 def test_allocate_aligned_blocks_and_reuse() -> None:
     p = Partition("p")
 
+    made = iter(range(10**6))
+
     def take(count: int) -> int:
-        start = p.allocate(count)
-        for i in range(start, start + count):
-            assert i not in p.task_of
-            p.task_of[i] = f"t{i}"
-            p.index_of[f"t{i}"] = i
+        ids = [f"t{next(made)}" for _ in range(count)]
+        start = p.add_tasks(ids)
+        assert [p.index_of[t] for t in ids] == list(range(start, start + count))
+        assert p.task_ids_at(range(start, start + count)) == ids
         return start
 
     assert [take(4), take(4), take(8), take(4)] == [0, 4, 8, 16]
@@ -228,6 +229,11 @@ def test_allocate_aligned_blocks_and_reuse() -> None:
     assert take(2) == 0 and take(2) == 2 and take(2) == 20
     p.forget(range(24, 32))
     assert take(3) == 24 and take(3) == 27  # blocks of 3 start at multiples of 3
+    p.forget(range(24, 30))
+    p.mark_clearing([25], +1)  # a clear still holds index 25: its block is not free yet
+    assert take(3) == 27
+    p.mark_clearing([25], -1)
+    assert take(3) == 24
 
 
 def test_grpo_groups_stay_whole_across_clears_and_index_reuse(
