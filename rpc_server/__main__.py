@@ -50,6 +50,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_threads=args.max_threads,
         read_timeout=args.read_timeout,
         shm_max_bytes=args.shm_max_bytes,
+        data_dir=None if args.data_dir is None else str(args.data_dir),
+        sync_writes=args.sync,
     )
 
 

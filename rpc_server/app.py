@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 from flask import Flask, Response, request
 
@@ -15,6 +17,7 @@ from rpc_server.context import ServerState, state
 from rpc_server.errors import ApiError, EngineCallFailed, MissingShardsError
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
+from rpc_server.store.durable import DurableLog, read_log
 from rpc_server.store.shard_store import ShardStore
 from rpc_server.store.sweeper import IdleSweeper
 
@@ -49,18 +52,7 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     # Keep field order as the engine returned it (Flask's default provider has `sort_keys`).
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
-    server_state = ServerState(
-        config=config,
-        store=store
-        if store is not None
-        else ShardStore(
-            config.max_bytes,
-            stage_ttl=config.stage_ttl,
-            max_idle_seconds=config.max_idle_seconds,
-            max_shared_bytes=config.shm_max_bytes,
-        ),
-        metrics=Metrics(),
-    )
+    server_state = ServerState(config=config, store=store or _new_store(config), metrics=Metrics())
     if config.engine and config.node != UNBOUND:
         _host_engine(server_state)
     if server_state.store.max_idle_seconds is not None:
@@ -73,6 +65,36 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     app.before_request(_authenticate)
     _register_error_handlers(app)
     return app
+
+
+def _new_store(config: ServerConfig) -> ShardStore:
+    """The store `config` asks for; a durable one recovers what its directory's log holds first."""
+    log = None
+    recovered = None
+    if config.data_dir is not None:
+        recovered = read_log(Path(config.data_dir))
+        log = DurableLog(Path(config.data_dir), next_seq=recovered.last_seq + 1)
+    store = ShardStore(
+        config.max_bytes,
+        stage_ttl=config.stage_ttl,
+        max_idle_seconds=config.max_idle_seconds,
+        max_shared_bytes=config.shm_max_bytes,
+        log=log,
+        sync=config.sync_writes,
+    )
+    if recovered is not None:
+        began = time.monotonic()
+        puts, deletes = store.recover(recovered.records)
+        logger.info(
+            "recovered %d put(s) and %d delete(s) from %s in %.2f s: %d shard(s), %d byte(s)",
+            puts,
+            deletes,
+            config.data_dir,
+            time.monotonic() - began,
+            len(store),
+            store.stats().bytes,
+        )
+    return store
 
 
 def _host_engine(server_state: ServerState) -> None:

@@ -14,6 +14,7 @@ from rpc_server.errors import (
     ApiError,
     AppendMismatchError,
     BadArgumentsError,
+    DurableLogError,
     MissingShardsError,
     ReplacedShardsError,
     SharedValueError,
@@ -42,6 +43,7 @@ ERROR_ANSWERS: dict[type[Exception], tuple[int, str]] = {
     UnknownStageError: (404, "unknown_stage"),
     ReplacedShardsError: (409, "shards_replaced"),
     StoreCapacityError: (507, "insufficient_storage"),
+    DurableLogError: (507, "durable_log_failed"),
     ShuttingDownError: (503, "shutting_down"),
 }
 

@@ -55,3 +55,7 @@ class ServerConfig:
     read_timeout: float = DEFAULT_READ_TIMEOUT
     # Shared regions for same-host clients hold at most this many bytes (None: no own bound).
     shm_max_bytes: int | None = None
+    # A durable worker's directory (`--data-dir`): every committed change is written there, and
+    # a worker started on it recovers what it held. `sync_writes`: changes wait for the disk.
+    data_dir: str | None = None
+    sync_writes: bool = False

@@ -57,6 +57,11 @@ class StoreCapacityError(WorkerError):
     """The put would exceed the store's capacity; nothing was stored."""
 
 
+class DurableLogError(WorkerError):
+    """A durable worker's log could not write (a full or failing disk): changes are refused,
+    since none could survive a restart; what the store holds stays readable."""
+
+
 class UnknownStageError(WorkerError):
     """A commit or abort named a stage that does not exist (never staged, or expired)."""
 

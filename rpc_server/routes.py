@@ -30,6 +30,7 @@ from rpc_server.checks import (
 )
 from rpc_server.context import state
 from rpc_server.errors import ApiError
+from rpc_server.store.durable import LogStats
 
 data_routes = Blueprint("data", __name__)
 logger = logging.getLogger("rpc_server")
@@ -373,14 +374,32 @@ def stats() -> Response:
             **current.metrics.traffic(),
             "uptime_seconds": round(time.monotonic() - current.started, 3),
             "engine": current.engine.name if current.engine is not None else None,
+            "durable": _durable_stats(current.store.durable_stats()),
         }
     )
+
+
+def _durable_stats(log: LogStats | None) -> dict[str, Any] | None:
+    """A durable worker's log, for `/v1/stats` (None: shards live in memory only)."""
+    if log is None:
+        return None
+    return {
+        "pending_records": log.pending_records,
+        "pending_bytes": log.pending_bytes,
+        "lag_seconds": round(log.lag_seconds, 3),
+        "durable_seq": log.durable_seq,
+        "written_records": log.written_records,
+        "written_bytes": log.written_bytes,
+        "disk_bytes": log.disk_bytes,
+        "failed": log.failed,
+    }
 
 
 @data_routes.get("/metrics")
 def metrics() -> Response:
     current = state()
     stats = current.store.stats()
+    log = current.store.durable_stats()
     text = current.metrics.render(
         {
             "distbatch_shards": ("Shards stored.", stats.shards),
@@ -398,13 +417,41 @@ def metrics() -> Response:
             "distbatch_shared_regions": ("Shared regions held.", stats.shared_regions),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
             **connection_gauges(current_app),
+            **_durable_gauges(log),
         },
         {
             "distbatch_evicted_shards_total": ("Shards deleted for being idle.", stats.evicted_shards),
             "distbatch_evicted_bytes_total": ("Bytes of shards deleted for being idle.", stats.evicted_bytes),
+            **_durable_counters(log),
         },
     )
     return Response(text, content_type=METRICS_CONTENT_TYPE)
+
+
+def _durable_gauges(log: LogStats | None) -> dict[str, tuple[str, Any]]:
+    if log is None:
+        return {}
+    return {
+        "distbatch_durable_pending_bytes": (
+            "Bytes committed but not yet on disk (--data-dir).",
+            log.pending_bytes,
+        ),
+        "distbatch_durable_lag_seconds": ("Age of the oldest change not yet on disk.", log.lag_seconds),
+        "distbatch_durable_disk_bytes": ("Bytes the durable log holds on disk.", log.disk_bytes),
+        "distbatch_durable_failed": (
+            "1 once the durable log could not write (changes are refused).",
+            int(bool(log.failed)),
+        ),
+    }
+
+
+def _durable_counters(log: LogStats | None) -> dict[str, tuple[str, Any]]:
+    if log is None:
+        return {}
+    return {
+        "distbatch_durable_records_total": ("Records written to the durable log.", log.written_records),
+        "distbatch_durable_written_bytes_total": ("Bytes written to the durable log.", log.written_bytes),
+    }
 
 
 @data_routes.post("/v1/call/<method>")

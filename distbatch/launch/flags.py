@@ -116,6 +116,7 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     _add_address_flags(parser)
     _add_bound_flags(parser)
     _add_release_flags(parser)
+    _add_durability_flags(parser)
     _add_process_flags(parser)
     return parser
 
@@ -212,6 +213,25 @@ def _add_release_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_durability_flags(parser: argparse.ArgumentParser) -> None:
+    """Whether the worker's shards survive its process."""
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write every committed put and delete to DIR (safetensors files, written behind"
+        " the put) and, started again on DIR, recover every shard with its generation (default: none,"
+        " shards live in memory only)",
+    )
+    parser.add_argument(
+        "--sync",
+        action="store_true",
+        help="with --data-dir: answer a put or delete only once its record is on disk (default: off,"
+        " written behind)",
+    )
+
+
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
     """What the worker hosts, how it reports its address, when it exits, what it logs."""
     parser.add_argument(
@@ -272,6 +292,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--engine-kwargs needs --engine: they are the engine factory's arguments")
     if args.max_idle_seconds is not None and not args.max_idle_seconds > 0:
         raise InvalidArgumentError("--max-idle-seconds must be > 0")
+    if args.sync and args.data_dir is None:
+        raise InvalidArgumentError("--sync needs --data-dir: it waits for records written there")
     if args.shm_max_bytes is not None and args.shm_max_bytes < 0:
         raise InvalidArgumentError("--shm-max-bytes must be >= 0")
     for flag, value in (

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,11 +217,15 @@ def _table(values: np.ndarray) -> memoryview:
     return byte_view(np.ascontiguousarray(values, dtype="<i8"))
 
 
-def build_bundle(bundle: Bundle, ids_as_count: bool = False) -> list[Part]:
+def build_bundle(
+    bundle: Bundle, ids_as_count: bool = False, extra_metadata: Mapping[str, str] | None = None
+) -> list[Part]:
     """Lay a bundle out as container parts (header first); tensor bytes are not copied.
 
     `ids_as_count`: the description gives the number of task ids, not the ids (the answer to a
-    request that named them, in this order, and asked for that: see `parse_bundle`'s `asked`)."""
+    request that named them, in this order, and asked for that: see `parse_bundle`'s `asked`).
+    `extra_metadata`: more ``__metadata__`` entries (a durable worker's record header); their
+    keys must not be the bundle's own (`BUNDLE_KEY`, ``format``, ``json/...``)."""
     description: dict[str, Any] = {}
     metadata: dict[str, str] = {"format": "pt"}
     entries: list[Entry] = []
@@ -263,6 +267,7 @@ def build_bundle(bundle: Bundle, ids_as_count: bool = False) -> list[Part]:
         else:
             entries.append(Entry(name, column.dtype, data_shape, column.parts))
         description[name] = info
+    _add_metadata(metadata, extra_metadata or {})
     metadata[BUNDLE_KEY] = json.dumps(
         {
             "version": BUNDLE_VERSION,
@@ -272,6 +277,13 @@ def build_bundle(bundle: Bundle, ids_as_count: bool = False) -> list[Part]:
         separators=(",", ":"),
     )
     return build_container(entries, metadata)
+
+
+def _add_metadata(metadata: dict[str, str], extra: Mapping[str, str]) -> None:
+    for key, value in extra.items():
+        if key in metadata or key == BUNDLE_KEY or key.startswith(JSON_PREFIX):
+            raise WireFormatError(f"metadata key {key!r} is the bundle's own")
+        metadata[key] = value
 
 
 # Resolves a column's runs (see `RawColumn.runs`) to its bytes, given the byte count they must make.

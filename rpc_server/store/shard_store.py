@@ -22,6 +22,7 @@ from distbatch.ids import ShardKey
 from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import Bundle, RawColumn
 from rpc_server.errors import (
+    DurableLogError,
     MissingShardsError,
     SharedMemoryUnavailable,
     StoreCapacityError,
@@ -29,6 +30,7 @@ from rpc_server.errors import (
 )
 from rpc_server.store.appends import check_stage
 from rpc_server.store.columns import MAX_MISSING_LISTED, Picked, build_columns, pick
+from rpc_server.store.durable import DurableLog, LogStats, Record
 from rpc_server.store.records import PutReceipt, StoreStats, bundle_from_raw
 from rpc_server.store.regions import RegionMover, RegionSlots, SharedBudget
 from rpc_server.store.segments import Buffer
@@ -66,6 +68,8 @@ class ShardStore:
         max_idle_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_shared_bytes: int | None = None,
+        log: DurableLog | None = None,
+        sync: bool = False,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
@@ -92,6 +96,10 @@ class ShardStore:
         self._evicted_bytes = 0
         low, high = GENERATION_START
         self._last_generation = low + secrets.randbelow(high - low)
+        # A durable worker's log (`durable`): each committed change is queued there under the
+        # lock, in commit order; with `sync`, a put returns once its record is on disk.
+        self._log = log
+        self.sync = sync
 
     def _next_generation(self) -> int:
         """A new put's generation (caller holds the lock)."""
@@ -150,14 +158,81 @@ class ShardStore:
         """
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
+        self._make_room()
         with self._lock:
             self._shards.check_aliases([bundle])
-            bundle, own = self._shards.resolve_appends(bundle)
-            incoming, replaced = self._shards.measure([bundle])
+            resolved, own = self._shards.resolve_appends(bundle)
+            incoming, replaced = self._shards.measure([resolved])
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
-            return self._shards.apply(bundle, body_size, region, self._next_generation(), own)
+            generation = self._next_generation()
+            seq = self._record("put", generation, [bundle])
+            receipt = self._shards.apply(resolved, body_size, region, generation, own)
+        self._settle(seq)
+        return receipt
+
+    # ------------------------------------------------------------------ durability
+
+    def _make_room(self) -> None:
+        """Before a change: wait while the durable log is too far behind (outside the lock)."""
+        if self._log is not None:
+            self._log.wait_for_room()
+
+    def _record(
+        self,
+        kind: str,
+        generation: int = 0,
+        bundles: Sequence[Bundle] = (),
+        delete: dict[str, Any] | None = None,
+    ) -> int:
+        """Queue a committed change on the durable log (caller holds the lock, the change is
+        checked and about to apply); its sequence number, 0 without a log. Refused with
+        `DurableLogError`, changing nothing, once the log could not write."""
+        if self._log is None:
+            return 0
+        return self._log.append(kind, generation, bundles, delete)
+
+    def _settle(self, seq: int) -> None:
+        """After a change (outside the lock): with `sync`, wait until its record is durable."""
+        if seq and self.sync and self._log is not None and not self._log.wait(seq):
+            raise DurableLogError(
+                f"the change was applied but its record could not be written: {self._log.stats().failed}"
+            )
+
+    def recover(self, records: Sequence[Record]) -> tuple[int, int]:
+        """Replay a durable log's records (`durable.read_log`), in order, with their generations,
+        into this empty store: what it held when they were written. Capacity is not checked
+        (the data was accepted once). Returns (puts, deletes) replayed."""
+        puts = deletes = 0
+        with self._lock:
+            for record in records:
+                if record.kind == "delete":
+                    self._replay_delete(record.delete or {})
+                    deletes += 1
+                    continue
+                self._shards.check_aliases(record.bundles)
+                resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
+                for bundle, own in resolved:
+                    self._shards.apply(bundle, None, None, record.generation, own, aliases=False)
+                for bundle, _ in resolved:
+                    self._shards.apply_aliases(bundle, record.generation)
+                self._last_generation = max(self._last_generation, record.generation)
+                puts += 1
+        return puts, deletes
+
+    def _replay_delete(self, delete: Mapping[str, Any]) -> None:
+        """A delete record's change (caller holds the lock)."""
+        if "keys" in delete:
+            self._shards.delete_keys(delete["keys"])
+            return
+        rows = self._shards.index.rows.lookup(list(delete.get("tasks", [])))
+        fields = delete.get("fields")
+        self._shards.delete_rows(rows[rows >= 0], self._shards.index.names() if fields is None else fields)
+
+    def durable_stats(self) -> LogStats | None:
+        """How the durable log stands (None: not a durable worker)."""
+        return None if self._log is None else self._log.stats()
 
     def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
         """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
@@ -217,6 +292,7 @@ class ShardStore:
     def commit(self, stage_id: str) -> tuple[int, int, int]:
         """Store everything staged under `stage_id` at once, as one put (one generation);
         idempotent for a while after. Returns (shards stored, bytes, generation)."""
+        self._make_room()
         with self._lock:
             now = self._clock()
             self._stages.expire(now)
@@ -235,9 +311,10 @@ class ShardStore:
             incoming, replaced = self._shards.measure([bundle for bundle, _ in resolved])
             after = self._shards.segments.nbytes + incoming - replaced - self._stages.reserved(stage_id)
             self._check_capacity(after, incoming, now)  # the stage's own reservation released
+            generation = self._next_generation()
+            seq = self._record("put", generation, bundles)
             parts = self._stages.take(stage_id) or []
             stored = nbytes = 0
-            generation = self._next_generation()
             # Every part's columns first, then every part's shared values: a value shared across
             # parts is there, and the latest, whatever order the parts arrived in.
             for (bundle, own), (_, body_size, region) in zip(resolved, parts):
@@ -247,6 +324,7 @@ class ShardStore:
                 stored += self._shards.apply_aliases(bundle, generation).stored
             result = (stored, nbytes, generation)
             self._stages.record_commit(stage_id, now, result)
+        self._settle(seq)
         return result
 
     def abort(self, stage_id: str) -> int:
@@ -265,8 +343,11 @@ class ShardStore:
             return self._stages.expire(self._clock())
 
     def close(self) -> None:
-        """Stop the stage sweeper for good (a server shutting down); stored data stays readable."""
+        """Stop the stage sweeper for good (a server shutting down), and write what the durable
+        log still holds; stored data stays readable."""
         self._sweeper.close()
+        if self._log is not None:
+            self._log.close()
 
     # ------------------------------------------------------------------ fetching
 
@@ -363,7 +444,11 @@ class ShardStore:
         task_ids = list(task_ids)
         with self._lock:
             rows = self._shards.index.rows.lookup(task_ids)
-            return self._shards.delete_rows(rows[rows >= 0], self._shards.index.names())
+            held = rows[rows >= 0]
+            seq = self._record("delete", delete={"tasks": task_ids, "fields": None}) if len(held) else 0
+            result = self._shards.delete_rows(held, self._shards.index.names())
+        self._settle(seq)
+        return result
 
     def delete_product(
         self, task_ids: Iterable[str], fields: Iterable[str], generations: np.ndarray | None = None
@@ -378,7 +463,11 @@ class ShardStore:
         with self._lock:
             rows = self._shards.index.rows.lookup(task_ids)
             self._shards.check_generations(task_ids, rows, fields, generations, "deleted")
-            return self._shards.delete_rows(rows[rows >= 0], fields)
+            held = rows[rows >= 0]
+            seq = self._record("delete", delete={"tasks": task_ids, "fields": fields}) if len(held) else 0
+            result = self._shards.delete_rows(held, fields)
+        self._settle(seq)
+        return result
 
     def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
         """Delete the given shards; absent keys are skipped. Returns (count, bytes freed)."""
@@ -386,13 +475,20 @@ class ShardStore:
         for task_id, field in keys:
             by_field.setdefault(field, []).append(task_id)
         with self._lock:
-            return self._shards.delete_keys(by_field)
+            seq = self._record("delete", delete={"keys": by_field}) if by_field else 0
+            result = self._shards.delete_keys(by_field)
+        self._settle(seq)
+        return result
 
     def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
         """Delete what one put stored, where it is still there (a later put's values under the same
         keys survive). For dropping an abandoned engine call's result. Returns (count, bytes freed)."""
         with self._lock:
-            return self._shards.delete_put(receipt)
+            keys = self._shards.keys_of_put(receipt) if self._log is not None else {}
+            seq = self._record("delete", delete={"keys": keys}) if keys else 0
+            result = self._shards.delete_put(receipt)
+        self._settle(seq)
+        return result
 
     def evict_idle(self) -> tuple[int, int]:
         """Delete every task not put or fetched for `max_idle_seconds`; returns (shards, bytes).
@@ -403,6 +499,10 @@ class ShardStore:
             return 0, 0
         with self._lock:
             idle = self._shards.index.rows.idle(self._clock() - self.max_idle_seconds)
+            if len(idle):
+                self._record(
+                    "delete", delete={"tasks": self._shards.index.rows.ids[idle].tolist(), "fields": None}
+                )
             count, freed = self._shards.delete_rows(idle, self._shards.index.names())
             self._evicted_shards += count
             self._evicted_bytes += freed

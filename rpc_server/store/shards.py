@@ -198,6 +198,18 @@ class Shards:
             self.index.release_empty(np.concatenate(touched))
         return count, freed
 
+    def keys_of_put(self, receipt: PutReceipt) -> dict[str, list[str]]:
+        """The keys `delete_put(receipt)` would delete now, by field (a durable log's record of it)."""
+        keys: dict[str, list[str]] = {}
+        for name, seg_id in receipt.segments:
+            seg = self.segments.segments.get(seg_id)
+            if seg is None:
+                continue
+            rows = seg.task_rows if seg.refs is None else self.index.rows_in(name, seg_id, receipt.generation)
+            rows = rows[self.index.locate(name, rows) == seg_id] if len(rows) else rows
+            keys.setdefault(name, []).extend(self.index.rows.ids[rows].tolist())
+        return {name: ids for name, ids in keys.items() if ids}
+
     def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
         """Drop the values one put stored that are still there; returns (count, bytes)."""
         count = freed = 0
