@@ -17,7 +17,7 @@ from rpc_server.context import ServerState, state
 from rpc_server.errors import ApiError, EngineCallFailed, MissingShardsError
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
-from rpc_server.store.durable import DurableLog, read_log
+from rpc_server.store.durable import DurableLog, read_log, swap_node
 from rpc_server.store.shard_store import ShardStore
 from rpc_server.store.sweeper import IdleSweeper
 
@@ -108,6 +108,18 @@ def _host_engine(server_state: ServerState) -> None:
 def _bound(server_state: ServerState, node: str) -> None:
     """A server bound the app at `node`: now the engine can be built."""
     server_state.config.node = node
+    if server_state.config.data_dir is not None:
+        previous = swap_node(Path(server_state.config.data_dir), node)
+        server_state.previous_node = previous
+        if previous is not None:
+            logger.warning(
+                "this worker's data directory %s was served at %s: tell whoever holds its tasks"
+                " (Controller.move_node(%r, %r), DistributedBatchMemory.moved)",
+                server_state.config.data_dir,
+                previous,
+                previous,
+                node,
+            )
     if server_state.config.engine and server_state.engine is None:
         _host_engine(server_state)
 

@@ -644,6 +644,18 @@ class DistributedBatchMemory:
         states: Any = [b._state for b in parts]  # all LocalState or all RemoteState
         return DistributedBatchMemory._of(type(states[0]).concat(states, names, task_ids))
 
+    def moved(self, old: str, new: str) -> DistributedBatchMemory:
+        """This REMOTE batch with the shards `old` held now on `new`: a durable worker
+        (`--data-dir`) started again elsewhere serves them, with the same generations, so the
+        handle reads and clears them there (see `Controller.move_node`). Anything else, or a
+        batch with no shard on `old`, is returned as it is."""
+        meta = self.meta
+        if meta is None or old not in meta.nodes:
+            return self
+        return DistributedBatchMemory.from_meta(
+            meta.moved(validate_node(old), validate_node(new)), self._state.client
+        )
+
     # ------------------------------------------------------------------ serialization
 
     def schema_meta(self) -> BatchMeta:

@@ -281,6 +281,22 @@ class BatchMeta:
     def select_fields(self, names: Iterable[str]) -> BatchMeta:
         return BatchMeta._compact(list(self.task_ids), self.nodes, {n: self.fields[n] for n in names})
 
+    def moved(self, old: str, new: str) -> BatchMeta:
+        """This metadata with `old`'s shards on `new` (a durable worker restarted elsewhere)."""
+        if old not in self.nodes:
+            return self
+        renamed = [new if n == old else n for n in self.nodes]
+        return BatchMeta(list(self.task_ids), renamed, dict(self.fields))._merged_nodes()
+
+    def _merged_nodes(self) -> BatchMeta:
+        """The same metadata, a node named twice in `nodes` named once."""
+        if len(set(self.nodes)) == len(self.nodes):
+            return self
+        first = {n: i for i, n in reversed(list(enumerate(self.nodes)))}
+        remap = np.asarray([first[n] for n in self.nodes], dtype=NODE_INDEX)
+        fields = {name: fm.like(remap[fm.nodes.astype(np.intp)]) for name, fm in self.fields.items()}
+        return BatchMeta._compact(self.task_ids, list(self.nodes), fields)
+
     @staticmethod
     def _compact(task_ids: list[str], nodes: list[str], fields: dict[str, FieldMeta]) -> BatchMeta:
         if not fields:

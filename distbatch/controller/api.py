@@ -117,6 +117,10 @@ class ControllerAPI(Protocol):
         """Drop every task with a shard on a node gone for good (without contacting it)."""
         ...
 
+    def move_node(self, old: str, new: str) -> int:
+        """Tasks with shards on `old` now have them on `new` (a durable worker restarted)."""
+        ...
+
     def partitions(self) -> list[str]:
         """The partition ids, in creation order."""
         ...

@@ -681,6 +681,21 @@ class Controller:
             failed={n: exc.detail for n, exc in failed.items()},
         )
 
+    def move_node(self, old: str, new: str) -> int:
+        """Say that the shards `old` held are now served at `new`: a durable worker (`--data-dir`)
+        started again on its directory at another address. Every partition's tasks that name
+        `old` name `new` from now on (batches `get_meta` hands out, clears, `forget_node`);
+        nothing is contacted or copied. Returns how many tasks moved (0 for a node the
+        controller does not know: harmless to call again). Batch handles taken before name
+        `old`: move them with `DistributedBatchMemory.moved`."""
+        old, new = checked_node(old), checked_node(new)
+        with self._changed:
+            moved = sum(p.move_node(old, new) for p in self._partitions.values())
+            self._changed.notify_all()
+        if moved:
+            logger.info("moved %d task(s) from node %s to %s", moved, old, new)
+        return moved
+
     def _forget_marked(self, marked: Marked) -> dict[str, tuple[str, ...]]:
         """Unmark and forget the marked tasks of each partition still there; their ids per partition."""
         lost: dict[str, tuple[str, ...]] = {}

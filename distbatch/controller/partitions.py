@@ -709,6 +709,23 @@ class Partition:
             mask |= column.node == n
         return np.flatnonzero(mask).tolist()
 
+    def move_node(self, old: str, new: str) -> int:
+        """Say that `old`'s shards are now served by `new` (a durable worker restarted on another
+        address); the number of tasks with a shard there."""
+        n_old = self.node_index.get(old)
+        if n_old is None or old == new:
+            return 0
+        moved = len(self.rows_on(old))
+        n_new = self.node_index.get(new)
+        if n_new is None:  # a name change: every reference stays
+            del self.node_index[old]
+            self.nodes[n_old] = new
+            self.node_index[new] = n_old
+        else:  # both known: old's references go to new (old's number stays, unused)
+            for column in self.columns.values():
+                column.node[column.node == n_old] = n_new
+        return moved
+
     # ------------------------------------------------------------------ removal
 
     def drop_rows(self, node: str, keys: Iterable[ShardKey]) -> None:

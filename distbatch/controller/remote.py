@@ -260,6 +260,10 @@ class RemoteController:
         """Drop every task with a shard on `node`, gone for good; see `Controller.forget_node`."""
         return ForgottenNode.from_dict(self._post("/v1/controller/forget_node", {"node": node}))
 
+    def move_node(self, old: str, new: str) -> int:
+        """`old`'s shards are served at `new` now; see `Controller.move_node`."""
+        return int(self._post("/v1/controller/move_node", {"old": old, "new": new})["moved"])
+
     def state_dict(self) -> dict[str, Any]:
         return self._get("/v1/controller/state")
 

@@ -263,6 +263,12 @@ def forget_node() -> Response:
     return jsonify(_controller().forget_node(_required(_body(), "node")).to_dict())
 
 
+@_ROUTES.post("/v1/controller/move_node")
+def move_node() -> Response:
+    body = _body()
+    return jsonify({"moved": _controller().move_node(_required(body, "old"), _required(body, "new"))})
+
+
 @_ROUTES.get("/v1/controller/partitions")
 def partitions() -> Response:
     return jsonify({"partitions": _controller().partitions()})

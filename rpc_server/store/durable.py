@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distbatch.atomic import write_text_atomically
 from distbatch.errors import WireFormatError
 from distbatch.wire.bundle import Bundle, build_bundle, parse_bundle
 from distbatch.wire.container import build_container, byte_view, parse_container
@@ -50,6 +51,7 @@ RECORD_VERSION = 1
 LOG_DIR = "log"
 DROPPED_DIR = "dropped"
 LOCK_FILE = "lock"
+NODE_FILE = "node"
 _NAME = re.compile(r"^(\d{16})-(\d{1,6})-(\d{1,6})\.safetensors$")
 
 # Written behind the store by default at most this many bytes; then changes wait for the disk.
@@ -236,6 +238,18 @@ class DurableLog:
                 os.close(fd)
             os.replace(hidden, self.log_dir / name)
         return total
+
+
+def swap_node(directory: Path, node: str) -> str | None:
+    """Write the address this worker serves `directory` at (``DIR/node``); the one written
+    before, if another worker (this directory's previous life) served it elsewhere."""
+    path = Path(directory) / NODE_FILE
+    try:
+        previous: str | None = path.read_text().strip() or None
+    except FileNotFoundError:
+        previous = None
+    write_text_atomically(path, node + "\n")
+    return previous if previous != node else None
 
 
 def _metadata(record: Record, k: int, n: int, crc: int) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distbatch import DistributedBatchMemory, ShardClient
+from distbatch import Controller, DistributedBatchMemory, ShardClient
 from distbatch.errors import ShardNotFoundError
 from distbatch.launch import WorkerProcess
 
@@ -71,3 +71,36 @@ def test_a_killed_worker_comes_back_with_its_shards(
             assert all(torch.equal(g, w) for g, w in zip(got[name], values))
         with pytest.raises(ShardNotFoundError):
             _moved(DistributedBatchMemory.from_json(cleared), first.node, second.node, client).get_data()
+
+
+def test_the_controller_and_old_handles_follow_a_restarted_worker(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """SIGKILL between a put and a get_meta: the restarted worker says where it was; the
+    controller's `move_node` and a handle's `moved` point at it; every task comes back intact,
+    none is reported lost."""
+    flags = ["--data-dir", str(tmp_path / "w0"), "--sync"]
+    first = start_worker(*flags, env=NO_TOKEN)
+    other = start_worker(env=NO_TOKEN)  # a second worker, not durable, untouched
+    columns = _batch(64, seed=3)
+    with ShardClient() as client:
+        controller = Controller(client=client)
+        batch = DistributedBatchMemory.from_dict(columns)
+        handle = DistributedBatchMemory.concat(
+            [batch[:32].to_remote(first.node, client), batch[32:].to_remote(other.node, client)]
+        )
+        controller.put("p", handle)
+        first.kill()
+        second = start_worker(*flags, env=NO_TOKEN)
+        assert _durable(second.node)["previous_node"] == first.node
+        assert controller.move_node(first.node, second.node) == 32
+        assert controller.move_node(first.node, second.node) == 0  # harmless again
+        got = controller.get_meta("p", "train", list(columns), 64)
+        assert len(got) == 64 and set(got.meta.nodes) == {second.node, other.node}
+        data = got.get_data()
+        order = [int(t.rsplit("-", 1)[-1]) for t in got.task_ids]
+        assert all(torch.equal(data["input_ids"][k], columns["input_ids"][i]) for k, i in enumerate(order))
+        old = handle.moved(first.node, second.node)
+        assert old.meta is not None and set(old.meta.nodes) == {second.node, other.node}
+        assert all(torch.equal(a, b) for a, b in zip(old.get_data()["input_ids"], columns["input_ids"]))
+        assert controller.clear_partition("p") == 64 * 3  # the moved tasks are cleared where they are

@@ -149,3 +149,29 @@ def test_only_so_many_sets_are_kept_and_a_dropped_one_is_rebuilt() -> None:
     p.consume("task0", [0, 1])  # task0's set was dropped: consumption still counts when rebuilt
     assert p.ready("task0", ["a"]) == list(range(2, 8))
     assert p.count_ready(["a"]) == 8
+
+
+def test_a_moved_node_keeps_its_tasks_and_merges_with_a_known_one() -> None:
+    p, m = Partition("p"), Model()
+    _put(p, m, ["x", "y"], ["a"])  # on NODES[0]
+    meta = BatchMeta(
+        ["z"], [NODES[1]], {"a": FieldMeta("I32", np.zeros(1, np.int32), RowShapes.uniform(1, ()))}
+    )
+    p.register(meta, p.check_put(meta, 1))
+    assert p.move_node("127.0.0.1:9", NODES[0]) == 0  # unknown: nothing
+    assert p.move_node(NODES[0], "127.0.0.1:7") == 2  # a new name
+    assert p.meta_for([p.index_of["x"]], ["a"]).nodes == ["127.0.0.1:7"]
+    assert p.move_node("127.0.0.1:7", NODES[1]) == 2  # onto a node it knows: merged
+    handed = p.meta_for(p.ready("train", ["a"]), ["a"])
+    assert handed.nodes == [NODES[1]] and handed.fields["a"].nodes.tolist() == [0, 0, 0]
+    assert p.rows_on("127.0.0.1:7") == [] and len(p.rows_on(NODES[1])) == 3
+
+
+def test_a_handle_moves_with_its_worker() -> None:
+    fields = {"a": FieldMeta("I32", np.asarray([0, 1, 0], np.int32), RowShapes.uniform(3, ()))}
+    meta = BatchMeta(["x", "y", "z"], NODES, fields)
+    assert meta.moved("127.0.0.1:9", NODES[0]) is meta
+    renamed = meta.moved(NODES[0], "127.0.0.1:7")
+    assert renamed.nodes == ["127.0.0.1:7", NODES[1]] and renamed.fields["a"].nodes.tolist() == [0, 1, 0]
+    merged = meta.moved(NODES[0], NODES[1])
+    assert merged.nodes == [NODES[1]] and merged.fields["a"].nodes.tolist() == [0, 0, 0]
