@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
 import threading
@@ -34,6 +35,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -320,13 +322,18 @@ def read_log(directory: Path) -> Recovered:
             continue
         seq, k, n = (int(g) for g in match.groups())
         groups.setdefault(seq, {})[k] = (n, path)
+    # Every file is mapped and checked (CRC) on a few threads (zlib lets the GIL go), then the
+    # records are taken in order up to the first that is not whole.
+    ordered = [(seq, k, n, path) for seq in sorted(groups) for k, (n, path) in sorted(groups[seq].items())]
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        checked = dict(zip(((seq, k) for seq, k, _, _ in ordered), pool.map(_check_file, ordered)))
     records: list[Record] = []
     good = True
     disk_bytes = 0
     last_seq = 0
     for seq in sorted(groups):
         parts = groups[seq]
-        record = _read_record(seq, parts) if good else None
+        record = _record_of(seq, parts, checked) if good else None
         if record is None:
             good = False
             dropped.extend(path.name for _, path in parts.values())
@@ -337,37 +344,62 @@ def read_log(directory: Path) -> Recovered:
     if dropped:
         _set_aside(log_dir, Path(directory) / DROPPED_DIR, dropped)
         logger.warning(
-            "durable log %s: dropped %d file(s) a crash left incomplete: %s",
-            log_dir,
-            len(dropped),
-            dropped[:5],
+            "durable log %s: set %d file(s) aside in %s/: %s", log_dir, len(dropped), DROPPED_DIR, dropped[:5]
         )
     return Recovered(records, dropped, max(last_seq, max(groups, default=0)), disk_bytes)
 
 
-def _read_record(seq: int, parts: dict[int, tuple[int, Path]]) -> Record | None:
+def _check_file(entry: tuple[int, int, int, Path]) -> tuple[dict[str, Any], memoryview] | None:
+    """A record file mapped (not read: the store keeps views of the page cache) with its header
+    checked and its data's CRC matched; None if it is not whole."""
+    seq, k, n, path = entry
+    try:
+        data = _mapped(path)
+        container = parse_container(data)
+        info = json.loads(container.metadata.get(RECORD_KEY, "null"))
+        if not isinstance(info, dict) or info.get("version") != RECORD_VERSION:
+            return None
+        if (info.get("seq"), info.get("part"), info.get("parts")) != (seq, k, n):
+            return None
+        if info["kind"] != "delete":
+            body = data[8 + int.from_bytes(data[:8], "little") :]
+            if zlib.crc32(body) != info["crc32"]:
+                return None
+        return info, data
+    except (OSError, WireFormatError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mapped(path: Path) -> memoryview:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return memoryview(b"")
+        return memoryview(
+            mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        )
+
+
+def _record_of(
+    seq: int, parts: dict[int, tuple[int, Path]], checked: dict[tuple[int, int], Any]
+) -> Record | None:
     """The record of one sequence number, or None if a part is missing or damaged."""
     counts = {n for n, _ in parts.values()}
     if len(counts) != 1 or set(parts) != set(range(counts.pop())):
         return None
     record: Record | None = None
     for k in sorted(parts):
-        path = parts[k][1]
-        data = path.read_bytes()
-        try:
-            container = parse_container(data)
-            info = json.loads(container.metadata.get(RECORD_KEY, "null"))
-            if not isinstance(info, dict) or info.get("version") != RECORD_VERSION or info.get("seq") != seq:
-                return None
-            body = memoryview(data)[8 + int.from_bytes(data[:8], "little") :]
-            if info["kind"] != "delete" and zlib.crc32(body) != info["crc32"]:
-                return None
-            if record is None:
-                record = Record(seq, info["kind"], int(info["generation"]), delete=info.get("delete"))
-            if info["kind"] != "delete":
-                record.bundles.append(parse_bundle(data))
-        except (WireFormatError, ValueError, KeyError, TypeError):
+        found = checked.get((seq, k))
+        if found is None:
             return None
+        info, data = found
+        if record is None:
+            record = Record(seq, info["kind"], int(info["generation"]), delete=info.get("delete"))
+        if info["kind"] != "delete":
+            try:
+                record.bundles.append(parse_bundle(data))
+            except WireFormatError:
+                return None
     return record
 
 

@@ -326,3 +326,19 @@ def test_a_partition_keeps_its_tasks_in_columns() -> None:
     assert result["tasks"] == 3 * partition_scale.PUT and result["consumed"] == 16 * 5
     assert 0 < result["bytes_per_task"] < 800
     assert result["put_us_per_task"] > 0 and result["get_meta_16_us"] > 0 and result["meta_for_2560x8_ms"] > 0
+
+
+def test_the_durable_rows_measure_each_mode_and_a_recovery() -> None:
+    """`bench.durable` in small: each mode's worker took every put (the durable ones wrote a
+    record for each put and each clear), and a killed worker came back holding what it held."""
+    from bench import durable
+
+    result = durable.throughput("tiny", repeats=2)
+    assert set(result["modes"]) == set(durable.MODES)
+    assert result["modes"]["memory"]["log"] is None
+    for mode in ("write-behind", "sync"):
+        log = result["modes"][mode]["log"]
+        assert log["written_records"] == 4 and log["pending_records"] == 0 and log["failed"] is None
+    recovered = durable.recovery(gib=0.001, workload="tiny")
+    assert recovered["bytes"] > 0 and recovered["disk_bytes"] >= recovered["bytes"]
+    assert "recovery" in durable.table({**result, "recovery": recovered})
