@@ -50,7 +50,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_threads=args.max_threads,
         read_timeout=args.read_timeout,
         shm_max_bytes=args.shm_max_bytes,
-        data_dir=None if args.data_dir is None else str(args.data_dir),
+        data_dir=None if args.data_dir is None else str(args.data_dir).replace("{rank}", str(args.rank)),
         sync_writes=args.sync,
     )
 

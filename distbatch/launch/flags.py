@@ -221,8 +221,9 @@ def _add_durability_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="also write every committed put and delete to DIR (safetensors files, written behind"
-        " the put) and, started again on DIR, recover every shard with its generation (default: none,"
-        " shards live in memory only)",
+        " the put) and, started again on DIR, recover every shard with its generation; {rank} in DIR"
+        " is this worker's --rank, so a group's workers each get their own (default: none, shards"
+        " live in memory only)",
     )
     parser.add_argument(
         "--sync",

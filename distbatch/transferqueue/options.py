@@ -53,6 +53,9 @@ class BackendOptions:
             (`gc.freeze()`), so full collections, which TransferQueue's per-sample metadata sets
             off during puts, stop walking them (`distbatch.gc_pause.freeze_long_lived`); not
             where something is frozen already. For the rest of the process.
+        data_dir: each started worker's data directory, a durable worker (`--data-dir`; `{rank}`
+            is the worker's rank: "/data/distbatch/w{rank}"). None: shards in memory only.
+        sync_writes: with `data_dir`, a put is answered once its record is on disk (`--sync`).
     """
 
     endpoints: tuple[str, ...] = ()
@@ -63,6 +66,8 @@ class BackendOptions:
     timeout: float = 60.0
     fast_schema: bool = True
     freeze_gc: bool = True
+    data_dir: str | None = None
+    sync_writes: bool = False
 
     @staticmethod
     def from_config(section: Mapping[str, Any] | None) -> BackendOptions:
@@ -87,7 +92,16 @@ class BackendOptions:
             "timeout": self.timeout,
             "fast_schema": self.fast_schema,
             "freeze_gc": self.freeze_gc,
+            "data_dir": self.data_dir,
+            "sync_writes": self.sync_writes,
         }
+
+    def worker_args(self) -> list[str]:
+        """The flags of the workers the bootstrap starts."""
+        args = [] if self.capacity is None else ["--max-bytes", str(self.capacity)]
+        if self.data_dir is not None:
+            args += ["--data-dir", self.data_dir, *(["--sync"] if self.sync_writes else [])]
+        return args
 
 
 def _endpoints(value: Any) -> tuple[str, ...]:
@@ -142,4 +156,6 @@ _CHECKS: dict[str, Any] = {
     "timeout": _timeout,
     "fast_schema": lambda v: _plain(v, bool, "fast_schema"),
     "freeze_gc": lambda v: _plain(v, bool, "freeze_gc"),
+    "data_dir": lambda v: _plain(v, str, "data_dir"),
+    "sync_writes": lambda v: _plain(v, bool, "sync_writes"),
 }

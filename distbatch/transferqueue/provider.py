@@ -188,6 +188,6 @@ def _start_workers(options: BackendOptions) -> WorkerGroup:
     import ray
 
     count = options.workers or max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
-    args = [] if options.capacity is None else ["--max-bytes", str(options.capacity)]
+    args = options.worker_args()
     env = None if options.token is None else {"DISTBATCH_TOKEN": options.token}
     return WorkerGroup.ray(count, args=args, env=env, placement="spread")

@@ -4,6 +4,7 @@ every shard it had committed, byte for byte, with the generation its batch handl
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from distbatch import Controller, DistributedBatchMemory, ShardClient
-from distbatch.errors import ShardNotFoundError
-from distbatch.launch import WorkerProcess
+from distbatch.errors import ShardNotFoundError, WorkerUnavailableError
+from distbatch.launch import WorkerProcess, spawn_workers
 
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}
 
@@ -34,11 +35,15 @@ def _moved(batch: DistributedBatchMemory, old: str, new: str, client: ShardClien
     return DistributedBatchMemory.from_json(batch.to_json().replace(json.dumps(old), json.dumps(new)), client)
 
 
-def _durable(node: str) -> dict:
+def _stats(node: str) -> dict:
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
         f"http://{node}/v1/stats", timeout=10
     ) as response:
-        return json.loads(response.read())["durable"]
+        return json.loads(response.read())
+
+
+def _durable(node: str) -> dict:
+    return _stats(node)["durable"]
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "write-behind"])
@@ -104,3 +109,84 @@ def test_the_controller_and_old_handles_follow_a_restarted_worker(
         assert old.meta is not None and set(old.meta.nodes) == {second.node, other.node}
         assert all(torch.equal(a, b) for a, b in zip(old.get_data()["input_ids"], columns["input_ids"]))
         assert controller.clear_partition("p") == 64 * 3  # the moved tasks are cleared where they are
+
+
+def test_a_group_gives_each_worker_its_own_directory(tmp_path: Path) -> None:
+    """`{rank}` in `--data-dir`: a group's workers, which share their flags, each get a directory."""
+    workers = spawn_workers(2, args=["--data-dir", str(tmp_path / "w{rank}")], env=NO_TOKEN)
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["w0", "w1"]
+        assert (tmp_path / "w1" / "node").read_text().strip() == workers[1].node
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_put_killed_half_way_comes_back_whole_or_not_at_all(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """A put staged over many requests (a client's small request bound), the worker SIGKILLed
+    while the parts arrive: the restarted worker holds the batch committed before, and of the
+    interrupted one every task or none (never some)."""
+    flags = ["--data-dir", str(tmp_path)]
+    first = start_worker(*flags, env=NO_TOKEN)
+    before, interrupted = _batch(50, seed=4), _batch(400, seed=5)
+    with ShardClient(max_bytes_per_request=8 << 10, timeout=20) as client:
+        kept = DistributedBatchMemory.from_dict(before).to_remote(first.node, client)
+        failures: list[BaseException] = []
+        big = DistributedBatchMemory.from_dict(interrupted)
+
+        def put() -> None:
+            try:
+                big.to_remote(first.node, client)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                failures.append(exc)
+
+        thread = threading.Thread(target=put)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not _stats(first.node)["staged_bytes"] and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)  # until parts of it are staged on the worker
+        while _durable(first.node)["pending_records"]:
+            time.sleep(0.005)  # the earlier batch on disk: what a kill may not lose
+        first.kill()
+        thread.join(30)
+        assert failures and isinstance(failures[0], WorkerUnavailableError)
+    second = start_worker(*flags, env=NO_TOKEN)
+    with ShardClient() as client:
+        got = (
+            DistributedBatchMemory.from_json(kept.to_json(), client).moved(first.node, second.node).get_data()
+        )
+        assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], before["input_ids"]))
+    assert _stats(second.node)["tasks"] in (50, 50 + 400)
+
+
+def test_a_gather_cut_by_a_kill_succeeds_against_the_restarted_worker(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    flags = ["--data-dir", str(tmp_path), "--sync"]
+    first = start_worker(*flags, env=NO_TOKEN)
+    columns = _batch(400, seed=6)
+    with ShardClient(max_bytes_per_request=8 << 10, timeout=20) as client:
+        remote = DistributedBatchMemory.from_dict(columns).to_remote(first.node, client)
+        text = remote.to_json()
+        failures: list[BaseException] = []
+        gathered = threading.Event()
+
+        def gather() -> None:  # fresh handles (a handle keeps what it gathered), until one fails
+            try:
+                for _ in range(1000):
+                    DistributedBatchMemory.from_json(text, client).get_data()
+                    gathered.set()
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                failures.append(exc)
+
+        thread = threading.Thread(target=gather)
+        thread.start()
+        assert gathered.wait(20)
+        first.kill()  # in the middle of one of them (each is ~40 requests)
+        thread.join(30)
+        assert failures and isinstance(failures[0], WorkerUnavailableError)
+        second = start_worker(*flags, env=NO_TOKEN)
+        got = remote.moved(first.node, second.node).get_data()
+        assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))

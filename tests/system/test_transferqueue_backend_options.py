@@ -36,6 +36,8 @@ BAD_OPTIONS = [
     ({"timeout": 0}, "seconds > 0"),
     ({"fast_schema": 1}, "must be bool"),
     ({"freeze_gc": "yes"}, "must be bool"),
+    ({"data_dir": 3}, "must be str"),
+    ({"sync_writes": "yes"}, "must be bool"),
 ]
 
 

@@ -176,3 +176,27 @@ def test_several_workers_cannot_share_one_port(form: str) -> None:
     }[form]
     with pytest.raises(ValueError, match="2 workers cannot all listen on port"):
         spawn_workers(2, args=args)
+
+
+def test_a_data_dir_names_the_workers_rank() -> None:
+    from rpc_server.__main__ import server_config
+
+    config = server_config(parse_args(["--data-dir", "/data/w{rank}", "--rank", "3", "--world-size", "4"]))
+    assert config.data_dir == "/data/w3" and not config.sync_writes
+    assert server_config(parse_args(["--data-dir", "/d", "--sync"])).sync_writes
+
+
+def test_sync_without_a_data_dir_is_refused() -> None:
+    from rpc_server.__main__ import server_config
+
+    with pytest.raises(ValueError, match="--sync needs --data-dir"):
+        server_config(parse_args(["--sync"]))
+
+
+def test_the_transferqueue_backend_starts_durable_workers_when_asked() -> None:
+    from distbatch.transferqueue.options import BackendOptions
+
+    options = BackendOptions.from_config({"data_dir": "/data/w{rank}", "sync_writes": True, "capacity": "1G"})
+    assert options.worker_args() == ["--max-bytes", str(1 << 30), "--data-dir", "/data/w{rank}", "--sync"]
+    assert BackendOptions.from_config(options.as_config()) == options
+    assert BackendOptions().worker_args() == []
