@@ -12,6 +12,7 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
   same-node put/get and a memcpy);
 - `scaling` (1k-100k tasks), `control_plane` (hundreds of ranks polling one controller),
   `partition_scale` (a controller partition's bytes and times per task, in one process),
+  `durable` (a worker with `--data-dir` against one in memory; recovery after SIGKILL),
   `shared_fields` (a multimodal GRPO batch: a group's image shared vs n copies vs TransferQueue),
   `soak` (load, every byte checked), `suite_cpu` (where a command's CPU goes, every process
   counted: the test suite's profile);
