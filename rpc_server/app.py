@@ -17,7 +17,7 @@ from rpc_server.context import ServerState, state
 from rpc_server.errors import ApiError, EngineCallFailed, MissingShardsError
 from rpc_server.metrics import Metrics
 from rpc_server.routes import data_routes
-from rpc_server.store.durable import DurableLog, read_log, swap_node
+from rpc_server.store.durable import DurableLog, swap_node
 from rpc_server.store.shard_store import ShardStore
 from rpc_server.store.sweeper import IdleSweeper
 
@@ -52,7 +52,9 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
     # Keep field order as the engine returned it (Flask's default provider has `sort_keys`).
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes + 1
-    server_state = ServerState(config=config, store=store or _new_store(config), metrics=Metrics())
+    server_state = ServerState(
+        config=config, store=store if store is not None else _new_store(config), metrics=Metrics()
+    )
     if config.engine and config.node != UNBOUND:
         _host_engine(server_state)
     if server_state.store.max_idle_seconds is not None:
@@ -69,11 +71,7 @@ def create_app(config: ServerConfig | None = None, *, store: ShardStore | None =
 
 def _new_store(config: ServerConfig) -> ShardStore:
     """The store `config` asks for; a durable one recovers what its directory's log holds first."""
-    log = None
-    recovered = None
-    if config.data_dir is not None:
-        recovered = read_log(Path(config.data_dir))
-        log = DurableLog(Path(config.data_dir), next_seq=recovered.last_seq + 1)
+    log = None if config.data_dir is None else DurableLog(Path(config.data_dir))
     store = ShardStore(
         config.max_bytes,
         stage_ttl=config.stage_ttl,
@@ -82,9 +80,9 @@ def _new_store(config: ServerConfig) -> ShardStore:
         log=log,
         sync=config.sync_writes,
     )
-    if recovered is not None:
+    if log is not None:
         began = time.monotonic()
-        puts, deletes = store.recover(recovered.records)
+        puts, deletes = store.recover(log.recovered.records)
         logger.info(
             "recovered %d put(s) and %d delete(s) from %s in %.2f s: %d shard(s), %d byte(s)",
             puts,
@@ -110,14 +108,13 @@ def _bound(server_state: ServerState, node: str) -> None:
     server_state.config.node = node
     if server_state.config.data_dir is not None:
         previous = swap_node(Path(server_state.config.data_dir), node)
-        server_state.previous_node = previous
-        if previous is not None:
+        server_state.previous_nodes = previous
+        if previous:
             logger.warning(
                 "this worker's data directory %s was served at %s: tell whoever holds its tasks"
-                " (Controller.move_node(%r, %r), DistributedBatchMemory.moved)",
+                " (Controller.move_node(old, %r) for each, DistributedBatchMemory.moved)",
                 server_state.config.data_dir,
-                previous,
-                previous,
+                ", ".join(previous),
                 node,
             )
     if server_state.config.engine and server_state.engine is None:

@@ -59,8 +59,8 @@ class ServerState:
         default_factory=lambda: RecvPool(BODY_POOL_BYTES, idle_seconds=BODY_POOL_IDLE_SECONDS)
     )
 
-    # A durable worker restarted on its directory: the address the directory was served at before.
-    previous_node: str | None = None
+    # A durable worker restarted on its directory: the addresses it was served at before (oldest first).
+    previous_nodes: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)  # for `uptime_seconds` in /v1/stats
     # The same-host endpoint, started by the first client that asks for it (`shared_memory`).
     shm: SharedMemoryService | None = None

@@ -374,12 +374,12 @@ def stats() -> Response:
             **current.metrics.traffic(),
             "uptime_seconds": round(time.monotonic() - current.started, 3),
             "engine": current.engine.name if current.engine is not None else None,
-            "durable": _durable_stats(current.store.durable_stats(), current.previous_node),
+            "durable": _durable_stats(current.store.durable_stats(), current.previous_nodes),
         }
     )
 
 
-def _durable_stats(log: LogStats | None, previous_node: str | None) -> dict[str, Any] | None:
+def _durable_stats(log: LogStats | None, previous_nodes: list[str]) -> dict[str, Any] | None:
     """A durable worker's log, for `/v1/stats` (None: shards live in memory only)."""
     if log is None:
         return None
@@ -392,7 +392,7 @@ def _durable_stats(log: LogStats | None, previous_node: str | None) -> dict[str,
         "written_bytes": log.written_bytes,
         "disk_bytes": log.disk_bytes,
         "failed": log.failed,
-        "previous_node": previous_node,
+        "previous_nodes": previous_nodes,
     }
 
 

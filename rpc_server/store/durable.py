@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import threading
 import time
 import zlib
@@ -56,6 +57,11 @@ LOCK_FILE = "lock"
 NODE_FILE = "node"
 _NAME = re.compile(r"^(\d{16})-(\d{1,6})-(\d{1,6})\.safetensors$")
 
+# The record's CRC field in the container header: a JSON string inside a JSON string.
+_NO_CRC = "0000000000"
+_CRC_FIELD = rb"\"crc32\":\"%s\""
+_CRC_PATTERN = re.compile(rb'\\"crc32\\":\\"(\d{10})\\"')
+
 # Written behind the store by default at most this many bytes; then changes wait for the disk.
 DEFAULT_MAX_LAG_BYTES = 1 << 30
 
@@ -73,6 +79,7 @@ class Record:
     delete: dict[str, Any] | None = None
     nbytes: int = 0
     queued_at: float = 0.0
+    paths: list[Path] = field(default_factory=list)  # its files, once read back
 
 
 @dataclass
@@ -93,19 +100,26 @@ class DurableLog:
     """Writes records behind the store, in order, each durable (fsynced, renamed) before the next
     is acknowledged as such; `wait(seq)` blocks until record `seq` is durable."""
 
-    def __init__(
-        self, directory: Path, next_seq: int = 1, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES
-    ) -> None:
+    def __init__(self, directory: Path, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> None:
+        """Take `directory` (locked: one worker a directory), read its log back (`recovered`: the
+        records to replay, the damaged tail set aside) and start the writer after them."""
         self.directory = Path(directory)
         self.log_dir = self.directory / LOG_DIR
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        # One worker a directory: a second would interleave its records with ours.
-        self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        _make_dir(self.log_dir)
+        # One worker a directory: a second would interleave its records with ours, and must not
+        # even read the log (it would set aside the files being written).
+        self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
             raise DurableLogError(f"another worker uses {self.directory} (it holds {LOCK_FILE})") from None
+        try:
+            self.recovered = read_log(self.directory, set_aside=True)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        next_seq = self.recovered.last_seq + 1
         self.max_lag_bytes = max_lag_bytes
         self._next_seq = next_seq
         self._queue: deque[Record] = deque()
@@ -113,7 +127,7 @@ class DurableLog:
         self._durable_seq = next_seq - 1
         self._written_records = 0
         self._written_bytes = 0
-        self._disk_bytes = sum(p.stat().st_size for p in self.log_dir.glob("*.safetensors"))
+        self._disk_bytes = self.recovered.disk_bytes
         self._failed: str | None = None
         self._closed = False
         self._cond = threading.Condition()
@@ -144,6 +158,27 @@ class DurableLog:
             self._pending_bytes += nbytes
             self._cond.notify_all()
         return seq
+
+    def check(self) -> None:
+        """`DurableLogError` if a change could not be recorded now (the writer failed, or closed):
+        asked before the store applies one."""
+        with self._cond:
+            if self._failed is not None:
+                raise DurableLogError(f"the durable log in {self.directory} cannot write: {self._failed}")
+            if self._closed:
+                raise DurableLogError("the durable log is closed")
+
+    @property
+    def last_queued(self) -> int:
+        """The number of the last record queued (0: none)."""
+        with self._cond:
+            return self._next_seq - 1
+
+    def set_aside(self, records: Sequence[Record]) -> None:
+        """Move these records' files out of the log (a tail replay could not apply)."""
+        names = [path.name for record in records for path in record.paths]
+        if names:
+            _set_aside(self.log_dir, self.directory / DROPPED_DIR, names)
 
     def wait(self, seq: int, timeout: float | None = None) -> bool:
         """Block until record `seq` is durable (True), the timeout passes or the writer failed (False)."""
@@ -184,6 +219,14 @@ class DurableLog:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # records still being written: the directory stays ours
+            logger.error(
+                "durable log %s: %d record(s) still unwritten after %.0f s; the directory stays locked",
+                self.directory,
+                len(self._queue),
+                timeout,
+            )
+            return
         os.close(self._lock_fd)  # the directory is free for the next worker
 
     # ------------------------------------------------------------------ the writer
@@ -199,8 +242,8 @@ class DurableLog:
             try:
                 written = [self._write(record) for record in batch]
                 _fsync_dir(self.log_dir)
-            except OSError as exc:  # a full or failing disk: said, counted; the store keeps serving
-                logger.error("durable log: writing record %d failed: %s", batch[0].seq, exc)
+            except BaseException as exc:  # a full or failing disk, or anything: said; the store serves on
+                logger.error("durable log: writing record %d failed: %s", batch[0].seq, exc, exc_info=True)
                 with self._cond:
                     self._failed = f"{type(exc).__name__}: {exc}"
                     self._cond.notify_all()
@@ -242,19 +285,21 @@ class DurableLog:
         return total
 
 
-def swap_node(directory: Path, node: str) -> str | None:
-    """Write the address this worker serves `directory` at (``DIR/node``); the one written
-    before, if another worker (this directory's previous life) served it elsewhere."""
+def swap_node(directory: Path, node: str) -> list[str]:
+    """Add the address this worker serves `directory` at to ``DIR/node`` (every address it was
+    served at, oldest first); the earlier ones, other than `node`: a controller may know any of
+    them (a worker restarted twice before it was told)."""
     path = Path(directory) / NODE_FILE
     try:
-        previous: str | None = path.read_text().strip() or None
+        known = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except FileNotFoundError:
-        previous = None
-    write_text_atomically(path, node + "\n")
-    return previous if previous != node else None
+        known = []
+    earlier = [n for n in dict.fromkeys(known) if n != node]
+    write_text_atomically(path, "".join(f"{n}\n" for n in [*earlier, node]))
+    return earlier
 
 
-def _metadata(record: Record, k: int, n: int, crc: int) -> dict[str, str]:
+def _metadata(record: Record, k: int, n: int) -> dict[str, str]:
     info: dict[str, Any] = {
         "version": RECORD_VERSION,
         "seq": record.seq,
@@ -262,27 +307,59 @@ def _metadata(record: Record, k: int, n: int, crc: int) -> dict[str, str]:
         "parts": n,
         "kind": record.kind,
         "generation": record.generation,
-        "crc32": crc,
+        "crc32": _NO_CRC,
     }
     if record.delete is not None:
         info["delete"] = record.delete
     return {RECORD_KEY: json.dumps(info, separators=(",", ":"))}
 
 
-def _crc(parts: Sequence[Any]) -> int:
+def _with_crc(parts: list[Any]) -> list[Any]:
+    """The file's parts, the header's CRC placeholder replaced by the CRC32 of every byte of the
+    file as it reads with the placeholder (header and data: a damaged id or JSON value counts)."""
+    header = bytes(parts[0])
     crc = 0
-    for part in parts:
+    for part in [header, *parts[1:]]:
         crc = zlib.crc32(byte_view(part), crc)
-    return crc
+    filled = header.replace(_CRC_FIELD % _NO_CRC.encode(), _CRC_FIELD % b"%010d" % crc, 1)
+    if len(filled) != len(header) or filled == header and crc != int(_NO_CRC):
+        raise WireFormatError("a durable record's header has no CRC placeholder")
+    return [filled, *parts[1:]]
 
 
 def _put_parts(record: Record, k: int, n: int, bundle: Bundle) -> list[Any]:
-    data = build_bundle(bundle)[1:]  # the header names the CRC of what follows it
-    return build_bundle(bundle, extra_metadata=_metadata(record, k, n, _crc(data)))
+    return _with_crc(build_bundle(bundle, extra_metadata=_metadata(record, k, n)))
 
 
 def _delete_parts(record: Record) -> list[Any]:
-    return build_container([], _metadata(record, 0, 1, 0))
+    return _with_crc(build_container([], _metadata(record, 0, 1)))
+
+
+def _file_crc(data: memoryview) -> tuple[int, int] | None:
+    """(CRC the header names, CRC of the file with the placeholder back), None if no CRC field."""
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    header = bytes(data[:header_end])
+    found = _CRC_PATTERN.search(header)
+    if found is None:
+        return None
+    blank = header[: found.start(1)] + _NO_CRC.encode() + header[found.end(1) :]
+    return int(found.group(1)), zlib.crc32(data[header_end:], zlib.crc32(blank))
+
+
+def _make_dir(path: Path) -> None:
+    """`path` and its missing parents, each new one fsynced into its parent (so a record
+    acknowledged in a fresh directory survives a power loss)."""
+    missing = []
+    at = path
+    while not at.exists():
+        missing.append(at)
+        at = at.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:
+            pass
+        _fsync_dir(new.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -298,7 +375,7 @@ def _fsync_dir(path: Path) -> None:
 
 @dataclass
 class Recovered:
-    """What `read_log` found: the records to replay, in order, and what it dropped."""
+    """What `read_log` found: the records to replay, in order, and what it set aside."""
 
     records: list[Record]
     dropped: list[str]
@@ -306,10 +383,13 @@ class Recovered:
     disk_bytes: int
 
 
-def read_log(directory: Path) -> Recovered:
-    """The durable records of `directory`'s log, in order: a torn (hidden) file, an incomplete
-    record, a file that does not parse or whose data fails its CRC, and every record after the
-    first such, are moved to ``dropped/`` (a later record may build on a dropped one)."""
+def read_log(directory: Path, set_aside: bool = False) -> Recovered:
+    """The durable records of `directory`'s log, in order, up to the first that is not whole: a
+    torn (hidden) file, a record missing a part or a number, a file that does not parse or whose
+    CRC does not match. It and every later record (which may build on it: an append, a delete)
+    are `dropped`; with `set_aside`, moved to ``dropped/<time>/`` (the log's owner only: see
+    `DurableLog`). A file that cannot be read (an I/O error), or a record of a newer format,
+    raises: nothing is set aside for a reason that is not the file's."""
     log_dir = Path(directory) / LOG_DIR
     if not log_dir.is_dir():
         return Recovered([], [], 0, 0)
@@ -325,48 +405,73 @@ def read_log(directory: Path) -> Recovered:
     # Every file is mapped and checked (CRC) on a few threads (zlib lets the GIL go), then the
     # records are taken in order up to the first that is not whole.
     ordered = [(seq, k, n, path) for seq in sorted(groups) for k, (n, path) in sorted(groups[seq].items())]
+    may_map = len(ordered) <= _mappable_files()
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        checked = dict(zip(((seq, k) for seq, k, _, _ in ordered), pool.map(_check_file, ordered)))
+        found = pool.map(lambda entry: _check_file(entry, may_map), ordered)
+        checked = dict(zip(((seq, k) for seq, k, _, _ in ordered), found))
     records: list[Record] = []
-    good = True
     disk_bytes = 0
     last_seq = 0
+    broken = False
     for seq in sorted(groups):
         parts = groups[seq]
-        record = _record_of(seq, parts, checked) if good else None
+        record = None
+        # The first record may have any number (the log's head may be gone), then no gaps.
+        if not broken and (not records or seq == last_seq + 1):
+            record = _record_of(seq, parts, checked)
         if record is None:
-            good = False
+            broken = True
             dropped.extend(path.name for _, path in parts.values())
             continue
         records.append(record)
         disk_bytes += sum(path.stat().st_size for _, path in parts.values())
         last_seq = seq
-    if dropped:
+    if dropped and set_aside:
         _set_aside(log_dir, Path(directory) / DROPPED_DIR, dropped)
         logger.warning(
             "durable log %s: set %d file(s) aside in %s/: %s", log_dir, len(dropped), DROPPED_DIR, dropped[:5]
         )
-    return Recovered(records, dropped, max(last_seq, max(groups, default=0)), disk_bytes)
+    return Recovered(records, dropped, last_seq, disk_bytes)
 
 
-def _check_file(entry: tuple[int, int, int, Path]) -> tuple[dict[str, Any], memoryview] | None:
-    """A record file mapped (not read: the store keeps views of the page cache) with its header
-    checked and its data's CRC matched; None if it is not whole."""
+def _mappable_files() -> int:
+    """How many record files recovery may map: each mapping holds a descriptor, so a share of
+    the open-file limit (raised to its hard limit first) and of the kernel's mapping limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    limit = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    return min(limit // 4, 16384)
+
+
+def _check_file(entry: tuple[int, int, int, Path], may_map: bool) -> tuple[dict[str, Any], memoryview] | None:
+    """A record file (mapped when `may_map`: the store then keeps views of the page cache) with
+    its header and CRC checked; None if it is not whole. An I/O error raises."""
     seq, k, n, path = entry
+    data = _mapped(path) if may_map else memoryview(path.read_bytes())
     try:
-        data = _mapped(path)
         container = parse_container(data)
         info = json.loads(container.metadata.get(RECORD_KEY, "null"))
-        if not isinstance(info, dict) or info.get("version") != RECORD_VERSION:
+        if not isinstance(info, dict):
             return None
-        if (info.get("seq"), info.get("part"), info.get("parts")) != (seq, k, n):
+        if isinstance(info.get("version"), int) and info["version"] > RECORD_VERSION:
+            raise DurableLogError(
+                f"{path} was written by a newer distbatch (record version {info['version']}):"
+                " upgrade to read it"
+            )
+        if info.get("version") != RECORD_VERSION or (info["seq"], info["part"], info["parts"]) != (seq, k, n):
             return None
-        if info["kind"] != "delete":
-            body = data[8 + int.from_bytes(data[:8], "little") :]
-            if zlib.crc32(body) != info["crc32"]:
-                return None
+        crc = _file_crc(data)
+        if crc is None or crc[0] != crc[1] or info.get("kind") not in ("put", "delete"):
+            return None
+        if not isinstance(info.get("generation"), int) or isinstance(info["generation"], bool):
+            return None
         return info, data
-    except (OSError, WireFormatError, ValueError, KeyError, TypeError):
+    except (WireFormatError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -375,9 +480,8 @@ def _mapped(path: Path) -> memoryview:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return memoryview(b"")
-        return memoryview(
-            mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-        )
+        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        return memoryview(mapped)
 
 
 def _record_of(
@@ -394,7 +498,8 @@ def _record_of(
             return None
         info, data = found
         if record is None:
-            record = Record(seq, info["kind"], int(info["generation"]), delete=info.get("delete"))
+            record = Record(seq, info["kind"], info["generation"], delete=info.get("delete"))
+        record.paths.append(parts[k][1])
         if info["kind"] != "delete":
             try:
                 record.bundles.append(parse_bundle(data))
@@ -404,10 +509,14 @@ def _record_of(
 
 
 def _set_aside(log_dir: Path, dropped_dir: Path, names: list[str]) -> None:
-    dropped_dir.mkdir(exist_ok=True)
+    """Move `names` out of the log into a folder of their own under `dropped_dir` (a later
+    recovery's files never clash with these)."""
+    aside = dropped_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns()}"
+    _make_dir(aside)
     for name in names:
         try:
-            os.replace(log_dir / name, dropped_dir / name)
-        except OSError:
+            os.replace(log_dir / name, aside / name)
+        except FileNotFoundError:
             pass
+    _fsync_dir(aside)
     _fsync_dir(log_dir)

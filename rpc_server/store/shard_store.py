@@ -10,6 +10,7 @@ to rehome them), and counting an aborted stage's shards. The collaborators never
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -43,6 +44,13 @@ from rpc_server.store.sweeper import StageSweeper, sweep_interval
 # drawn (every batch's metadata and every gather request carries them, so their width sets bytes
 # on the wire: two runs of one job move the same bytes).
 GENERATION_START = (10**9, 4 * 10**9)
+
+logger = logging.getLogger(__name__)
+
+# After a durable worker replays its log, new puts' generations start this far above the newest
+# replayed one: puts acknowledged but lost with the write-behind tail had generations above it,
+# and batch handles naming them must never match a new value.
+GENERATION_MARGIN = 1 << 24
 
 # A same-host fetch looks again this often when the rows it moves into shared memory change meanwhile.
 SHARE_ATTEMPTS = 3
@@ -166,9 +174,10 @@ class ShardStore:
             self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
+            self._writable()
             generation = self._next_generation()
-            seq = self._record("put", generation, [bundle])
             receipt = self._shards.apply(resolved, body_size, region, generation, own)
+            seq = self._record("put", generation, [bundle])
         self._settle(seq)
         return receipt
 
@@ -179,6 +188,11 @@ class ShardStore:
         if self._log is not None:
             self._log.wait_for_room()
 
+    def _writable(self) -> None:
+        """`DurableLogError` before a change is applied, if its record could not be queued."""
+        if self._log is not None:
+            self._log.check()
+
     def _record(
         self,
         kind: str,
@@ -186,9 +200,9 @@ class ShardStore:
         bundles: Sequence[Bundle] = (),
         delete: dict[str, Any] | None = None,
     ) -> int:
-        """Queue a committed change on the durable log (caller holds the lock, the change is
-        checked and about to apply); its sequence number, 0 without a log. Refused with
-        `DurableLogError`, changing nothing, once the log could not write."""
+        """Queue a change just applied on the durable log (caller holds the lock, so records are
+        in the order of the changes; `_writable` was asked before applying it); its sequence
+        number, 0 without a log."""
         if self._log is None:
             return 0
         return self._log.append(kind, generation, bundles, delete)
@@ -201,25 +215,46 @@ class ShardStore:
             )
 
     def recover(self, records: Sequence[Record]) -> tuple[int, int]:
-        """Replay a durable log's records (`durable.read_log`), in order, with their generations,
-        into this empty store: what it held when they were written. Capacity is not checked
-        (the data was accepted once). Returns (puts, deletes) replayed."""
+        """Replay a durable log's records (`DurableLog.recovered`), in order, with their
+        generations, into this empty store: what it held when they were written. Capacity is
+        not checked (the data was accepted once). A record that cannot be applied ends the
+        replay: it and the rest are set aside (logged). Later puts' generations start well
+        above every replayed one (`GENERATION_MARGIN`): puts a crash lost had some above it,
+        and batch handles may name them. Returns (puts, deletes) replayed."""
         puts = deletes = 0
+        newest = 0
         with self._lock:
-            for record in records:
-                if record.kind == "delete":
-                    self._replay_delete(record.delete or {})
-                    deletes += 1
-                    continue
-                self._shards.check_aliases(record.bundles)
-                resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
-                for bundle, own in resolved:
-                    self._shards.apply(bundle, None, None, record.generation, own, aliases=False)
-                for bundle, _ in resolved:
-                    self._shards.apply_aliases(bundle, record.generation)
-                self._last_generation = max(self._last_generation, record.generation)
-                puts += 1
+            for at, record in enumerate(records):
+                try:
+                    self._replay(record)
+                except Exception:
+                    logger.error(
+                        "durable log: record %d cannot be replayed; it and %d later set aside",
+                        record.seq,
+                        len(records) - at - 1,
+                        exc_info=True,
+                    )
+                    if self._log is not None:
+                        self._log.set_aside(records[at:])
+                    break
+                newest = max(newest, record.generation)
+                deletes += record.kind == "delete"
+                puts += record.kind != "delete"
+            if newest:
+                self._last_generation = max(self._last_generation, newest + GENERATION_MARGIN)
         return puts, deletes
+
+    def _replay(self, record: Record) -> None:
+        """One record's change (caller holds the lock)."""
+        if record.kind == "delete":
+            self._replay_delete(record.delete or {})
+            return
+        self._shards.check_aliases(record.bundles)
+        resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
+        for bundle, own in resolved:
+            self._shards.apply(bundle, None, None, record.generation, own, aliases=False)
+        for bundle, _ in resolved:
+            self._shards.apply_aliases(bundle, record.generation)
 
     def _replay_delete(self, delete: Mapping[str, Any]) -> None:
         """A delete record's change (caller holds the lock)."""
@@ -297,35 +332,41 @@ class ShardStore:
             now = self._clock()
             self._stages.expire(now)
             done = self._stages.committed(stage_id)
-            if done is not None:
-                return done
-            held = self._stages.parts(stage_id)
-            if held is None:
-                raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
-            # Everything is checked, appends resolved and capacity measured for every part before
-            # any is applied; a refused commit leaves the stage as it was (to abort or retry).
-            bundles = [part.bundle for part in held]
-            check_stage(bundles)
-            self._shards.check_aliases(bundles)
-            resolved = [self._shards.resolve_appends(bundle) for bundle in bundles]
-            incoming, replaced = self._shards.measure([bundle for bundle, _ in resolved])
-            after = self._shards.segments.nbytes + incoming - replaced - self._stages.reserved(stage_id)
-            self._check_capacity(after, incoming, now)  # the stage's own reservation released
-            generation = self._next_generation()
-            seq = self._record("put", generation, bundles)
-            parts = self._stages.take(stage_id) or []
-            stored = nbytes = 0
-            # Every part's columns first, then every part's shared values: a value shared across
-            # parts is there, and the latest, whatever order the parts arrived in.
-            for (bundle, own), (_, body_size, region) in zip(resolved, parts):
-                receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
-                stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
-            for bundle, _ in resolved:
-                stored += self._shards.apply_aliases(bundle, generation).stored
-            result = (stored, nbytes, generation)
-            self._stages.record_commit(stage_id, now, result)
+            if done is None:
+                done, seq = self._commit(stage_id, now)
+            else:  # a retry: answered as the commit was, once its record is durable too
+                seq = 0 if self._log is None else self._log.last_queued
         self._settle(seq)
-        return result
+        return done
+
+    def _commit(self, stage_id: str, now: float) -> tuple[tuple[int, int, int], int]:
+        """`commit` of a stage not committed yet (caller holds the lock): (result, record number)."""
+        held = self._stages.parts(stage_id)
+        if held is None:
+            raise UnknownStageError(f"no stage {stage_id!r} (never staged, aborted or expired)")
+        # Everything is checked, appends resolved and capacity measured for every part before
+        # any is applied; a refused commit leaves the stage as it was (to abort or retry).
+        bundles = [part.bundle for part in held]
+        check_stage(bundles)
+        self._shards.check_aliases(bundles)
+        resolved = [self._shards.resolve_appends(bundle) for bundle in bundles]
+        incoming, replaced = self._shards.measure([bundle for bundle, _ in resolved])
+        after = self._shards.segments.nbytes + incoming - replaced - self._stages.reserved(stage_id)
+        self._check_capacity(after, incoming, now)  # the stage's own reservation released
+        self._writable()
+        generation = self._next_generation()
+        parts = self._stages.take(stage_id) or []
+        stored = nbytes = 0
+        # Every part's columns first, then every part's shared values: a value shared across
+        # parts is there, and the latest, whatever order the parts arrived in.
+        for (bundle, own), (_, body_size, region) in zip(resolved, parts):
+            receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
+            stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
+        for bundle, _ in resolved:
+            stored += self._shards.apply_aliases(bundle, generation).stored
+        result = (stored, nbytes, generation)
+        self._stages.record_commit(stage_id, now, result)
+        return result, self._record("put", generation, bundles)
 
     def abort(self, stage_id: str) -> int:
         """Drop a stage; returns how many shards it held (0 if none). Idempotent. Parts of it
@@ -445,8 +486,10 @@ class ShardStore:
         with self._lock:
             rows = self._shards.index.rows.lookup(task_ids)
             held = rows[rows >= 0]
-            seq = self._record("delete", delete={"tasks": task_ids, "fields": None}) if len(held) else 0
+            if len(held):
+                self._writable()
             result = self._shards.delete_rows(held, self._shards.index.names())
+            seq = self._record("delete", delete={"tasks": task_ids, "fields": None}) if len(held) else 0
         self._settle(seq)
         return result
 
@@ -464,8 +507,10 @@ class ShardStore:
             rows = self._shards.index.rows.lookup(task_ids)
             self._shards.check_generations(task_ids, rows, fields, generations, "deleted")
             held = rows[rows >= 0]
-            seq = self._record("delete", delete={"tasks": task_ids, "fields": fields}) if len(held) else 0
+            if len(held):
+                self._writable()
             result = self._shards.delete_rows(held, fields)
+            seq = self._record("delete", delete={"tasks": task_ids, "fields": fields}) if result[0] else 0
         self._settle(seq)
         return result
 
@@ -475,8 +520,9 @@ class ShardStore:
         for task_id, field in keys:
             by_field.setdefault(field, []).append(task_id)
         with self._lock:
-            seq = self._record("delete", delete={"keys": by_field}) if by_field else 0
+            self._writable()
             result = self._shards.delete_keys(by_field)
+            seq = self._record("delete", delete={"keys": by_field}) if result[0] else 0
         self._settle(seq)
         return result
 
@@ -485,8 +531,10 @@ class ShardStore:
         keys survive). For dropping an abandoned engine call's result. Returns (count, bytes freed)."""
         with self._lock:
             keys = self._shards.keys_of_put(receipt) if self._log is not None else {}
-            seq = self._record("delete", delete={"keys": keys}) if keys else 0
+            if keys:
+                self._writable()
             result = self._shards.delete_put(receipt)
+            seq = self._record("delete", delete={"keys": keys}) if keys else 0
         self._settle(seq)
         return result
 
@@ -499,11 +547,15 @@ class ShardStore:
             return 0, 0
         with self._lock:
             idle = self._shards.index.rows.idle(self._clock() - self.max_idle_seconds)
-            if len(idle):
-                self._record(
-                    "delete", delete={"tasks": self._shards.index.rows.ids[idle].tolist(), "fields": None}
-                )
+            idle_ids = self._shards.index.rows.ids[idle].tolist() if self._log is not None else []
             count, freed = self._shards.delete_rows(idle, self._shards.index.names())
+            if idle_ids:  # memory goes back even when the log cannot say so (a restart brings them back)
+                try:
+                    self._record("delete", delete={"tasks": idle_ids, "fields": None})
+                except DurableLogError as exc:
+                    logger.warning(
+                        "evicted %d idle task(s) the durable log cannot record: %s", len(idle_ids), exc
+                    )
             self._evicted_shards += count
             self._evicted_bytes += freed
         return count, freed

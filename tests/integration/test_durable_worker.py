@@ -97,7 +97,7 @@ def test_the_controller_and_old_handles_follow_a_restarted_worker(
         controller.put("p", handle)
         first.kill()
         second = start_worker(*flags, env=NO_TOKEN)
-        assert _durable(second.node)["previous_node"] == first.node
+        assert _durable(second.node)["previous_nodes"] == [first.node]
         assert controller.move_node(first.node, second.node) == 32
         assert controller.move_node(first.node, second.node) == 0  # harmless again
         got = controller.get_meta("p", "train", list(columns), 64)

@@ -25,13 +25,14 @@ from distbatch.ids import ShardKey
 from rpc_server.errors import DurableLogError
 from rpc_server.store import ShardStore
 from rpc_server.store.durable import DROPPED_DIR, LOG_DIR, RECORD_KEY, DurableLog, read_log
+from rpc_server.store.shard_store import GENERATION_MARGIN
 
 
 def durable_store(directory: Path, sync: bool = False) -> tuple[ShardStore, int]:
     """A store on `directory`'s log, with what the log holds replayed; (store, records replayed)."""
-    recovered = read_log(directory)
-    store = ShardStore(log=DurableLog(directory, next_seq=recovered.last_seq + 1), sync=sync)
-    puts, deletes = store.recover(recovered.records)
+    log = DurableLog(directory)
+    store = ShardStore(log=log, sync=sync)
+    puts, deletes = store.recover(log.recovered.records)
     return store, puts + deletes
 
 
@@ -147,13 +148,14 @@ def test_what_a_crash_leaves_half_written_is_set_aside_not_served(tmp_path: Path
     again, replayed = durable_store(tmp_path)
     assert replayed == 2
     assert sorted(t for t, _ in (k for k in _keys(again))) == ["t0", "t1"]
-    assert sorted(p.name for p in (tmp_path / DROPPED_DIR).iterdir()) == sorted(
+    (aside,) = (tmp_path / DROPPED_DIR).iterdir()  # a folder for each recovery that set some aside
+    assert sorted(p.name for p in aside.iterdir()) == sorted(
         [files[2].name, files[3].name, f".{files[-1].name}.tmp"]
     )
-    # The next record does not reuse a dropped record's number.
+    # The log goes on after the last whole record: numbers without a gap.
     again.put({("t9", "x"): u8(b"z")})
     again.close()
-    assert [r.seq for r in read_log(tmp_path).records] == [1, 2, 5]
+    assert [r.seq for r in read_log(tmp_path).records] == [1, 2, 3]
 
 
 def test_a_commit_missing_a_part_is_dropped_whole(tmp_path: Path) -> None:
@@ -209,3 +211,61 @@ def test_one_worker_a_directory(tmp_path: Path) -> None:
         DurableLog(tmp_path)
     store.close()
     DurableLog(tmp_path).close()  # free once the first closed
+
+
+def _four_puts(directory: Path) -> list[Path]:
+    store, _ = durable_store(directory, sync=True)
+    for i in range(4):
+        store.put({(f"t{i}", "x"): u8(bytes([i]) * 100)})
+    store.close()
+    return sorted((directory / LOG_DIR).iterdir())
+
+
+def test_a_missing_record_ends_the_replay_there(tmp_path: Path) -> None:
+    files = _four_puts(tmp_path)
+    files[1].unlink()  # a record lost in the middle: the later ones may build on it
+    again, replayed = durable_store(tmp_path)
+    assert replayed == 1 and _keys(again) == [("t0", "x")]
+    again.close()
+
+
+def test_a_damaged_header_is_caught_too(tmp_path: Path) -> None:
+    files = _four_puts(tmp_path)
+    raw = bytearray(files[2].read_bytes())
+    at = raw.index(b"t2")  # the task id, in the header: parses, but is not what was written
+    raw[at + 1] = ord("9")
+    files[2].write_bytes(raw)
+    again, replayed = durable_store(tmp_path)
+    assert replayed == 2 and sorted(t for t, _ in _keys(again)) == ["t0", "t1"]
+    again.close()
+
+
+def test_a_record_of_a_newer_format_stops_the_start_and_moves_nothing(tmp_path: Path) -> None:
+    files = _four_puts(tmp_path)
+    raw = files[3].read_bytes()
+    files[3].write_bytes(raw.replace(b'\\"version\\":1', b'\\"version\\":9', 1))
+    with pytest.raises(DurableLogError, match="newer distbatch"):
+        DurableLog(tmp_path)
+    assert sorted((tmp_path / LOG_DIR).iterdir()) == files and not (tmp_path / DROPPED_DIR).exists()
+    files[3].write_bytes(raw)  # and the directory was not left locked:
+    durable_store(tmp_path)[0].close()
+
+
+def test_a_second_worker_is_refused_before_it_reads_the_log(tmp_path: Path) -> None:
+    store, _ = durable_store(tmp_path)
+    torn = tmp_path / LOG_DIR / ".0000000000000009-0-1.safetensors.tmp"
+    torn.write_bytes(b"being written")  # the live worker's file in progress
+    with pytest.raises(DurableLogError, match="another worker"):
+        DurableLog(tmp_path)
+    assert torn.exists()  # untouched
+    torn.unlink()
+    store.close()
+
+
+def test_new_puts_never_reuse_a_generation_a_lost_tail_may_have_had(tmp_path: Path) -> None:
+    store, _ = durable_store(tmp_path, sync=True)
+    newest = store.put({("a", "x"): u8(b"kept")}).generation
+    store.close()
+    again, _ = durable_store(tmp_path)
+    assert again.put({("b", "x"): u8(b"new")}).generation >= newest + GENERATION_MARGIN
+    again.close()
