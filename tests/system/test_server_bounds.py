@@ -373,18 +373,20 @@ def raw_request(
 
 def test_engine_calls_holding_every_thread_still_pass_the_liveness_probe(start_worker: StartWorker) -> None:
     """Two engine calls hold both of 2 request threads (one runs, one queues for the engine
-    thread): the liveness probe is answered on a reserve thread, so neither call is declared dead."""
+    thread): the liveness probe is answered on a reserve thread, so neither call is declared dead.
+    Without it, the queued call would go unanswered for 5 s, past its 2 s liveness timeout (2 s,
+    not 1: under the suite's load on 2 cores, a probe once took over 1 s to be answered)."""
     worker = start_worker("--engine", ECHO_ENGINE, "--max-threads", "2", env=NO_TOKEN)
-    body = encode_call([], {"seconds": 2.0})
+    body = encode_call([], {"seconds": 2.5})
     with ShardClient(timeout=30) as client, ThreadPoolExecutor(2) as pool:
         client.health(worker.node)
         started = time.monotonic()
         calls = [
-            pool.submit(client.call_raw, worker.node, "slow", body, liveness_timeout=1.0) for _ in range(2)
+            pool.submit(client.call_raw, worker.node, "slow", body, liveness_timeout=2.0) for _ in range(2)
         ]
         replies = [decode_value(call.result(timeout=30)["result"]) for call in calls]
-    assert all(reply["end"] - reply["start"] >= 2.0 for reply in replies), replies
-    assert time.monotonic() - started >= 4.0  # the engine ran them one after the other
+    assert all(reply["end"] - reply["start"] >= 2.5 for reply in replies), replies
+    assert time.monotonic() - started >= 5.0  # the engine ran them one after the other
 
 
 def test_reserve_threads_serve_health_and_abandon_and_refuse_the_rest(start_worker: StartWorker) -> None:
