@@ -148,10 +148,7 @@ class DurableLog:
         (the store's never do: a put's bytes are kept as they arrived)."""
         nbytes = sum(b.nbytes() for b in bundles)
         with self._cond:
-            if self._failed is not None:
-                raise DurableLogError(f"the durable log in {self.directory} cannot write: {self._failed}")
-            if self._closed:
-                raise DurableLogError("the durable log is closed")
+            self._refuse_if_unwritable()
             seq = self._next_seq
             self._next_seq += 1
             self._queue.append(Record(seq, kind, generation, list(bundles), delete, nbytes, time.monotonic()))
@@ -163,10 +160,14 @@ class DurableLog:
         """`DurableLogError` if a change could not be recorded now (the writer failed, or closed):
         asked before the store applies one."""
         with self._cond:
-            if self._failed is not None:
-                raise DurableLogError(f"the durable log in {self.directory} cannot write: {self._failed}")
-            if self._closed:
-                raise DurableLogError("the durable log is closed")
+            self._refuse_if_unwritable()
+
+    def _refuse_if_unwritable(self) -> None:
+        """(Caller holds `_cond`.)"""
+        if self._failed is not None:
+            raise DurableLogError(f"the durable log in {self.directory} cannot write: {self._failed}")
+        if self._closed:
+            raise DurableLogError("the durable log is closed")
 
     @property
     def last_queued(self) -> int:
@@ -175,10 +176,18 @@ class DurableLog:
             return self._next_seq - 1
 
     def set_aside(self, records: Sequence[Record]) -> None:
-        """Move these records' files out of the log (a tail replay could not apply)."""
-        names = [path.name for record in records for path in record.paths]
-        if names:
-            _set_aside(self.log_dir, self.directory / DROPPED_DIR, names)
+        """Move the log's last records (`recovered`'s tail, which replay could not apply) out of
+        it, before anything new is queued: new records then follow the last kept one."""
+        if not records:
+            return
+        paths = [path for record in records for path in record.paths]
+        with self._cond:
+            if self._queue or self._next_seq != records[-1].seq + 1:
+                raise DurableLogError("only the recovered log's tail can be set aside, before any change")
+            self._next_seq = records[0].seq
+            self._durable_seq = self._next_seq - 1
+            self._disk_bytes -= sum(path.stat().st_size for path in paths)
+        _set_aside(self.log_dir, self.directory / DROPPED_DIR, [path.name for path in paths])
 
     def wait(self, seq: int, timeout: float | None = None) -> bool:
         """Block until record `seq` is durable (True), the timeout passes or the writer failed (False)."""

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from safetensors import safe_open
-from test_store import StoreModel, decoded, u8
+from test_store import StoreModel, appending, decoded, u8
 
 from distbatch.ids import ShardKey
 from rpc_server.errors import DurableLogError
-from rpc_server.store import ShardStore
+from rpc_server.store import ShardStore, bundle_from_raw
 from rpc_server.store.durable import DROPPED_DIR, LOG_DIR, RECORD_KEY, DurableLog, read_log
 from rpc_server.store.shard_store import GENERATION_MARGIN
 
@@ -269,3 +269,25 @@ def test_new_puts_never_reuse_a_generation_a_lost_tail_may_have_had(tmp_path: Pa
     again, _ = durable_store(tmp_path)
     assert again.put({("b", "x"): u8(b"new")}).generation >= newest + GENERATION_MARGIN
     again.close()
+
+
+def test_a_record_replay_cannot_apply_ends_the_replay_and_the_log_goes_on_after_it(tmp_path: Path) -> None:
+    """A well-formed record that does not apply (here: an append naming a generation the value
+    never had) is set aside with every later one; new records follow the last kept one, so the
+    next recovery finds no gap and keeps them."""
+    store, _ = durable_store(tmp_path, sync=True)
+    store.put({("a", "x"): u8(b"kept")})
+    store.close()
+    log = DurableLog(tmp_path)
+    bad = appending({"a": b"!"}, "x")
+    bad.columns["x"].append = np.asarray([12345], dtype=np.int64)  # a's value has another generation
+    log.append("put", 777, [bad])
+    log.append("put", 778, [bundle_from_raw({("b", "x"): u8(b"after")})])
+    log.close()
+    again, replayed = durable_store(tmp_path)
+    assert replayed == 1 and _keys(again) == [("a", "x")]
+    again.put({("c", "x"): u8(b"new")})
+    again.close()
+    final, replayed = durable_store(tmp_path)
+    assert replayed == 2 and _keys(final) == [("a", "x"), ("c", "x")]
+    final.close()
