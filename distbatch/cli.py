@@ -1,7 +1,7 @@
 """`distbatch`: what a running set of workers holds, from a shell (as `ray status` is for Ray).
 
-    distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime, engine;
-                                                           a served controller: its partitions
+    distbatch status HOST:PORT [HOST:PORT ...] [--json]    shards, tasks, bytes, capacity, uptime,
+                                                           engine, disk; a served controller: its partitions
     distbatch ls HOST:PORT [--after ID] [--limit N] [--all] [--json]   task ids and their fields
     distbatch show HOST:PORT ID [ID ...] [--json]             each field of these tasks: dtype, shape, bytes
     distbatch clear HOST:PORT (--tasks ID [ID ...] | --all --yes)      delete tasks
@@ -181,7 +181,7 @@ def _controller_table(node: str, summary: dict[str, Any]) -> str:
 
 def _worker_table(results: dict[str, dict[str, Any]]) -> str:
     """A row per worker (or per address that could not be asked, saying why)."""
-    header = ["worker", "shards", "tasks", "live", "held", "capacity", "shared", "uptime", "engine"]
+    header = ["worker", "shards", "tasks", "live", "held", "capacity", "shared", "uptime", "engine", "disk"]
     rows = []
     for node, r in results.items():
         if "error" in r:
@@ -198,9 +198,21 @@ def _worker_table(results: dict[str, dict[str, Any]]) -> str:
                 _bytes(r.get("shared_bytes")),
                 _duration(r.get("uptime_seconds")),
                 str(r.get("engine") or "-"),
+                _disk(r.get("durable")),
             ]
         )
     return _table(header, rows)
+
+
+def _disk(durable: Any) -> str:
+    """A durable worker's log in a word (`--data-dir`): on disk, how far behind, or failed."""
+    if not isinstance(durable, dict):
+        return "-"  # shards in memory only
+    if durable.get("failed"):
+        return "failed"
+    if durable.get("pending_records"):
+        return f"{_bytes(durable.get('pending_bytes'))} behind"
+    return "on disk"
 
 
 def ls(client: ShardClient, node: str, after: str | None, limit: int, every: bool, as_json: bool) -> int:
@@ -355,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser(
         "status",
-        help="per worker: shards, tasks, bytes, capacity, uptime, engine; per controller: its partitions",
+        help="per worker: shards, tasks, bytes, capacity, uptime, engine, disk (--data-dir: on disk, how"
+        " far behind, failed); per controller: its partitions",
     )
     p.add_argument("nodes", nargs="+", type=_node, metavar="HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

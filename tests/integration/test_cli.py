@@ -85,7 +85,7 @@ def test_status_keeps_every_column_of_a_live_worker_after_a_failed_one(
     code, out, _ = run(capsys, "--timeout", "2", "status", dead, secured.node, not_a_worker, filled.node)
     assert code == 1
     header, *rows = out.splitlines()
-    assert header.split() == [*"worker shards tasks live held capacity shared uptime engine".split()]
+    assert header.split() == [*"worker shards tasks live held capacity shared uptime engine disk".split()]
     said = [row.split(None, 1) for row in rows]  # the address, then what the row says
     # One short reason, single-spaced: no aiohttp internals ("ClientConnectorError ... ssl:default").
     assert said[0] == [dead, "unreachable: connection refused"]
@@ -93,7 +93,7 @@ def test_status_keeps_every_column_of_a_live_worker_after_a_failed_one(
     assert said[2][0] == not_a_worker and said[2][1].startswith("not a worker: RequestError: HTTP 404")
     assert all(node not in rest for node, rest in said[:3])  # the address once per row
     cells = re.split(r"\s{2,}", rows[3])  # columns are two spaces apart at least
-    assert cells[:3] == [filled.node, "38", "25"] and len(cells) == 9 and cells[-1] == "-"  # all nine
+    assert cells[:3] == [filled.node, "38", "25"] and len(cells) == 10 and cells[-2:] == ["-", "-"]  # all ten
     code, out, _ = run(capsys, "--timeout", "2", "status", dead, filled.node, "--json")
     table = json.loads(out)
     assert table[dead] == {"state": "unreachable", "error": "connection refused"}

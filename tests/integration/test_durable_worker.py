@@ -190,3 +190,17 @@ def test_a_gather_cut_by_a_kill_succeeds_against_the_restarted_worker(
         second = start_worker(*flags, env=NO_TOKEN)
         got = remote.moved(first.node, second.node).get_data()
         assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+
+
+def test_status_says_a_durable_worker_is_on_disk(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from distbatch.cli import main
+
+    durable = start_worker("--data-dir", str(tmp_path), "--sync", env=NO_TOKEN)
+    plain = start_worker(env=NO_TOKEN)
+    with ShardClient() as client:
+        DistributedBatchMemory.from_dict(_batch(8, seed=7)).to_remote(durable.node, client)
+    assert main(["status", durable.node, plain.node]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[durable.node].endswith("on disk") and rows[plain.node].rstrip().endswith("-")
