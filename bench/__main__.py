@@ -11,7 +11,9 @@ round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it). The
 image, shared (stored and moved once) vs n copies vs TransferQueue (`bench.shared_fields`). The
 `control_plane` workload has 256 consumers in 4 groups poll `get_meta` on one served
 controller while a producer streams tasks: calls/s, tasks/s, p50/p99, every task exactly once
-per group (`bench.control_plane`; `--control-plane-*` size it).
+per group (`bench.control_plane`; `--control-plane-*` size it). The `durable` workload puts and
+gathers the grpo batch on a worker in memory, with `--data-dir` and with `--sync`, and times a
+worker holding `--durable-recovery-gib` GiB coming back after SIGKILL (`bench.durable`).
 
 Results go to `<out>/results.json` and, with matplotlib, `<out>/bench.png` and
 `<out>/scaling.png`; TransferQueue's child process logs to `<out>/transferqueue-<workload>.log`.
@@ -36,7 +38,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import areal, baselines, control_plane, rss, same_host, scaling, shared_fields, transferqueue
+from bench import (
+    areal,
+    baselines,
+    control_plane,
+    durable,
+    rss,
+    same_host,
+    scaling,
+    shared_fields,
+    transferqueue,
+)
 from bench.measure import check_columns, stats, stored_on_workers, timed
 from bench.workloads import WORKLOADS, column_bytes, make_columns, make_dense_columns, payload_bytes
 from distbatch import DistributedBatchMemory
@@ -46,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TQ_MIN_REPEATS = 5  # repeats of each TransferQueue row at least (see bench_peers)
 SCALING = "scaling"
 CONTROL_PLANE = "control_plane"
+DURABLE = "durable"
 MULTIMODAL = "multimodal"
 
 
@@ -323,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    choices = [*sorted(WORKLOADS), SCALING, CONTROL_PLANE, MULTIMODAL]
+    choices = [*sorted(WORKLOADS), SCALING, CONTROL_PLANE, MULTIMODAL, DURABLE]
     parser.add_argument(
         "--workloads",
         default="small,grpo,long,scaling,control_plane",
@@ -364,6 +377,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=shared_fields.PROMPTS,
         help="prompts in the multimodal batch, 8 responses and ~1 MB of image each (%(default)s)",
+    )
+    parser.add_argument(
+        "--durable-recovery-gib",
+        type=float,
+        default=4.0,
+        help="GiB a durable worker holds when killed and recovered (0: no recovery row; %(default)s)",
     )
     _control_plane_args(parser)
     args = parser.parse_args(argv)
@@ -459,7 +478,7 @@ def backend_summary(name: str, r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    names = [n for n in args.names if n not in (SCALING, CONTROL_PLANE, MULTIMODAL)]
+    names = [n for n in args.names if n not in (SCALING, CONTROL_PLANE, MULTIMODAL, DURABLE)]
     settings = {k: v for k, v in vars(args).items() if k not in ("names", "peer_names")}
     results: dict[str, Any] = {
         "machine": {
@@ -546,6 +565,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if CONTROL_PLANE in args.names:
         scenario = control_plane.scenario_of(args, "control_plane_")
         results[CONTROL_PLANE] = control_plane.run_steps(scenario, args.control_plane_steps)
+    if DURABLE in args.names:
+        results[DURABLE] = durable.throughput("grpo", args.repeats)
+        if args.durable_recovery_gib > 0:
+            results[DURABLE]["recovery"] = durable.recovery(args.durable_recovery_gib, "grpo")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     pngs = [plot(results, args.out / "bench.png")]
     if SCALING in results:
@@ -605,6 +628,8 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(control_plane.table(results[CONTROL_PLANE]))
     if MULTIMODAL in results:
         lines.append(shared_fields.table(results[MULTIMODAL]))
+    if DURABLE in results:
+        lines.append(durable.table(results[DURABLE]))
     return "\n".join(lines)
 
 
