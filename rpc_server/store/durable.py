@@ -254,7 +254,11 @@ class DurableLog:
             except BaseException as exc:  # a full or failing disk, or anything: said; the store serves on
                 logger.error("durable log: writing record %d failed: %s", batch[0].seq, exc, exc_info=True)
                 with self._cond:
-                    self._failed = f"{type(exc).__name__}: {exc}"
+                    # What is queued will never be written: let go of the bodies it holds.
+                    unwritten = len(self._queue)
+                    self._queue.clear()
+                    self._pending_bytes = 0
+                    self._failed = f"{type(exc).__name__}: {exc} ({unwritten} record(s) not written)"
                     self._cond.notify_all()
                 return
             with self._cond:

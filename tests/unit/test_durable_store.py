@@ -184,6 +184,7 @@ def test_a_log_that_cannot_write_refuses_changes_and_says_why(tmp_path: Path) ->
         store.put({("c", "x"): u8(b"refused")})
     stats = store.durable_stats()
     assert stats is not None and stats.failed is not None and "NotADirectoryError" in stats.failed
+    assert stats.pending_records == 0 and stats.pending_bytes == 0  # the unwritable records let go
     assert decoded(store.fetch(["a"], ["x"])) == {("a", "x"): ("U8", (4,), b"kept")}
     assert len(store) == 2  # the refused put changed nothing
     store.close()
