@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -384,14 +385,8 @@ def _durable_stats(log: LogStats | None, previous_nodes: list[str]) -> dict[str,
     if log is None:
         return None
     return {
-        "pending_records": log.pending_records,
-        "pending_bytes": log.pending_bytes,
+        **dataclasses.asdict(log),
         "lag_seconds": round(log.lag_seconds, 3),
-        "durable_seq": log.durable_seq,
-        "written_records": log.written_records,
-        "written_bytes": log.written_bytes,
-        "disk_bytes": log.disk_bytes,
-        "failed": log.failed,
         "previous_nodes": previous_nodes,
     }
 

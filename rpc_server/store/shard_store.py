@@ -251,10 +251,24 @@ class ShardStore:
             return
         self._shards.check_aliases(record.bundles)
         resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
-        for bundle, own in resolved:
-            self._shards.apply(bundle, None, None, record.generation, own, aliases=False)
+        self._apply_parts(resolved, [(None, None)] * len(resolved), record.generation)
+
+    def _apply_parts(
+        self,
+        resolved: Sequence[tuple[Bundle, frozenset[str]]],
+        bodies: Sequence[tuple[int | None, SharedRegion | None]],
+        generation: int,
+    ) -> tuple[int, int]:
+        """Apply a commit's parts as one put (checked, appends resolved; caller holds the lock):
+        every part's columns first, then every part's shared values, so a value shared across
+        parts is there, and the latest, whatever order the parts arrived in. (stored, bytes)."""
+        stored = nbytes = 0
+        for (bundle, own), (body_size, region) in zip(resolved, bodies):
+            receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
+            stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
         for bundle, _ in resolved:
-            self._shards.apply_aliases(bundle, record.generation)
+            stored += self._shards.apply_aliases(bundle, generation).stored
+        return stored, nbytes
 
     def _replay_delete(self, delete: Mapping[str, Any]) -> None:
         """A delete record's change (caller holds the lock)."""
@@ -356,14 +370,8 @@ class ShardStore:
         self._writable()
         generation = self._next_generation()
         parts = self._stages.take(stage_id) or []
-        stored = nbytes = 0
-        # Every part's columns first, then every part's shared values: a value shared across
-        # parts is there, and the latest, whatever order the parts arrived in.
-        for (bundle, own), (_, body_size, region) in zip(resolved, parts):
-            receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
-            stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
-        for bundle, _ in resolved:
-            stored += self._shards.apply_aliases(bundle, generation).stored
+        bodies = [(body_size, region) for _, body_size, region in parts]
+        stored, nbytes = self._apply_parts(resolved, bodies, generation)
         result = (stored, nbytes, generation)
         self._stages.record_commit(stage_id, now, result)
         return result, self._record("put", generation, bundles)
