@@ -32,6 +32,7 @@ from rpc_server.checks import (
 from rpc_server.context import state
 from rpc_server.errors import ApiError
 from rpc_server.store.durable import LogStats
+from rpc_server.store.records import StoreStats
 
 data_routes = Blueprint("data", __name__)
 logger = logging.getLogger("rpc_server")
@@ -413,21 +414,29 @@ def metrics() -> Response:
             "distbatch_shared_regions": ("Shared regions held.", stats.shared_regions),
             "distbatch_capacity_bytes": ("Configured capacity in bytes.", stats.capacity),
             **connection_gauges(current_app),
-            **_durable_gauges(log),
+            **_durable_gauges(log, stats),
         },
         {
             "distbatch_evicted_shards_total": ("Shards deleted for being idle.", stats.evicted_shards),
             "distbatch_evicted_bytes_total": ("Bytes of shards deleted for being idle.", stats.evicted_bytes),
-            **_durable_counters(log),
+            **_durable_counters(log, stats),
         },
     )
     return Response(text, content_type=METRICS_CONTENT_TYPE)
 
 
-def _durable_gauges(log: LogStats | None) -> dict[str, tuple[str, Any]]:
+def _durable_gauges(log: LogStats | None, stats: StoreStats) -> dict[str, tuple[str, Any]]:
     if log is None:
         return {}
     return {
+        "distbatch_memory_bytes": (
+            "Bytes of shard data held in memory (what capacity counts).",
+            stats.memory_bytes,
+        ),
+        "distbatch_on_disk_bytes": (
+            "Bytes of shard data spilled: served from the data directory.",
+            stats.on_disk_bytes,
+        ),
         "distbatch_durable_pending_bytes": (
             "Bytes committed but not yet on disk (--data-dir).",
             log.pending_bytes,
@@ -441,10 +450,22 @@ def _durable_gauges(log: LogStats | None) -> dict[str, tuple[str, Any]]:
     }
 
 
-def _durable_counters(log: LogStats | None) -> dict[str, tuple[str, Any]]:
+def _durable_counters(log: LogStats | None, stats: StoreStats) -> dict[str, tuple[str, Any]]:
     if log is None:
         return {}
     return {
+        "distbatch_spilled_bytes_total": (
+            "Bytes of shard data spilled to disk past --max-bytes.",
+            stats.spilled_bytes,
+        ),
+        "distbatch_read_back_shards_total": (
+            "Spilled shards read back from disk by fetches.",
+            stats.read_back_shards,
+        ),
+        "distbatch_read_back_bytes_total": (
+            "Bytes of spilled shards read back from disk.",
+            stats.read_back_bytes,
+        ),
         "distbatch_durable_records_total": ("Records written to the durable log.", log.written_records),
         "distbatch_durable_written_bytes_total": ("Bytes written to the durable log.", log.written_bytes),
     }

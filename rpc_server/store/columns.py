@@ -91,8 +91,8 @@ def _shares(
 ) -> bool:
     """Whether a field's rows go by reference: tensors of `share_from` bytes or more. If so,
     the buffers of segments not in a shared region yet go into `pending` (lock held)."""
-    if any(seg.dtype is None for seg in used.values()):
-        return False
+    if any(seg.dtype is None or seg.buffer.on_disk for seg in used.values()):
+        return False  # JSON, or read back from disk: inline (not copied into shared memory)
     nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in _by_segment(segs, positions, used))
     if nbytes < share_from:
         return False

@@ -170,6 +170,19 @@ class DurableLog:
             raise DurableLogError("the durable log is closed")
 
     @property
+    def durable_seq(self) -> int:
+        """The number of the last record on disk (0: none)."""
+        with self._cond:
+            return self._durable_seq
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next record queued will have (the store asks under its lock, which
+        every `append` is made under)."""
+        with self._cond:
+            return self._next_seq
+
+    @property
     def last_queued(self) -> int:
         """The number of the last record queued (0: none)."""
         with self._cond:
@@ -281,7 +294,7 @@ class DurableLog:
         total = 0
         n = len(parts)
         for k, file_parts in enumerate(parts):
-            name = f"{record.seq:016d}-{k}-{n}.safetensors"
+            name = record_name(record.seq, k, n)
             hidden = self.log_dir / f".{name}.tmp"
             fd = os.open(hidden, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -296,6 +309,19 @@ class DurableLog:
                 os.close(fd)
             os.replace(hidden, self.log_dir / name)
         return total
+
+
+def record_name(seq: int, k: int, n: int) -> str:
+    """The file name of part `k` of the `n` parts of record `seq`."""
+    return f"{seq:016d}-{k}-{n}.safetensors"
+
+
+def map_record(path: Path) -> Bundle:
+    """A put record's bundle, its columns views of the file mapped read-only and not read in
+    (pages come from the disk as they are touched, and the kernel may drop them again: a
+    spilled shard's home). Holds one descriptor while a view lives. Raises `OSError`,
+    `WireFormatError`."""
+    return parse_bundle(_mapped(path, populate=False))
 
 
 def swap_node(directory: Path, node: str) -> list[str]:
@@ -418,7 +444,7 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
     # Every file is mapped and checked (CRC) on a few threads (zlib lets the GIL go), then the
     # records are taken in order up to the first that is not whole.
     ordered = [(seq, k, n, path) for seq in sorted(groups) for k, (n, path) in sorted(groups[seq].items())]
-    may_map = len(ordered) <= _mappable_files()
+    may_map = len(ordered) <= mappable_files()
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         found = pool.map(lambda entry: _check_file(entry, may_map), ordered)
         checked = dict(zip(((seq, k) for seq, k, _, _ in ordered), found))
@@ -447,7 +473,7 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
     return Recovered(records, dropped, last_seq, disk_bytes)
 
 
-def _mappable_files() -> int:
+def mappable_files() -> int:
     """How many record files recovery may map: each mapping holds a descriptor, so a share of
     the open-file limit (raised to its hard limit first) and of the kernel's mapping limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -488,12 +514,13 @@ def _check_file(entry: tuple[int, int, int, Path], may_map: bool) -> tuple[dict[
         return None
 
 
-def _mapped(path: Path) -> memoryview:
+def _mapped(path: Path, populate: bool = True) -> memoryview:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return memoryview(b"")
-        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
         return memoryview(mapped)
 
 

@@ -31,6 +31,15 @@ class StoreStats:
     segments: int = 0
     shared_bytes: int = 0
     shared_regions: int = 0
+    on_disk_bytes: int = 0
+    spilled_bytes: int = 0
+    read_back_shards: int = 0
+    read_back_bytes: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Live bytes held in memory (what capacity counts): those not spilled to disk."""
+        return self.bytes - self.on_disk_bytes
 
     def as_dict(self) -> dict[str, int | None]:
         return {
@@ -45,8 +54,13 @@ class StoreStats:
             "segments": self.segments,
             "shared_bytes": self.shared_bytes,
             "shared_regions": self.shared_regions,
+            "memory_bytes": self.memory_bytes,
+            "on_disk_bytes": self.on_disk_bytes,
+            "spilled_bytes_total": self.spilled_bytes,
+            "read_back_shards_total": self.read_back_shards,
+            "read_back_bytes_total": self.read_back_bytes,
             "capacity": self.capacity,
-            "free": None if self.capacity is None else self.capacity - self.bytes - self.staged_bytes,
+            "free": None if self.capacity is None else self.capacity - self.memory_bytes - self.staged_bytes,
         }
 
 

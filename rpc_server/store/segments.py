@@ -33,15 +33,22 @@ class Buffer:
 
     `region` is set when that memory is a shared region (a same-host put, or a buffer moved
     into shared memory for a same-host reader): its segments can be handed out by reference.
+    On a durable worker, `record` names the log record file holding the same bytes (seq, part,
+    parts) and `keys` each segment's column key in it, so the buffer can be *spilled*: its
+    tensor segments repointed at the file (`on_disk`), its memory let go.
     """
 
-    __slots__ = ("size", "live_bytes", "members", "region")
+    __slots__ = ("size", "live_bytes", "members", "region", "record", "keys", "last_used", "on_disk")
 
     def __init__(self, size: int, region: SharedRegion | None = None) -> None:
         self.size = size
         self.live_bytes = 0
         self.members: set[int] = set()  # ids of the segments in it
         self.region = region
+        self.record: tuple[int, int, int] | None = None
+        self.keys: dict[int, str] = {}
+        self.last_used = 0  # `SegmentTable.tick` of the last put or fetch using it
+        self.on_disk = False
 
 
 class Segment:
@@ -118,8 +125,9 @@ class Segment:
             and bool(self.data.nbytes)
         )
 
-    def rehomed(self, data: np.ndarray, buffer: Buffer, region_offset: int) -> Segment:
-        """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region)."""
+    def rehomed(self, data: np.ndarray, buffer: Buffer, region_offset: int | None) -> Segment:
+        """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region,
+        or in a record file)."""
         fresh = Segment.__new__(Segment)
         for name in Segment.__slots__:
             setattr(fresh, name, getattr(self, name))
@@ -162,6 +170,15 @@ class SegmentTable:
         self.nbytes = 0  # their bytes: what capacity counts
         self.shared_bytes = 0
         self.shared_regions = 0
+        self.disk_bytes = 0  # live bytes of spilled segments (counted in `nbytes` too)
+        self.disk_buffers = 0  # spilled buffers held (each maps its record file)
+        self.spilled_bytes = 0  # every byte ever spilled
+        self._tick = 0
+
+    def tick(self) -> int:
+        """A new use time (buffers used longest ago are spilled first)."""
+        self._tick += 1
+        return self._tick
 
     def __len__(self) -> int:
         return len(self.segments)
@@ -192,28 +209,35 @@ class SegmentTable:
 
     def keep_buffer(self, buffer: Buffer) -> None:
         self._buffers[id(buffer)] = buffer
+        self.disk_buffers += buffer.on_disk
         if buffer.region is not None:
             self.shared_bytes += buffer.region.size
             self.shared_regions += 1
 
     def forget_buffer(self, buffer: Buffer) -> None:
         """Stop holding `buffer`; a shared region's descriptor closes once no request holds it."""
-        if self._buffers.pop(id(buffer), None) is not None and buffer.region is not None:
+        if self._buffers.pop(id(buffer), None) is None:
+            return
+        self.disk_buffers -= buffer.on_disk
+        if buffer.region is not None:
             self.shared_bytes -= buffer.region.size
             self.shared_regions -= 1
 
-    def freed_by(self, segs: np.ndarray, positions: np.ndarray) -> int:
-        """The bytes dropping the values at (`segs`, `positions`) would free: a row shared by
-        several tasks only when all of them are among those (one step per segment)."""
-        total = 0
+    def freed_by(self, segs: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
+        """The bytes dropping the values at (`segs`, `positions`) would free, and how many of
+        them are spilled (on disk): a row shared by several tasks only when all of them are
+        among those (one step per segment)."""
+        total = on_disk = 0
         for seg_id in unique_ints(segs).tolist():
             seg = self.segments[seg_id]
             rows = positions[segs == seg_id]
             if seg.refs is not None:
                 rows, counts = np.unique(rows, return_counts=True)
                 rows = rows[counts >= seg.refs[rows]]
-            total += int(seg.sizes[rows].sum())
-        return total
+            nbytes = int(seg.sizes[rows].sum())
+            total += nbytes
+            on_disk += nbytes if seg.buffer.on_disk else 0
+        return total, on_disk
 
     def account_dead(self, segs: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
         """Rows at (`segs`, `positions`) just died: update counts, free segments, then compact
@@ -232,6 +256,8 @@ class SegmentTable:
             nbytes = int(seg.sizes[dead].sum())
             freed += nbytes
             seg.buffer.live_bytes -= nbytes
+            if seg.buffer.on_disk:
+                self.disk_bytes -= nbytes
             seg.live -= len(dead)
             if seg.live == 0:
                 self._drop(seg)
@@ -285,7 +311,10 @@ class SegmentTable:
     def rehome(self, buffer: Buffer, moving: list[Segment], offsets: list[int], region: SharedRegion) -> None:
         """Point `moving` (segments of `buffer`) at their copies in `region`, at `offsets`."""
         own = Buffer(region.size, region)
+        own.record, own.last_used = buffer.record, buffer.last_used
         for seg, offset in zip(moving, offsets):
+            if seg.id in buffer.keys:
+                own.keys[seg.id] = buffer.keys[seg.id]
             size = seg.data.nbytes  # type: ignore[union-attr]
             live = int(seg.sizes[self._live(seg)].sum())
             self.segments[seg.id] = seg.rehomed(region.array[offset : offset + size], own, offset)
@@ -293,11 +322,54 @@ class SegmentTable:
             own.live_bytes += live
             buffer.members.discard(seg.id)
             buffer.live_bytes -= live
+        self._moved_out(buffer, own)
+
+    def _moved_out(self, buffer: Buffer, own: Buffer) -> None:
+        """Segments of `buffer` moved to `own`: hold `own`, let `buffer` go as far as it can."""
         self.keep_buffer(own)
         if not buffer.members:
             self.forget_buffer(buffer)
         elif buffer.region is None and not any(self.segments[s].dtype is not None for s in buffer.members):
             buffer.size = buffer.live_bytes  # only JSON values are left, which hold no body bytes
+
+    def spill_candidates(self, durable_seq: int) -> list[Buffer]:
+        """Buffers that can be spilled now (their record is on disk), used longest ago first."""
+        found = [
+            b
+            for b in self._buffers.values()
+            if not b.on_disk and b.record is not None and b.record[0] <= durable_seq and b.live_bytes
+        ]
+        found.sort(key=lambda b: b.last_used)
+        return found
+
+    def spill(self, buffer: Buffer, columns: dict[str, RawColumn]) -> int:
+        """Point `buffer`'s tensor segments at the same bytes in its record file (`columns`: the
+        record's columns, views of the mapped file), so its memory goes; JSON values stay. The
+        live bytes spilled (0: the file does not match, nothing changed)."""
+        moving = [self.segments[s] for s in sorted(buffer.members) if self.segments[s].dtype is not None]
+        homes = []
+        for seg in moving:
+            column = columns.get(buffer.keys.get(seg.id, ""))
+            data = None if column is None else np.frombuffer(column.single_buffer(), dtype=np.uint8)
+            if data is None or seg.data is None or data.nbytes != seg.data.nbytes:
+                return 0
+            homes.append(data)
+        if not moving:
+            return 0
+        own = Buffer(0)
+        own.record, own.last_used, own.on_disk = buffer.record, buffer.last_used, True
+        for seg, data in zip(moving, homes):
+            live = int(seg.sizes[self._live(seg)].sum())
+            self.segments[seg.id] = seg.rehomed(data, own, None)
+            own.members.add(seg.id)
+            own.keys[seg.id] = buffer.keys[seg.id]
+            own.live_bytes += live
+            buffer.members.discard(seg.id)
+            buffer.live_bytes -= live
+        self._moved_out(buffer, own)
+        self.disk_bytes += own.live_bytes
+        self.spilled_bytes += own.live_bytes
+        return own.live_bytes
 
 
 def gather_bytes(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

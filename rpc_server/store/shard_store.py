@@ -36,6 +36,7 @@ from rpc_server.store.records import PutReceipt, StoreStats, bundle_from_raw
 from rpc_server.store.regions import RegionMover, RegionSlots, SharedBudget
 from rpc_server.store.segments import Buffer
 from rpc_server.store.shards import Shards
+from rpc_server.store.spill import Spiller
 from rpc_server.store.stages import StageBook, StagedPart
 from rpc_server.store.sweeper import StageSweeper, sweep_interval
 
@@ -108,6 +109,8 @@ class ShardStore:
         # lock, in commit order; with `sync`, a put returns once its record is on disk.
         self._log = log
         self.sync = sync
+        # Past `max_bytes`, a durable store spills its coldest shards to their record files.
+        self._spiller = None if log is None else Spiller(log)
 
     def _next_generation(self) -> int:
         """A new put's generation (caller holds the lock)."""
@@ -166,27 +169,46 @@ class ShardStore:
         """
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
-        self._make_room()
+        self._make_room(bundle.nbytes())
         with self._lock:
             self._shards.check_aliases([bundle])
             resolved, own = self._shards.resolve_appends(bundle)
-            incoming, replaced = self._shards.measure([resolved])
-            self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming)
+            incoming, replaced, on_disk = self._shards.measure([resolved])
+            self._check_capacity(self._shards.segments.nbytes + incoming - replaced, incoming, None, on_disk)
             if region is not None:
                 self._shared.check(self._shards.segments, region.size)
             self._writable()
             generation = self._next_generation()
-            receipt = self._shards.apply(resolved, body_size, region, generation, own)
+            record = self._record_file(0, 1)
+            receipt = self._shards.apply(resolved, body_size, region, generation, own, record=record)
             seq = self._record("put", generation, [bundle])
         self._settle(seq)
         return receipt
 
     # ------------------------------------------------------------------ durability
 
-    def _make_room(self) -> None:
-        """Before a change: wait while the durable log is too far behind (outside the lock)."""
-        if self._log is not None:
-            self._log.wait_for_room()
+    def _make_room(self, incoming: int = 0) -> None:
+        """Before a change (outside the lock): wait while the durable log is too far behind; if
+        `incoming` bytes would not fit in memory, wait until every record is on disk, so that
+        what is held can be spilled."""
+        if self._log is None:
+            return
+        self._log.wait_for_room()
+        if self.max_bytes is None or not incoming:
+            return
+        with self._lock:
+            short = self._memory_bytes() + self._stages.staged_bytes + incoming > self.max_bytes
+        if short:
+            self._log.wait(self._log.last_queued)
+
+    def _memory_bytes(self) -> int:
+        """Live bytes held in memory: not spilled (caller holds the lock)."""
+        return self._shards.segments.nbytes - self._shards.segments.disk_bytes
+
+    def _record_file(self, part: int, parts: int) -> tuple[int, int, int] | None:
+        """(seq, part, parts) of the record the change about to be applied is logged as (caller
+        holds the lock: no other record comes between); None without a log."""
+        return None if self._log is None else (self._log.next_seq, part, parts)
 
     def _writable(self) -> None:
         """`DurableLogError` before a change is applied, if its record could not be queued."""
@@ -220,7 +242,8 @@ class ShardStore:
         not checked (the data was accepted once). A record that cannot be applied ends the
         replay: it and the rest are set aside (logged). Later puts' generations start well
         above every replayed one (`GENERATION_MARGIN`): puts a crash lost had some above it,
-        and batch handles may name them. Returns (puts, deletes) replayed."""
+        and batch handles may name them. Past `max_bytes`, the coldest are left on disk
+        (spilled). Returns (puts, deletes) replayed."""
         puts = deletes = 0
         newest = 0
         with self._lock:
@@ -242,6 +265,9 @@ class ShardStore:
                 puts += record.kind != "delete"
             if newest:
                 self._last_generation = max(self._last_generation, newest + GENERATION_MARGIN)
+            over = 0 if self.max_bytes is None else self._memory_bytes() - self.max_bytes
+            if over > 0 and self._spiller is not None:  # the log held more than memory may
+                self._spiller.free(self._shards.segments, over)
         return puts, deletes
 
     def _replay(self, record: Record) -> None:
@@ -251,20 +277,26 @@ class ShardStore:
             return
         self._shards.check_aliases(record.bundles)
         resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
-        self._apply_parts(resolved, [(None, None)] * len(resolved), record.generation)
+        self._apply_parts(resolved, [(None, None)] * len(resolved), record.generation, record.seq)
 
     def _apply_parts(
         self,
         resolved: Sequence[tuple[Bundle, frozenset[str]]],
         bodies: Sequence[tuple[int | None, SharedRegion | None]],
         generation: int,
+        seq: int | None,
     ) -> tuple[int, int]:
         """Apply a commit's parts as one put (checked, appends resolved; caller holds the lock):
         every part's columns first, then every part's shared values, so a value shared across
-        parts is there, and the latest, whatever order the parts arrived in. (stored, bytes)."""
+        parts is there, and the latest, whatever order the parts arrived in. `seq`: the record
+        they are logged as (None: no log). (stored, bytes)."""
         stored = nbytes = 0
-        for (bundle, own), (body_size, region) in zip(resolved, bodies):
-            receipt = self._shards.apply(bundle, body_size, region, generation, own, aliases=False)
+        n = len(resolved)
+        for k, ((bundle, own), (body_size, region)) in enumerate(zip(resolved, bodies)):
+            record = None if seq is None else (seq, k, n)
+            receipt = self._shards.apply(
+                bundle, body_size, region, generation, own, aliases=False, record=record
+            )
             stored, nbytes = stored + receipt.stored, nbytes + receipt.bytes
         for bundle, _ in resolved:
             stored += self._shards.apply_aliases(bundle, generation).stored
@@ -279,27 +311,48 @@ class ShardStore:
         fields = delete.get("fields")
         self._shards.delete_rows(rows[rows >= 0], self._shards.index.names() if fields is None else fields)
 
+    def spill(self, nbytes: int | None = None) -> int:
+        """Move up to `nbytes` (None: all) of the coldest shards' memory to disk now, as a put
+        past `max_bytes` does (a durable worker only: `ValueError` otherwise); waits for the log
+        to be written first. The bytes of memory freed."""
+        if self._log is None or self._spiller is None:
+            raise ValueError("only a durable store (one with a data directory) can spill")
+        self._log.wait(self._log.last_queued)
+        with self._lock:
+            need = self._memory_bytes() if nbytes is None else nbytes
+            return self._spiller.free(self._shards.segments, need)
+
     def durable_stats(self) -> LogStats | None:
         """How the durable log stands (None: not a durable worker)."""
         return None if self._log is None else self._log.stats()
 
-    def _check_capacity(self, stored_after: int, incoming: int, now: float | None = None) -> None:
-        """Raise `StoreCapacityError` unless `stored_after` plus staged bytes fits (caller holds the lock).
+    def _check_capacity(
+        self, stored_after: int, incoming: int, now: float | None = None, freed_on_disk: int = 0
+    ) -> None:
+        """Raise `StoreCapacityError` unless `stored_after` (of which `freed_on_disk` fewer bytes
+        are spilled) plus staged bytes fits in memory (caller holds the lock).
 
         Before refusing, drop stages expired at `now` (default: the clock): their reservations
-        must not refuse a put.
+        must not refuse a put; then, on a durable worker, spill the coldest shards to disk.
         """
-        if self.max_bytes is None or stored_after + self._stages.staged_bytes <= self.max_bytes:
+        if self.max_bytes is None:
+            return
+        in_memory = stored_after - (self._shards.segments.disk_bytes - freed_on_disk)
+        if in_memory + self._stages.staged_bytes <= self.max_bytes:
             return
         self._stages.expire(self._clock() if now is None else now)
         staged_bytes = self._stages.staged_bytes
-        would_use = stored_after + staged_bytes
+        would_use = in_memory + staged_bytes
+        if would_use > self.max_bytes and self._spiller is not None:
+            would_use -= self._spiller.free(self._shards.segments, would_use - self.max_bytes)
         if would_use > self.max_bytes:
             staged = f" ({staged_bytes} reserved by staged puts)" if staged_bytes else ""
+            spill = " (what is held is spilled to disk, but not all of it could be)" if self._spiller else ""
             raise StoreCapacityError(
-                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes{staged}: "
-                "clear what is done with, or start the worker with a larger --max-bytes (the "
-                "TransferQueue backend's option: capacity)"
+                f"storing {incoming} bytes would use {would_use} of {self.max_bytes} bytes of memory"
+                f"{staged}{spill}: clear what is done with, or start the worker with a larger"
+                " --max-bytes (the TransferQueue backend's option: capacity), or with --data-dir"
+                " to spill to disk"
             )
 
     # ------------------------------------------------------------------ staging
@@ -321,6 +374,7 @@ class ShardStore:
         if not isinstance(bundle, Bundle):
             bundle = bundle_from_raw(bundle)
         incoming = bundle.nbytes()
+        self._make_room(incoming)
         with self._lock:
             now = self._clock()
             self._stages.expire(now)  # first: this stage itself may have expired
@@ -364,14 +418,17 @@ class ShardStore:
         check_stage(bundles)
         self._shards.check_aliases(bundles)
         resolved = [self._shards.resolve_appends(bundle) for bundle in bundles]
-        incoming, replaced = self._shards.measure([bundle for bundle, _ in resolved])
+        incoming, replaced, on_disk = self._shards.measure([bundle for bundle, _ in resolved])
         after = self._shards.segments.nbytes + incoming - replaced - self._stages.reserved(stage_id)
-        self._check_capacity(after, incoming, now)  # the stage's own reservation released
+        self._check_capacity(after, incoming, now, on_disk)  # the stage's own reservation released
         self._writable()
         generation = self._next_generation()
         parts = self._stages.take(stage_id) or []
         bodies = [(body_size, region) for _, body_size, region in parts]
-        stored, nbytes = self._apply_parts(resolved, bodies, generation)
+        record = self._record_file(0, len(parts))
+        stored, nbytes = self._apply_parts(
+            resolved, bodies, generation, None if record is None else record[0]
+        )
         result = (stored, nbytes, generation)
         self._stages.record_commit(stage_id, now, result)
         return result, self._record("put", generation, bundles)
@@ -452,6 +509,8 @@ class ShardStore:
                 shards.index, shards.segments, task_ids, rows, fields, share_from, pending, generations
             )
             shards.touch(rows)
+            if self._spiller is not None:
+                self._spiller.note_fetch(shards.segments, picked)
         return picked
 
     def fetch_keys(self, keys: Sequence[ShardKey]) -> Bundle:
@@ -585,6 +644,10 @@ class ShardStore:
                 len(segments),
                 segments.shared_bytes,
                 segments.shared_regions,
+                segments.disk_bytes,
+                segments.spilled_bytes,
+                0 if self._spiller is None else self._spiller.read_back_shards,
+                0 if self._spiller is None else self._spiller.read_back_bytes,
             )
 
     def list_tasks(

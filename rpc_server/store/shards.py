@@ -45,9 +45,9 @@ class Shards:
         """`appends.resolve_appends` over what this holds."""
         return resolve_appends(self.index, self.segments, bundle)
 
-    def measure(self, bundles: Sequence[Bundle]) -> tuple[int, int]:
-        """(bytes the bundles bring, bytes their replacing frees): a stored row other tasks
-        share is freed only if all of its tasks are replaced."""
+    def measure(self, bundles: Sequence[Bundle]) -> tuple[int, int, int]:
+        """(bytes the bundles bring, bytes their replacing frees, how many of those are spilled):
+        a stored row other tasks share is freed only if all of its tasks are replaced."""
         incoming = 0
         replaced: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         for bundle in bundles:
@@ -57,11 +57,12 @@ class Shards:
                 col_rows = rows if column.rows is None else rows[column.rows]
                 name = column_field(key)
                 replaced.setdefault(name, []).append(self.index.values_at(name, col_rows))
-        freed = 0
+        freed = freed_on_disk = 0
         for found in replaced.values():
             segs = np.concatenate([s for s, _ in found])
-            freed += self.segments.freed_by(segs, np.concatenate([p for _, p in found]))
-        return incoming, freed
+            total, on_disk = self.segments.freed_by(segs, np.concatenate([p for _, p in found]))
+            freed, freed_on_disk = freed + total, freed_on_disk + on_disk
+        return incoming, freed, freed_on_disk
 
     def check_generations(
         self,
@@ -90,13 +91,17 @@ class Shards:
         generation: int = 0,
         own: frozenset[str] = frozenset(),
         aliases: bool = True,
+        record: tuple[int, int, int] | None = None,
     ) -> PutReceipt:
         """Store a measured bundle (capacity already checked), replacing the values it replaces;
         its values carry `generation`, the put's. The columns keyed in `own` hold memory of their
         own (resolved appends), not views of the body. With `aliases` False, the bundle's shared
-        values are left for `apply_aliases` (a staged put applies every part's columns first)."""
+        values are left for `apply_aliases` (a staged put applies every part's columns first).
+        `record`: the durable log file the bundle is written to (seq, part, parts), so its
+        body can be spilled there."""
         rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
         buffer = Buffer(0, region)
+        buffer.record, buffer.last_used = record, self.segments.tick()
         stored = nbytes = 0
         segments: list[tuple[str, int]] = []
         owned: list[tuple[str, int]] = []
@@ -114,6 +119,8 @@ class Shards:
                 owned.append((name, seg.id))
             else:
                 segments.append((name, seg.id))
+                if record is not None:
+                    buffer.keys[seg.id] = key
             stored += len(col_rows)
             nbytes += int(seg.sizes.sum())
         self._keep_body(buffer, body_size, segments)

@@ -204,3 +204,45 @@ def test_status_says_a_durable_worker_is_on_disk(
     assert main(["status", durable.node, plain.node]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows[durable.node].endswith("on disk") and rows[plain.node].rstrip().endswith("-")
+
+
+def _metric(node: str, name: str) -> float:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+        f"http://{node}/metrics", timeout=10
+    ) as response:
+        lines = response.read().decode().splitlines()
+    (value,) = [line.split()[-1] for line in lines if line.startswith(f"{name} ")]
+    return float(value)
+
+
+def test_a_full_durable_worker_spills_instead_of_refusing(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """Four batches of ~120 kB into a worker of 200 kB memory with a data directory: every put is
+    taken, memory stays within the bound, every batch gathers intact (over HTTP and the same-host
+    path), what came from disk is counted, and a restart serves it all again."""
+    flags = ["--data-dir", str(tmp_path), "--max-bytes", "200000"]
+    first = start_worker(*flags, env=NO_TOKEN)
+    batches = [_batch(300, seed=10 + i) for i in range(4)]
+    with ShardClient() as client:
+        handles = [DistributedBatchMemory.from_dict(b).to_remote(first.node, client) for b in batches]
+        stats = _stats(first.node)
+        assert stats["memory_bytes"] <= 200_000 and stats["on_disk_bytes"] > 200_000
+        assert stats["bytes"] == stats["memory_bytes"] + stats["on_disk_bytes"]
+        for handle, columns in zip(handles, batches):
+            got = DistributedBatchMemory.from_json(handle.to_json(), client).get_data()
+            assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+    with ShardClient(same_host=False) as client:
+        got = DistributedBatchMemory.from_json(handles[0].to_json(), client).get_data()
+        assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], batches[0]["input_ids"]))
+    stats = _stats(first.node)
+    assert stats["read_back_bytes_total"] >= stats["on_disk_bytes"] and stats["read_back_shards_total"] > 0
+    assert _metric(first.node, "distbatch_on_disk_bytes") == stats["on_disk_bytes"]
+    assert _metric(first.node, "distbatch_spilled_bytes_total") >= stats["on_disk_bytes"]
+    first.stop()
+    second = start_worker(*flags, env=NO_TOKEN)
+    assert _stats(second.node)["memory_bytes"] <= 200_000
+    with ShardClient() as client:
+        for handle, columns in zip(handles, batches):
+            got = handle.moved(first.node, second.node).get_data()
+            assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))

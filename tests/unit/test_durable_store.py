@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from safetensors import safe_open
 from test_store import StoreModel, appending, decoded, u8
 
 from distbatch.ids import ShardKey
-from rpc_server.errors import DurableLogError
+from rpc_server.errors import DurableLogError, StoreCapacityError
 from rpc_server.store import ShardStore, bundle_from_raw
 from rpc_server.store.durable import DROPPED_DIR, LOG_DIR, RECORD_KEY, DurableLog, read_log
 from rpc_server.store.shard_store import GENERATION_MARGIN
@@ -58,6 +59,17 @@ class DurableStoreModel(StoreModel):
         self.store = restarted(self.store, self.directory)
         self.restarts += 1
         self.fresh_from = self.puts_done
+
+    @rule(half=st.booleans())
+    def spill(self, half: bool) -> None:
+        """Move the coldest values (half the memory, or all) to disk: every later read, append,
+        replacement, delete and restart works on them as on values in memory."""
+        before = self.store.stats()
+        freed = self.store.spill(before.memory_bytes // 2 if half else None)
+        after = self.store.stats()
+        assert (after.bytes, after.shards) == (before.bytes, before.shards)
+        assert after.memory_bytes == before.memory_bytes - freed
+        assert after.on_disk_bytes == before.on_disk_bytes + freed
 
     @precondition(lambda self: bool(self.values))
     @rule(data=st.data())
@@ -292,3 +304,84 @@ def test_a_record_replay_cannot_apply_ends_the_replay_and_the_log_goes_on_after_
     final, replayed = durable_store(tmp_path)
     assert replayed == 2 and _keys(final) == [("a", "x"), ("c", "x")]
     final.close()
+
+
+# ---------------------------------------------------------------------- spilling past --max-bytes
+
+
+def _rows(prefix: str, fill: int, n: int = 10, size: int = 100) -> dict[tuple[str, str], Any]:
+    return {(f"{prefix}{j}", "x"): u8(bytes([fill]) * size) for j in range(n)}
+
+
+def _ids(prefix: str, n: int = 10) -> list[str]:
+    return [f"{prefix}{j}" for j in range(n)]
+
+
+def test_a_put_past_max_bytes_spills_the_coldest_instead_of_refusing(tmp_path: Path) -> None:
+    """Ten puts of 1,000 bytes into 3,000 bytes of memory (written behind, not synced): every put
+    is taken, memory stays within the bound, the puts used longest ago go to disk (one fetched
+    meanwhile stays), and every value reads back intact, counted when it comes from disk."""
+    store = ShardStore(max_bytes=3000, log=DurableLog(tmp_path))
+    for i in range(10):
+        store.put(_rows(f"p{i}-", i))
+        if i >= 1:
+            store.fetch(_ids("p0-"), ["x"])  # p0 is read all along: the warmest
+        stats = store.stats()
+        assert stats.memory_bytes <= 3000 and stats.bytes == 1000 * (i + 1)
+    stats = store.stats()
+    assert (stats.on_disk_bytes, stats.spilled_bytes, stats.read_back_bytes) == (7000, 7000, 0)
+    for i in range(10):
+        column = store.fetch(_ids(f"p{i}-"), ["x"]).columns["x"]
+        assert bytes(column.single_buffer()) == bytes([i]) * 1000
+    stats = store.stats()
+    assert stats.read_back_shards == 70 and stats.read_back_bytes == 7000  # p1..p7, not p0, p8, p9
+    assert stats.as_dict()["free"] == 0
+    store.close()
+
+
+def test_a_spilled_value_can_be_replaced_appended_to_and_deleted(tmp_path: Path) -> None:
+    store = ShardStore(max_bytes=10_000, log=DurableLog(tmp_path))
+    store.put(_rows("a", 1))
+    store.put({("m", "meta"): {"k": 1}})
+    assert store.spill() == 1000  # the JSON value stays in memory
+    store.put(appending({"a0": b"++"}, "x"))  # reads the old value back from disk
+    store.put({("a1", "x"): u8(b"new")})
+    store.delete_keys([ShardKey("a2", "x")])
+    assert bytes(store.fetch(["a0"], ["x"]).columns["x"].single_buffer()) == bytes([1]) * 100 + b"++"
+    assert bytes(store.fetch(["a1"], ["x"]).columns["x"].single_buffer()) == b"new"
+    stats = store.stats()
+    assert stats.on_disk_bytes == 700  # a0, a1 replaced and a2 deleted: 7 rows left on disk
+    store.close()
+
+
+def test_without_room_to_spill_a_put_is_still_refused(tmp_path: Path) -> None:
+    """JSON values live in memory only: past the bound, the put is refused, nothing changes."""
+    store = ShardStore(max_bytes=300, log=DurableLog(tmp_path))
+    store.put({(f"t{i}", "meta"): {"v": "x" * 20} for i in range(5)})
+    before = store.stats()
+    with pytest.raises(StoreCapacityError, match="spilled to disk, but not all"):
+        store.put({(f"u{i}", "meta"): {"v": "y" * 20} for i in range(20)})
+    assert store.stats() == before
+    store.close()
+
+
+def test_a_restart_with_less_memory_leaves_the_rest_on_disk(tmp_path: Path) -> None:
+    store, _ = durable_store(tmp_path)
+    for i in range(6):
+        store.put(_rows(f"p{i}-", i))
+    store.close()
+    log = DurableLog(tmp_path)
+    again = ShardStore(max_bytes=2500, log=log)
+    again.recover(log.recovered.records)
+    stats = again.stats()
+    assert stats.bytes == 6000 and stats.memory_bytes <= 2500 and stats.on_disk_bytes >= 3500
+    for i in range(6):
+        assert bytes(again.fetch(_ids(f"p{i}-"), ["x"]).columns["x"].single_buffer()) == bytes([i]) * 1000
+    again.close()
+
+
+def test_only_a_durable_store_spills() -> None:
+    store = ShardStore(max_bytes=100)
+    with pytest.raises(ValueError, match="durable"):
+        store.spill()
+    store.close()
