@@ -13,7 +13,8 @@ image, shared (stored and moved once) vs n copies vs TransferQueue (`bench.share
 controller while a producer streams tasks: calls/s, tasks/s, p50/p99, every task exactly once
 per group (`bench.control_plane`; `--control-plane-*` size it). The `durable` workload puts and
 gathers the grpo batch on a worker in memory, with `--data-dir` and with `--sync`, and times a
-worker holding `--durable-recovery-gib` GiB coming back after SIGKILL (`bench.durable`).
+worker holding `--durable-recovery-gib` GiB coming back after SIGKILL, and gathers a batch half
+spilled to disk past `--max-bytes` (`bench.durable`).
 
 Results go to `<out>/results.json` and, with matplotlib, `<out>/bench.png` and
 `<out>/scaling.png`; TransferQueue's child process logs to `<out>/transferqueue-<workload>.log`.
@@ -567,6 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[CONTROL_PLANE] = control_plane.run_steps(scenario, args.control_plane_steps)
     if DURABLE in args.names:
         results[DURABLE] = durable.throughput("grpo", args.repeats)
+        results[DURABLE]["spill"] = durable.spilled_gather("grpo", args.repeats)
         if args.durable_recovery_gib > 0:
             results[DURABLE]["recovery"] = durable.recovery(args.durable_recovery_gib, "grpo")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

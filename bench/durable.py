@@ -8,8 +8,10 @@ the durable ones); *durable* is the put's time until its record is on disk (writ
 put, then polling `/v1/stats` until nothing is pending). Recovery: a write-behind worker is
 filled with N GiB of GRPO batches, killed with SIGKILL once its log is on disk, and started
 again on its directory; the figure is the start until it serves (its address printed: the log
-is replayed before), and the bytes it holds are checked. `--cold` drops the page cache first
-(root only), so the log is read from the disk, not from memory.
+is replayed before), and the bytes it holds are checked. Spill: a worker whose `--max-bytes`
+holds one batch gathers a batch of which half was spilled to disk, against the same gather all
+in memory. `--cold` drops the page cache first (root only), so the log is read from the disk,
+not from memory.
 """
 
 from __future__ import annotations
@@ -125,8 +127,7 @@ def recovery(gib: float = 4.0, workload: str = "grpo", cold: bool = False) -> di
         finally:
             first.kill()
         if cold:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            _drop_page_cache()
         seconds, workers = timed(
             lambda: spawn_workers(1, args=args, env={"DISTBATCH_TOKEN": ""}, startup_timeout=900)
         )
@@ -146,6 +147,73 @@ def recovery(gib: float = 4.0, workload: str = "grpo", cold: bool = False) -> di
         "recovery_gbps": held / seconds / 1e9,
         "cold": cold,
     }
+
+
+def _drop_page_cache() -> bool:
+    """Write dirty pages out and drop the page cache (root only); whether it was dropped."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def spilled_gather(workload: str = "grpo", repeats: int = 5, cold: bool = False) -> dict[str, Any]:
+    """A worker with `--data-dir` and `--max-bytes` 1.25 batches: the batch is put in two halves and
+    gathered (all in memory: the baseline); then half a batch more is put, which spills the
+    coldest half to disk, and the batch is gathered again (half read back from the record
+    files). `cold`: the page cache is dropped before each such gather (root), so the half comes
+    from the disk itself."""
+    from distbatch import DistributedBatchMemory, ShardClient
+    from distbatch.launch import spawn_workers
+
+    columns = make_columns(WORKLOADS[workload], 0)
+    nbytes = payload_bytes(columns)
+    with tempfile.TemporaryDirectory(prefix="distbatch-durable-") as tmp:
+        args = [*_worker_args("write-behind", Path(tmp)), "--max-bytes", str(nbytes * 5 // 4)]
+        (worker,) = spawn_workers(1, args=args, env={"DISTBATCH_TOKEN": ""})
+        try:
+            with ShardClient() as client:
+                batch = DistributedBatchMemory.from_dict(columns)
+                half = len(batch) // 2
+                handle = DistributedBatchMemory.concat(
+                    [batch[:half].to_remote(worker.node, client), batch[half:].to_remote(worker.node, client)]
+                )
+                text = handle.to_json()
+                in_memory, spilled = [], []
+                bar = tqdm(total=2 * repeats, desc="durable: gather, half spilled", unit="gather")
+                for _ in range(repeats):
+                    seconds, got = timed(DistributedBatchMemory.from_json(text, client).get_data)
+                    check_columns(got, columns)
+                    in_memory.append(seconds)
+                    bar.update()
+                filler = DistributedBatchMemory.from_dict(make_columns(WORKLOADS[workload], 1))
+                filler[: len(filler) // 2].to_remote(worker.node, client)  # past memory: the coldest go
+                _until_durable(worker.node)
+                before = _stats(worker.node)
+                dropped = False
+                for _ in range(repeats):
+                    if cold:
+                        dropped = _drop_page_cache()
+                    seconds, got = timed(DistributedBatchMemory.from_json(text, client).get_data)
+                    check_columns(got, columns)
+                    spilled.append(seconds)
+                    bar.update()
+                bar.close()
+                after = _stats(worker.node)
+        finally:
+            worker.stop()
+    result = {
+        "bytes": nbytes,
+        "spilled_bytes": before["on_disk_bytes"],
+        "read_back_bytes": after["read_back_bytes_total"] - before["read_back_bytes_total"],
+        "in_memory": stats(in_memory, nbytes),
+        "half_spilled": stats(spilled, nbytes),
+        "cold": dropped,
+    }
+    result["ratio"] = result["half_spilled"]["gbps"] / result["in_memory"]["gbps"]
+    return result
 
 
 def table(result: dict[str, Any]) -> str:
@@ -168,6 +236,14 @@ def table(result: dict[str, Any]) -> str:
             f"{', page cache dropped' if rec['cold'] else ', log in the page cache'}); the log caught up"
             f" {rec['drain_after_last_put_s']:.2f} s after the last put"
         )
+    spill = result.get("spill")
+    if spill:
+        lines.append(
+            f"  gather with {spill['spilled_bytes'] / spill['bytes']:.0%} of the batch spilled"
+            f" ({'page cache dropped' if spill['cold'] else 'in the page cache'}):"
+            f" {spill['half_spilled']['gbps']:.2f} GB/s, {spill['ratio']:.2f}x all in memory"
+            f" ({spill['in_memory']['gbps']:.2f} GB/s); {spill['read_back_bytes'] / 1e6:.0f} MB read back"
+        )
     return "\n".join(lines)
 
 
@@ -180,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--result", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     result = throughput(args.workload, args.repeats)
+    result["spill"] = spilled_gather(args.workload, args.repeats, args.cold)
     if args.recovery_gib > 0:
         result["recovery"] = recovery(args.recovery_gib, args.workload, args.cold)
     print(table(result))

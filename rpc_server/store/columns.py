@@ -3,7 +3,8 @@ response columns from the segments (outside it: segments never change once built
 
 A run of consecutive rows is served as one slice of its segment, scattered rows are gathered in
 one pass; for a same-host reader, tensor columns come as run tables into shared regions instead
-of bytes. Separate from the store's bookkeeping: this reads segments, it never changes them.
+of bytes (a spilled segment's rows copied into a region of their own). Separate from the store's
+bookkeeping: this reads segments, it never changes them.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import NamedTuple
 import numpy as np
 
 from distbatch.ids import ShardKey
+from distbatch.transport.shm import SharedRegion
 from distbatch.wire.bundle import LAYER_MARK, RawColumn
 from distbatch.wire.container import parts_size
 from distbatch.wire.shapes import RowShapes, unique_ints
-from rpc_server.errors import MissingShardsError
+from rpc_server.errors import MissingShardsError, SharedMemoryUnavailable
 from rpc_server.store.index import ShardIndex
 from rpc_server.store.records import ReplacedValues
 from rpc_server.store.regions import RegionSlots, run_table
@@ -91,14 +93,14 @@ def _shares(
 ) -> bool:
     """Whether a field's rows go by reference: tensors of `share_from` bytes or more. If so,
     the buffers of segments not in a shared region yet go into `pending` (lock held)."""
-    if any(seg.dtype is None or seg.buffer.on_disk for seg in used.values()):
-        return False  # JSON, or read back from disk: inline (not copied into shared memory)
+    if any(seg.dtype is None for seg in used.values()):
+        return False
     nbytes = sum(int(seg.sizes[rows].sum()) for seg, rows in _by_segment(segs, positions, used))
     if nbytes < share_from:
         return False
     if pending is not None:
         for seg in used.values():
-            if seg.outside_region:
+            if seg.outside_region and not seg.buffer.on_disk:  # spilled rows go by a copy of their own
                 pending[id(seg.buffer)] = seg.buffer
     return True
 
@@ -145,12 +147,28 @@ def column_of(
         change = np.flatnonzero(np.diff(segs)) + 1
         chunks = [(used[int(segs[c[0]])], positions[c]) for c in np.split(np.arange(len(segs)), change)]
     if share is not None:
-        runs = np.concatenate([run_table(seg, rows, share) for seg, rows in chunks])
+        runs = np.concatenate([_shared_runs(seg, rows, share) for seg, rows in chunks])
         return RawColumn(first.dtype, shapes, (), int(runs[:, 2].sum()), runs=runs)
     parts = [part for seg, rows in chunks for part in _parts(seg, rows)]
     if len(chunks) > 1 and len(parts) > MAX_SEND_RUNS:
         parts = [np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]).data]
     return RawColumn(first.dtype, shapes, parts, parts_size(parts))
+
+
+def _shared_runs(seg: Segment, positions: np.ndarray, share: RegionSlots) -> np.ndarray:
+    """`run_table` of `positions` of `seg`; a spilled segment's rows are first copied from its
+    record file into a region of their own, for this reply only (the segment stays on disk)."""
+    if not seg.buffer.on_disk:
+        return run_table(seg, positions, share)
+    parts = _parts(seg, positions)
+    size = parts_size(parts)
+    if not size:
+        return np.zeros((0, 3), dtype=np.int64)
+    try:
+        region = SharedRegion.from_parts(parts)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"the kernel refused a shared region: {exc}") from None
+    return np.array([[share.slot(region), 0, size]], dtype=np.int64)
 
 
 def _by_segment(

@@ -339,6 +339,11 @@ def test_the_durable_rows_measure_each_mode_and_a_recovery() -> None:
     for mode in ("write-behind", "sync"):
         log = result["modes"][mode]["log"]
         assert log["written_records"] == 4 and log["pending_records"] == 0 and log["failed"] is None
+    spill = durable.spilled_gather("tiny", repeats=2)
+    # One half's tensors went to disk (its JSON stays in memory), and each gather read them back.
+    assert spill["bytes"] // 3 < spill["spilled_bytes"] < spill["bytes"]
+    assert spill["read_back_bytes"] == 2 * spill["spilled_bytes"]
+    assert "spilled" in durable.table({**result, "spill": spill})
     recovered = durable.recovery(gib=0.001, workload="tiny")
     assert recovered["bytes"] > 0 and recovered["disk_bytes"] >= recovered["bytes"]
     assert "recovery" in durable.table({**result, "recovery": recovered})
