@@ -22,6 +22,14 @@ and bit-identical weights, which `--compare` checks.
     python examples/grpo_train.py --compare     # distributed, then centralised (what scripts/demo runs)
     python examples/grpo_train.py --steps 120   # longer
     python examples/grpo_train.py --launcher ray
+    python examples/grpo_train.py --kill-rollout 3 --compare   # a rollout worker dies mid-step
+
+With `--data-dir DIR` every worker is durable (`DIR/rollout<i>`, `DIR/train<i>`); with
+`--kill-rollout S` (a temporary DIR if none is given), rollout worker 0 is killed with SIGKILL in
+the middle of step S, once its samples are made, and started again on its directory: it comes
+back holding them, the step's handles follow it to its new address, its engine loads the
+current weights, and the step goes on; `--compare` then checks that the run is the run without
+the kill.
 
 `python` is one that has distbatch: the venv `scripts/demo` made, `.venv/bin/python`.
 """
@@ -33,6 +41,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -316,6 +325,7 @@ class RunReport:
     seconds: float = 0.0  # the whole training loop, wall clock
     staleness: dict[str, Any] = field(default_factory=dict)  # async: the controller's counters
     interrupted: int = 0  # --partial: rollout steps a weight update interrupted (and that resumed)
+    restarts: int = 0  # --kill-rollout: rollout workers killed mid-step and started again
 
     @property
     def rewards(self) -> list[float]:
@@ -330,6 +340,7 @@ class Job:
     ) -> None:
         self.args, self.rollout, self.train, self.centralised = args, rollout, train, centralised
         self.stored: list[DistributedBatchMemory] = []  # what the step made, cleared at its end
+        self.restarts = 0  # rollout workers killed and started again (--kill-rollout)
 
     def hand_over(self, batch: DistributedBatchMemory, nodes: list[str]) -> list[DistributedBatchMemory]:
         """`batch` for each of `nodes`: itself, gathered by each straight from where it is
@@ -372,6 +383,21 @@ class Job:
         self.stored.append(gradients)
         return gradients, tokens, count
 
+    def kill_and_restart_rollout(
+        self, rank: int, produced: DistributedBatchMemory, step: int
+    ) -> DistributedBatchMemory:
+        """SIGKILL rollout worker `rank` while it holds its part of `produced`, start it again on
+        its data directory, and point the step's handles at its new address; its engine starts
+        afresh and loads the trainers' current weights. `produced`, following it."""
+        at = next(i for i, batch in enumerate(self.stored) if batch is produced)
+        old = self.rollout.nodes[rank]
+        next(p for p in self.rollout.processes if p.node == old).kill()
+        new = self.rollout.restart(rank)
+        self.stored = [batch.moved(old, new) for batch in self.stored]
+        self.publish_weights(step)  # the policy that generated this step, on every rollout worker
+        self.restarts += 1
+        return self.stored[at]
+
     def clear(self) -> None:
         for batch in self.stored:
             batch.clear()
@@ -392,6 +418,10 @@ class Job:
             )
         )
         self.stored.append(produced)
+        # Rewards are counted by the rollout engines: taken now, before one may be killed.
+        rewards = self.rollout.call_all("take_metrics")
+        if args.kill_rollout == step and not self.centralised:
+            produced = self.kill_and_restart_rollout(0, produced, step)
         batch = produced.select_fields(TRAIN_FIELDS)
         if self.centralised:
             batch = batch.to_local()
@@ -402,9 +432,9 @@ class Job:
         gradients, tokens, count = self.gradients(chunks, step)
         self.train.call("apply_gradients", self.hand_over(gradients, self.train.nodes))
         self.publish_weights(step + 1)
-        rewards = self.rollout.call_all("take_metrics")
+        loads = self.rollout.call_all("take_metrics")  # the bytes gathered loading the weights
         losses = self.train.call_all("take_metrics")
-        workers = [*rewards, *losses]
+        workers = [*rewards, *loads, *losses]
         self.clear()
         traffic = client.traffic() - traffic0
         return StepReport(
@@ -590,10 +620,28 @@ def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False
             init_local_ray()
         start = WorkerGroup.ray
     common = {"seed": args.seed, "temperature": args.temperature}
+    data_dir, scratch = args.data_dir, None
+    if data_dir is None and args.kill_rollout is not None and not centralised:
+        scratch = tempfile.TemporaryDirectory(prefix="grpo-train-")  # removed once the workers stop
+        data_dir = Path(scratch.name)
+    durable = (
+        {} if data_dir is None else {"rollout": data_dir / "rollout{rank}", "train": data_dir / "train{rank}"}
+    )
+    flags = {role: ["--data-dir", str(path)] for role, path in durable.items()}
     with (
-        start(args.rollout_workers, f"{ENGINE_MODULE}:Rollout", engine_kwargs=common, env=env) as rollout,
         start(
-            args.train_workers, f"{ENGINE_MODULE}:Trainer", engine_kwargs={**common, "lr": args.lr}, env=env
+            args.rollout_workers,
+            f"{ENGINE_MODULE}:Rollout",
+            engine_kwargs=common,
+            env=env,
+            args=flags.get("rollout", []),
+        ) as rollout,
+        start(
+            args.train_workers,
+            f"{ENGINE_MODULE}:Trainer",
+            engine_kwargs={**common, "lr": args.lr},
+            env=env,
+            args=flags.get("train", []),
         ) as train,
     ):
         job = Job(args, rollout, train, centralised)
@@ -617,6 +665,9 @@ def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False
             report.weights[i] = values[cu_seqlens[k] : cu_seqlens[k + 1]].clone()
         final.clear()
         report.shards_left = sum(s["shards"] for g in (rollout, train) for s in g.stats())
+        report.restarts = job.restarts
+    if scratch is not None:
+        scratch.cleanup()
     if args.http:
         default_client().close()
         set_default_client(None)
@@ -695,6 +746,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="asynchronous: rollout runs up to K steps ahead of training, on a policy at most K versions old",
     )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="durable workers: each writes what it stores under DIR (rollout<i>, train<i>)",
+    )
+    parser.add_argument(
+        "--kill-rollout",
+        type=int,
+        metavar="S",
+        help="SIGKILL rollout worker 0 in the middle of step S and start it again on its data directory "
+        "(distributed, local launcher)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--centralised", action="store_true", help="every batch through the controller")
     mode.add_argument("--compare", action="store_true", help="distributed, then centralised; check identical")
@@ -711,6 +774,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.partial is not None and (args.ahead is None or args.partial < 1):
         print("grpo_train.py: --partial T (T >= 1) goes with --async K", file=sys.stderr)
+        return 2
+    if args.kill_rollout is not None and (args.ahead is not None or args.launcher != "local"):
+        print(
+            "grpo_train.py: --kill-rollout S runs the synchronous job on the local launcher", file=sys.stderr
+        )
         return 2
     modes = [False, True] if args.compare else [args.centralised]
     reports = [run(args, centralised) for centralised in modes]
@@ -740,6 +808,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} tasks {age} version(s) old" for age, n in report.staleness["served"].items()
             )
             print(f"[{report.mode}] trained on {served}; dropped as stale: {report.staleness['dropped']}")
+        if report.restarts:
+            print(
+                f"[{report.mode}] rollout worker 0 was killed (SIGKILL) in the middle of step"
+                f" {args.kill_rollout} and started again on its data directory; the step went on with"
+                " every sample it held"
+            )
         if args.partial is not None:
             print(
                 f"[{report.mode}] {report.interrupted} rollout steps were interrupted by a weight update "

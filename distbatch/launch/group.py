@@ -83,6 +83,9 @@ class WorkerGroup:
         self.call_timeout = call_timeout
         self.liveness_timeout = check_liveness_timeout(liveness_timeout)
         self._client = client
+        # How `local` started the workers (flags, environment, startup timeout): `restart` repeats it.
+        self._respawn: tuple[list[str], Mapping[str, str] | Sequence[Mapping[str, str]] | None, float] | None
+        self._respawn = None
         # Stops the processes (and stoppers) on shutdown(), on garbage collection and at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_all, self.processes, self.stoppers)
 
@@ -125,7 +128,37 @@ class WorkerGroup:
             call_timeout=call_timeout,
             liveness_timeout=liveness_timeout,
         )
+        group._respawn = (extra, env, startup_timeout)
         return group._ready_or_shut_down()
+
+    def restart(self, worker: int | str) -> str:
+        """Start a worker of this (local) group again, with its flags, rank and engine, on a new
+        port, after stopping it if it still runs; its new address, which the group calls from
+        now on. A worker started with `--data-dir` comes back holding every shard it had
+        committed: point batch handles at it with `DistributedBatchMemory.moved(old, new)` and a
+        controller with `Controller.move_node(old, new)`. Its engine is built afresh (an
+        engine's own state, such as loaded weights, is not durable: load it again).
+        `InvalidArgumentError` for a group not started by `WorkerGroup.local`."""
+        if self._respawn is None:
+            raise InvalidArgumentError("only the workers of a WorkerGroup.local group can be restarted")
+        node = self._node(worker)
+        rank = self.nodes.index(node)
+        old = next(p for p in self.processes if p.node == node)
+        old.stop()
+        args, env, startup_timeout = self._respawn
+        (new,) = spawn_workers(
+            1,
+            args=args,
+            env=env if env is None or isinstance(env, Mapping) else [env[rank]],
+            startup_timeout=startup_timeout,
+            log_dir=old.logs,
+            first_rank=rank,
+            world_size=len(self.nodes),
+        )
+        self.processes[self.processes.index(old)] = new
+        self.nodes[rank] = new.node
+        self.client.health(new.node)
+        return new.node
 
     @classmethod
     def ray(

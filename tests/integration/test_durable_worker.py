@@ -122,6 +122,28 @@ def test_a_group_gives_each_worker_its_own_directory(tmp_path: Path) -> None:
             worker.stop()
 
 
+def test_a_local_group_restarts_a_worker_on_its_directory(tmp_path: Path) -> None:
+    """`WorkerGroup.restart(i)`: worker i again, with its flags and rank, on a new port; the
+    group calls it there, and it holds what it had. A group of connected workers cannot."""
+    from distbatch import WorkerGroup
+    from distbatch.errors import InvalidArgumentError
+
+    columns = _batch(20, seed=8)
+    with WorkerGroup.local(
+        2, args=["--data-dir", str(tmp_path / "w{rank}"), "--sync"], env=NO_TOKEN
+    ) as group:
+        old = group.nodes[1]
+        handle = DistributedBatchMemory.from_dict(columns).to_remote(old, group.client)
+        group.processes[1].kill()
+        new = group.restart(1)
+        assert new != old and group.nodes == [group.processes[0].node, new]
+        assert group.client.health(new)["rank"] == 1
+        got = handle.moved(old, new).get_data()
+        assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+        with pytest.raises(InvalidArgumentError, match="WorkerGroup.local"):
+            WorkerGroup.connect(group.nodes).restart(0)
+
+
 def test_a_put_killed_half_way_comes_back_whole_or_not_at_all(
     start_worker: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:

@@ -115,6 +115,24 @@ def test_the_data_plane_changes_nothing_it_carries(job: ModuleType, runs: tuple)
     assert len(set(distributed.rewards)) == STEPS
 
 
+def test_a_rollout_worker_killed_mid_step_changes_nothing(
+    job: ModuleType, runs: tuple, tmp_path: Path
+) -> None:
+    """`--data-dir --kill-rollout 1`: durable workers; rollout worker 0 is SIGKILLed in the middle
+    of step 1, holding its half of the step's samples, and started again on its directory. The
+    step goes on with every sample (gathered from the new address) and the run is the run
+    without the kill: the same rewards at every step, bit-identical weights."""
+    args = job.parse_args(
+        ["--steps", str(STEPS), "--prompts", "8", "--max-tokens", "160"]
+        + ["--data-dir", str(tmp_path), "--kill-rollout", "1"]
+    )
+    killed = job.run(args, quiet=True)
+    assert killed.restarts == 1 and killed.shards_left == 0
+    assert job.identical(killed, runs[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout0", "rollout1", "train0", "train1"]
+    assert (tmp_path / "rollout0" / "node").read_text().count("\n") == 2  # served at two addresses
+
+
 def test_each_run_took_the_path_it_says(runs: tuple) -> None:
     distributed, centralised = runs
     assert sum(s.shm_bytes for s in distributed.steps) > 0
