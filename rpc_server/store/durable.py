@@ -305,6 +305,9 @@ class DurableLog:
                         done += os.write(fd, view[done:])
                     total += len(view)
                 os.fsync(fd)
+            except BaseException:
+                _remove_quietly(hidden)  # a full disk gets back what the torn file took
+                raise
             finally:
                 os.close(fd)
             os.replace(hidden, self.log_dir / name)
@@ -383,6 +386,13 @@ def _file_crc(data: memoryview) -> tuple[int, int] | None:
         return None
     blank = header[: found.start(1)] + _NO_CRC.encode() + header[found.end(1) :]
     return int(found.group(1)), zlib.crc32(data[header_end:], zlib.crc32(blank))
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _make_dir(path: Path) -> None:

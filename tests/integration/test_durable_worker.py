@@ -4,17 +4,18 @@ every shard it had committed, byte for byte, with the generation its batch handl
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from distbatch import Controller, DistributedBatchMemory, ShardClient
-from distbatch.errors import ShardNotFoundError, WorkerUnavailableError
+from distbatch.errors import CapacityError, ShardNotFoundError, WorkerUnavailableError
 from distbatch.launch import WorkerProcess, spawn_workers
 
 NO_TOKEN = {"DISTBATCH_TOKEN": ""}
@@ -267,4 +268,56 @@ def test_a_full_durable_worker_spills_instead_of_refusing(
     with ShardClient() as client:
         for handle, columns in zip(handles, batches):
             got = handle.moved(first.node, second.node).get_data()
+            assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB filesystem of its own (a tmpfs mounted for the test): a disk that really fills."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_refuses_changes_and_keeps_every_acknowledged_put(
+    start_worker: Callable[..., WorkerProcess], small_disk: Path
+) -> None:
+    """`--sync` on a 2 MiB disk: puts are taken until a record does not fit; that put and every
+    later change get 507 saying the disk refused (ENOSPC), the worker serves what it holds, and
+    a worker started again on the full disk recovers exactly the acknowledged puts."""
+    flags = ["--data-dir", str(small_disk), "--sync"]
+    first = start_worker(*flags, env=NO_TOKEN)
+    acknowledged: list[tuple[DistributedBatchMemory, dict]] = []
+    with ShardClient() as client:
+        with pytest.raises(CapacityError, match="could not be written") as refused:
+            for i in range(60):  # ~120 kB each: the disk is full well before
+                columns = _batch(300, seed=100 + i)
+                acknowledged.append(
+                    (DistributedBatchMemory.from_dict(columns).to_remote(first.node, client), columns)
+                )
+        assert "No space left on device" in str(refused.value)
+        assert 5 < len(acknowledged) < 60
+        with pytest.raises(CapacityError, match="cannot write"):
+            DistributedBatchMemory.from_dict(_batch(4, seed=99)).to_remote(first.node, client)
+        assert "No space left" in _durable(first.node)["failed"]
+        handle, columns = acknowledged[-1]
+        got = DistributedBatchMemory.from_json(handle.to_json(), client).get_data()
+        assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+    assert not [
+        p.name for p in (small_disk / "log").iterdir() if p.name.endswith(".tmp")
+    ]  # torn file removed
+    first.kill()
+    second = start_worker(*flags, env=NO_TOKEN)
+    assert _stats(second.node)["tasks"] == 300 * len(acknowledged)
+    with ShardClient() as client:
+        for handle, columns in acknowledged:
+            got = (
+                DistributedBatchMemory.from_json(handle.to_json(), client)
+                .moved(first.node, second.node)
+                .get_data()
+            )
             assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
