@@ -17,7 +17,7 @@ import time
 
 from distbatch.atomic import write_text_atomically
 from distbatch.errors import ServerBindError
-from distbatch.launch.flags import build_parser, check_flag_values
+from distbatch.launch.flags import build_parser, check_flag_values, worker_data_dir
 from rpc_server.app import create_app
 from rpc_server.config import ServerConfig
 from rpc_server.errors import EngineLoadError
@@ -50,7 +50,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_threads=args.max_threads,
         read_timeout=args.read_timeout,
         shm_max_bytes=args.shm_max_bytes,
-        data_dir=None if args.data_dir is None else str(args.data_dir).replace("{rank}", str(args.rank)),
+        data_dir=None if args.data_dir is None else str(worker_data_dir(args.data_dir, args.rank)),
         sync_writes=args.sync,
     )
 

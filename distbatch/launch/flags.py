@@ -213,6 +213,25 @@ def _add_release_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# A durable worker's data directory names every address it was served at, oldest first, one a line.
+NODE_FILE = "node"
+
+
+def worker_data_dir(template: str | os.PathLike[str], rank: int) -> Path:
+    """The data directory of the worker of `rank`: `template` with `{rank}` replaced."""
+    return Path(str(template).replace("{rank}", str(rank)))
+
+
+def served_at(data_dir: str | os.PathLike[str]) -> list[str]:
+    """Every address a durable worker on `data_dir` was served at, oldest first (its ``node``
+    file; empty if there is none): the last is where it serves now, or last did."""
+    try:
+        text = (Path(data_dir) / NODE_FILE).read_text()
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def _add_durability_flags(parser: argparse.ArgumentParser) -> None:
     """Whether the worker's shards survive its process."""
     parser.add_argument(

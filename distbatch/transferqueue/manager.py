@@ -18,6 +18,12 @@ TransferQueue's controller hears of its fields only after that: a put whose work
 no field of it anywhere, and the samples read as before it; keys and samples TransferQueue
 registered for the put alone are released again (`rollback`), unless the dead worker is the one
 that could say whether they held anything.
+
+With `data_dir` (durable workers), a worker that cannot be reached may have been started again on
+its directory, at a new address: before failing a call, the manager reads where that worker's
+directory says it serves now (``<data_dir>/node``: this host, or a filesystem the hosts share),
+and if that is a new address, makes it the slot's endpoint in this process and sends the call
+there once more. Samples name workers by slot, so every sample it held is found there.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +58,7 @@ from distbatch.errors import (
     WorkerUnavailableError,
 )
 from distbatch.gc_pause import freeze_long_lived
+from distbatch.launch.flags import served_at, worker_data_dir
 from distbatch.transferqueue import fast_schema
 from distbatch.transferqueue.checkpoint import CHECKPOINT_DIR, load_shards, save_shards
 from distbatch.transferqueue.layout import (
@@ -166,7 +174,13 @@ class DistbatchStorageManager(StorageManager):
         home, slot = self.home, self.slot
         bundle, _ = batch.export_bundle(home)
         try:
-            await self.client.aput_bundle(home, bundle)
+            try:
+                await self.client.aput_bundle(home, bundle)
+            except WorkerUnavailableError as exc:
+                if not self._follow_restart(exc.node):
+                    raise
+                home = self.options.endpoints[slot]  # the same worker, started again elsewhere
+                await self.client.aput_bundle(home, bundle)
         except WorkerUnavailableError as exc:
             what = f"put of {size} sample(s) to partition {partition!r}"
             outcome = f"{what} failed; none of its fields was recorded"
@@ -185,6 +199,44 @@ class DistbatchStorageManager(StorageManager):
             await self.notify_data_update(metadata.partition_ids[0], list(metadata.global_indexes), {}, None)
         except Exception:  # the put's error says what went wrong; this one would hide it
             logger.warning("TransferQueue's controller was not told of a failed put's samples", exc_info=True)
+
+    def _follow_restart(self, node: str) -> bool:
+        """Whether the worker that was at `node` serves elsewhere now: started again on its data
+        directory, whose ``node`` file names a newer address (and `node` among the earlier
+        ones). Then that address is its slot's endpoint in this process (the home too, if it
+        was `node`). True also if a concurrent call followed it already; False without
+        `data_dir`, or if the directory names no newer address (call again: it may still be
+        starting)."""
+        if self.options.data_dir is None:
+            return False
+        endpoints = list(self.options.endpoints)
+        if node not in endpoints:  # only a follow takes an address out: a concurrent call's
+            return True
+        slot = endpoints.index(node)
+        known = served_at(worker_data_dir(self.options.data_dir, slot))
+        if node not in known[:-1]:
+            return False
+        endpoints[slot] = known[-1]
+        self.options = replace(self.options, endpoints=tuple(endpoints))
+        if self.home == node:
+            self.home = known[-1]
+        logger.warning("distbatch worker %d: %s restarted on its data directory at %s", slot, node, known[-1])
+        return True
+
+    async def _again_where_followed(
+        self, nodes: list[str], results: list[Any], call: Callable[[str], Any]
+    ) -> None:
+        """Call `call` once more on each node whose result says it was unreachable and that was
+        started again elsewhere (`_follow_restart`); its new address and result replace the old."""
+        again: dict[int, str] = {}
+        for at, (node, result) in enumerate(zip(nodes, results)):
+            if isinstance(result, WorkerUnavailableError) and node in self.options.endpoints:
+                slot = self.options.endpoints.index(node)
+                if self._follow_restart(node):
+                    again[at] = self.options.endpoints[slot]
+        answers = await asyncio.gather(*(call(node) for node in again.values()), return_exceptions=True)
+        for at, node, answer in zip(again, again.values(), answers):
+            nodes[at], results[at] = node, answer
 
     def _move_home(self, away_from: str) -> bool:
         """Make another worker this process's home (one on its host if there is one), after
@@ -208,8 +260,13 @@ class DistbatchStorageManager(StorageManager):
             return set()
         by_task = dict(zip(task_ids(list(global_indexes)), global_indexes))
         endpoints = list(self.options.endpoints)
-        answers = await asyncio.gather(
-            *(self.client.atask_fields(node, list(by_task)) for node in endpoints), return_exceptions=True
+        answers = list(
+            await asyncio.gather(
+                *(self.client.atask_fields(node, list(by_task)) for node in endpoints), return_exceptions=True
+            )
+        )
+        await self._again_where_followed(
+            endpoints, answers, lambda node: self.client.atask_fields(node, list(by_task))
         )
         held: set[int] = set()
         for node, answer in zip(endpoints, answers):
@@ -230,18 +287,27 @@ class DistbatchStorageManager(StorageManager):
         size = len(metadata.global_indexes)
         if size == 0 or not names:
             return TensorDict({}, batch_size=size)
-        meta = _batch_meta(metadata, names, self.options.endpoints)
-        plan = plan_fetch(meta, names, self.client)
-        if plan is None:  # nothing to gather (plan_fetch says so only for no names)
-            return TensorDict({}, batch_size=size)
         try:
-            gathered = await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
+            try:
+                gathered = await self._gather(metadata, names)
+            except WorkerUnavailableError as exc:
+                if not self._follow_restart(exc.node):
+                    raise
+                gathered = await self._gather(metadata, names)  # from where it serves now
         except WorkerUnavailableError as exc:
             partitions = sorted(set(metadata.partition_ids))
             label = "partition" if len(partitions) == 1 else "partitions"
             what = f"get of {size} sample(s) from {label} {', '.join(map(repr, partitions))}"
             raise _unreachable(exc, f"{what} failed: the data that worker holds cannot be read") from exc
+        if gathered is None:  # nothing to gather (plan_fetch says so only for no names)
+            return TensorDict({}, batch_size=size)
         return tensordict_of(gathered, names, size, value_types(_locations(metadata), names))
+
+    async def _gather(self, metadata: TQBatchMeta, names: list[str]) -> Any:
+        """The fields `names` of `metadata`'s samples, from the workers the slots name now."""
+        meta = _batch_meta(metadata, names, self.options.endpoints)
+        plan = plan_fetch(meta, names, self.client)
+        return None if plan is None else await fetch(AWAITED, self.client, plan, NO_PROGRESS_BAR)
 
     # ------------------------------------------------------------------ clear
 
@@ -255,6 +321,8 @@ class DistbatchStorageManager(StorageManager):
         results = await asyncio.gather(
             *(self.client.adelete(node, task_ids=ids) for node in nodes), return_exceptions=True
         )
+        results = list(results)
+        await self._again_where_followed(nodes, results, lambda node: self.client.adelete(node, task_ids=ids))
         outcome = dict(zip(nodes, results))
         failed = {node: r for node, r in outcome.items() if isinstance(r, NodeError)}
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NodeError)]

@@ -43,6 +43,7 @@ from typing import Any
 
 from distbatch.atomic import write_text_atomically
 from distbatch.errors import WireFormatError
+from distbatch.launch.flags import NODE_FILE, served_at
 from distbatch.wire.bundle import Bundle, build_bundle, parse_bundle
 from distbatch.wire.container import build_container, byte_view, parse_container
 from rpc_server.errors import DurableLogError
@@ -54,7 +55,6 @@ RECORD_VERSION = 1
 LOG_DIR = "log"
 DROPPED_DIR = "dropped"
 LOCK_FILE = "lock"
-NODE_FILE = "node"
 _NAME = re.compile(r"^(\d{16})-(\d{1,6})-(\d{1,6})\.safetensors$")
 
 # The record's CRC field in the container header: a JSON string inside a JSON string.
@@ -332,10 +332,7 @@ def swap_node(directory: Path, node: str) -> list[str]:
     served at, oldest first); the earlier ones, other than `node`: a controller may know any of
     them (a worker restarted twice before it was told)."""
     path = Path(directory) / NODE_FILE
-    try:
-        known = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        known = []
+    known = served_at(directory)
     earlier = [n for n in dict.fromkeys(known) if n != node]
     write_text_atomically(path, "".join(f"{n}\n" for n in [*earlier, node]))
     return earlier

@@ -77,6 +77,11 @@ class Producer:
         meta = remote_tq.kv_batch_put(keys=keys, partition_id="p", fields=fields, tags=[tag] * len(keys))
         return sorted(meta.fields)
 
+    def get(self, keys: list[str]) -> torch.Tensor:
+        import transfer_queue as remote_tq
+
+        return remote_tq.kv_batch_get(keys=keys, partition_id="p").get("reward")
+
 
 class Setup:
     """Workers, TransferQueue over them, and which worker takes whose puts."""
@@ -361,3 +366,55 @@ def test_puts_failing_together_on_a_dead_home_all_move_to_the_same_live_worker(s
     assert len(homes) == 1 and setup.mine.node not in homes, homes
     tq.kv_batch_put(keys=["after"], partition_id="p", fields=row)
     assert tq.kv_batch_get(keys=["after"], partition_id="p").get("reward").tolist() == [1.0]
+
+
+def test_a_durable_worker_restarted_at_a_new_address_is_followed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers with `--data-dir` (`backend.Distbatch.data_dir`, `{rank}` their slot): this
+    process's home worker is SIGKILLed after a put and started again on its directory, at a new
+    port. Without anyone telling TransferQueue, the next get finds every sample it held there
+    (the manager reads where the directory says it serves), with the same values; puts go there
+    again, and the producer's process, reading the same directory, follows it too."""
+    producer = Producer.remote()  # type: ignore[attr-defined]
+    template = str(tmp_path / "w{rank}")
+    workers: list[WorkerProcess] = []
+    try:
+        workers = spawn_workers(2, args=["--data-dir", template, "--sync"])
+        endpoints = [w.node for w in workers]
+        slot = endpoints.index(home_worker(endpoints, local_addresses(), os.getpid()))
+        tq.init(config_for(endpoints, data_dir=template))
+        values = kept_values()
+        tq.kv_batch_put(keys=KEPT, partition_id="p", fields=TensorDict(values, batch_size=[len(KEPT)]))
+        before = tq.kv_batch_get(keys=KEPT, partition_id="p")
+        old = workers[slot]
+        old.kill()
+        (again,) = spawn_workers(1, args=["--data-dir", template, "--sync"], first_rank=slot, world_size=2)
+        workers.append(again)
+        assert again.node != old.node
+        assert same_values(tq.kv_batch_get(keys=KEPT, partition_id="p"), before)
+        tq.kv_batch_put(
+            keys=["later"], partition_id="p", fields=TensorDict({"reward": torch.tensor([9.0])}, [1])
+        )
+        assert tq.kv_batch_get(keys=["later"], partition_id="p").get("reward").tolist() == [9.0]
+        assert ShardClient().stats(again.node)["tasks"] >= len(KEPT) + 1  # both on the restarted worker
+        got = ray.get(producer.get.remote(KEPT), timeout=60)
+        assert torch.equal(got, values["reward"])
+        tq.kv_clear(keys=[*KEPT, "later"], partition_id="p")
+        assert ShardClient().stats(again.node)["tasks"] == 0
+    finally:
+        try:
+            dtq.close()
+        finally:
+            ray.kill(producer)
+            for w in workers:
+                w.stop()
+
+
+def config_for(endpoints: list[str], **options: Any) -> dict[str, Any]:
+    return {
+        "backend": {
+            "storage_backend": "Distbatch",
+            "Distbatch": {"endpoints": endpoints, "timeout": TIMEOUT, **options},
+        }
+    }
