@@ -135,15 +135,20 @@ def setup(path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
         tq.kv_put(key="warm", partition_id="warm", fields={"x": torch.zeros(1)})
         yield Setup(mine, their_home, producer)
     finally:
-        try:
-            dtq.close()
-        finally:
-            ray.kill(producer)
-            for w in workers:
-                if w.alive():
-                    _signal(w, signal.SIGCONT)
-            for w in workers:
-                w.stop()
+        close_everything(producer, workers)
+
+
+def close_everything(producer: Any, workers: list[WorkerProcess]) -> None:
+    """TransferQueue, the producer actor and the workers (a stopped one is woken first)."""
+    try:
+        dtq.close()
+    finally:
+        ray.kill(producer)
+        for w in workers:
+            if w.alive():
+                _signal(w, signal.SIGCONT)
+        for w in workers:
+            w.stop()
 
 
 def _signal(worker: WorkerProcess, sig: signal.Signals) -> None:
@@ -403,12 +408,7 @@ def test_a_durable_worker_restarted_at_a_new_address_is_followed(
         tq.kv_clear(keys=[*KEPT, "later"], partition_id="p")
         assert ShardClient().stats(again.node)["tasks"] == 0
     finally:
-        try:
-            dtq.close()
-        finally:
-            ray.kill(producer)
-            for w in workers:
-                w.stop()
+        close_everything(producer, workers)
 
 
 def config_for(endpoints: list[str], **options: Any) -> dict[str, Any]:
