@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
@@ -33,9 +34,10 @@ class Buffer:
 
     `region` is set when that memory is a shared region (a same-host put, or a buffer moved
     into shared memory for a same-host reader): its segments can be handed out by reference.
-    On a durable worker, `record` names the log record file holding the same bytes (seq, part,
-    parts) and `keys` each segment's column key in it, so the buffer can be *spilled*: its
-    tensor segments repointed at the file (`on_disk`), its memory let go.
+    On a durable worker, `record` names the file holding the same bytes (the log record's
+    sequence number, on disk once the log is that far; and its path) and `keys` each segment's
+    column key in it, so the buffer can be *spilled*: its tensor segments repointed at the file
+    (`on_disk`), its memory let go.
     """
 
     __slots__ = ("size", "live_bytes", "members", "region", "record", "keys", "last_used", "on_disk")
@@ -45,7 +47,7 @@ class Buffer:
         self.live_bytes = 0
         self.members: set[int] = set()  # ids of the segments in it
         self.region = region
-        self.record: tuple[int, int, int] | None = None
+        self.record: tuple[int, Path] | None = None
         self.keys: dict[int, str] = {}
         self.last_used = 0  # `SegmentTable.tick` of the last put or fetch using it
         self.on_disk = False
@@ -333,36 +335,35 @@ class SegmentTable:
             buffer.size = buffer.live_bytes  # only JSON values are left, which hold no body bytes
 
     def spill_candidates(self, durable_seq: int) -> list[Buffer]:
-        """Buffers that can be spilled now (their record is on disk), used longest ago first."""
+        """Buffers that can be spilled now (their record, if any, is on disk), used longest ago
+        first."""
         found = [
             b
             for b in self._buffers.values()
-            if not b.on_disk and b.record is not None and b.record[0] <= durable_seq and b.live_bytes
+            if not b.on_disk and (b.record is None or b.record[0] <= durable_seq) and b.live_bytes
         ]
         found.sort(key=lambda b: b.last_used)
         return found
 
-    def spill(self, buffer: Buffer, columns: dict[str, RawColumn]) -> int:
-        """Point `buffer`'s tensor segments at the same bytes in its record file (`columns`: the
-        record's columns, views of the mapped file), so its memory goes; JSON values stay. The
-        live bytes spilled (0: the file does not match, nothing changed)."""
+    def spill(self, buffer: Buffer, homes: dict[int, np.ndarray]) -> int:
+        """Point `buffer`'s tensor segments at `homes` (by segment id: the same bytes in a mapped
+        file), so its memory goes; JSON values stay. The live bytes spilled (0: `homes` does not
+        cover every tensor segment with bytes of the same size, and nothing changed)."""
         moving = [self.segments[s] for s in sorted(buffer.members) if self.segments[s].dtype is not None]
-        homes = []
         for seg in moving:
-            column = columns.get(buffer.keys.get(seg.id, ""))
-            data = None if column is None else np.frombuffer(column.single_buffer(), dtype=np.uint8)
-            if data is None or seg.data is None or data.nbytes != seg.data.nbytes:
+            home = homes.get(seg.id)
+            if home is None or seg.data is None or home.nbytes != seg.data.nbytes:
                 return 0
-            homes.append(data)
         if not moving:
             return 0
         own = Buffer(0)
         own.record, own.last_used, own.on_disk = buffer.record, buffer.last_used, True
-        for seg, data in zip(moving, homes):
+        for seg in moving:
             live = int(seg.sizes[self._live(seg)].sum())
-            self.segments[seg.id] = seg.rehomed(data, own, None)
+            self.segments[seg.id] = seg.rehomed(homes[seg.id], own, None)
             own.members.add(seg.id)
-            own.keys[seg.id] = buffer.keys[seg.id]
+            if seg.id in buffer.keys:
+                own.keys[seg.id] = buffer.keys[seg.id]
             own.live_bytes += live
             buffer.members.discard(seg.id)
             buffer.live_bytes -= live

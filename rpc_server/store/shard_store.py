@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from rpc_server.errors import (
 )
 from rpc_server.store.appends import check_stage
 from rpc_server.store.columns import MAX_MISSING_LISTED, Picked, build_columns, pick
-from rpc_server.store.durable import DurableLog, LogStats, Record
+from rpc_server.store.durable import DurableLog, LogStats, Record, record_name
 from rpc_server.store.records import PutReceipt, StoreStats, bundle_from_raw
 from rpc_server.store.regions import RegionMover, RegionSlots, SharedBudget
 from rpc_server.store.segments import Buffer
@@ -205,10 +206,14 @@ class ShardStore:
         """Live bytes held in memory: not spilled (caller holds the lock)."""
         return self._shards.segments.nbytes - self._shards.segments.disk_bytes
 
-    def _record_file(self, part: int, parts: int) -> tuple[int, int, int] | None:
-        """(seq, part, parts) of the record the change about to be applied is logged as (caller
-        holds the lock: no other record comes between); None without a log."""
-        return None if self._log is None else (self._log.next_seq, part, parts)
+    def _record_file(self, part: int, parts: int) -> tuple[int, Path] | None:
+        """(number, file) of part `part` of the `parts` of the record the change about to be
+        applied is logged as (caller holds the lock: no other record comes between); None
+        without a log."""
+        if self._log is None:
+            return None
+        seq = self._log.next_seq
+        return seq, self._log.log_dir / record_name(seq, part, parts)
 
     def _writable(self) -> None:
         """`DurableLogError` before a change is applied, if its record could not be queued."""
@@ -277,23 +282,22 @@ class ShardStore:
             return
         self._shards.check_aliases(record.bundles)
         resolved = [self._shards.resolve_appends(bundle) for bundle in record.bundles]
-        self._apply_parts(resolved, [(None, None)] * len(resolved), record.generation, record.seq)
+        files = [(0, path) for path in record.paths]  # on disk already
+        self._apply_parts(resolved, [(None, None)] * len(resolved), record.generation, files)
 
     def _apply_parts(
         self,
         resolved: Sequence[tuple[Bundle, frozenset[str]]],
         bodies: Sequence[tuple[int | None, SharedRegion | None]],
         generation: int,
-        seq: int | None,
+        files: Sequence[tuple[int, Path] | None],
     ) -> tuple[int, int]:
         """Apply a commit's parts as one put (checked, appends resolved; caller holds the lock):
         every part's columns first, then every part's shared values, so a value shared across
-        parts is there, and the latest, whatever order the parts arrived in. `seq`: the record
-        they are logged as (None: no log). (stored, bytes)."""
+        parts is there, and the latest, whatever order the parts arrived in. `files`: each
+        part's record (its number and file; None without a log). (stored, bytes)."""
         stored = nbytes = 0
-        n = len(resolved)
-        for k, ((bundle, own), (body_size, region)) in enumerate(zip(resolved, bodies)):
-            record = None if seq is None else (seq, k, n)
+        for (bundle, own), (body_size, region), record in zip(resolved, bodies, files):
             receipt = self._shards.apply(
                 bundle, body_size, region, generation, own, aliases=False, record=record
             )
@@ -425,10 +429,8 @@ class ShardStore:
         generation = self._next_generation()
         parts = self._stages.take(stage_id) or []
         bodies = [(body_size, region) for _, body_size, region in parts]
-        record = self._record_file(0, len(parts))
-        stored, nbytes = self._apply_parts(
-            resolved, bodies, generation, None if record is None else record[0]
-        )
+        files = [self._record_file(k, len(parts)) for k in range(len(parts))]
+        stored, nbytes = self._apply_parts(resolved, bodies, generation, files)
         result = (stored, nbytes, generation)
         self._stages.record_commit(stage_id, now, result)
         return result, self._record("put", generation, bundles)

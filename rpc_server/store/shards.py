@@ -9,6 +9,7 @@ locks: the store calls it with its lock held.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -91,14 +92,14 @@ class Shards:
         generation: int = 0,
         own: frozenset[str] = frozenset(),
         aliases: bool = True,
-        record: tuple[int, int, int] | None = None,
+        record: tuple[int, Path] | None = None,
     ) -> PutReceipt:
         """Store a measured bundle (capacity already checked), replacing the values it replaces;
         its values carry `generation`, the put's. The columns keyed in `own` hold memory of their
         own (resolved appends), not views of the body. With `aliases` False, the bundle's shared
         values are left for `apply_aliases` (a staged put applies every part's columns first).
-        `record`: the durable log file the bundle is written to (seq, part, parts), so its
-        body can be spilled there."""
+        `record`: the durable log's file the bundle is written to (its record's number, its
+        path), so its body can be spilled there."""
         rows = self.index.rows.assign(bundle.task_ids, self.index.rows.lookup(bundle.task_ids))
         buffer = Buffer(0, region)
         buffer.record, buffer.last_used = record, self.segments.tick()

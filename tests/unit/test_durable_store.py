@@ -354,6 +354,19 @@ def test_a_spilled_value_can_be_replaced_appended_to_and_deleted(tmp_path: Path)
     store.close()
 
 
+def test_memory_no_record_holds_is_written_to_a_file_of_its_own(tmp_path: Path) -> None:
+    """A value an append extended holds memory of its own (the record holds only the appended
+    bytes): spilled, it is written to a file under DIR/spill/, unlinked at once."""
+    store = ShardStore(log=DurableLog(tmp_path))
+    store.put(_rows("a", 1, n=2))
+    store.put(appending({"a0": b"++"}, "x"))
+    assert store.spill() == 202  # a1 from its record, a0's own 102 bytes written
+    assert store.stats().memory_bytes == 0
+    assert bytes(store.fetch(["a0"], ["x"]).columns["x"].single_buffer()) == bytes([1]) * 100 + b"++"
+    assert not list((tmp_path / "spill").iterdir())  # mapped, not named: nothing left behind
+    store.close()
+
+
 def test_without_room_to_spill_a_put_is_still_refused(tmp_path: Path) -> None:
     """JSON values live in memory only: past the bound, the put is refused, nothing changes."""
     store = ShardStore(max_bytes=300, log=DurableLog(tmp_path))
