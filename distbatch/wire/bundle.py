@@ -146,6 +146,9 @@ class RawColumn:
     # another task's value, and per such task the id of the task whose value it shares.
     alias: np.ndarray | None = None
     alias_of: list[str] | None = None
+    # JSON only, never on the wire: each value's accounted bytes, where known exactly (a durable
+    # worker's snapshot keeps the sizes its values were accounted at; see `row_nbytes`).
+    json_sizes: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -175,6 +178,8 @@ class RawColumn:
         """Bytes per row (int64); for JSON, the array text's length split evenly over the rows."""
         if self.dtype is not None:
             return self.tensor_shapes.counts() * ITEMSIZE[self.dtype]
+        if self.json_sizes is not None:
+            return self.json_sizes
         n = self.count
         # The array's text less its brackets and commas: each value's own text, exactly when
         # there is one value, near enough otherwise (an even split: no per-value dumps).

@@ -31,6 +31,7 @@ import mmap
 import os
 import re
 import resource
+import shutil
 import threading
 import time
 import zlib
@@ -40,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from distbatch.atomic import write_text_atomically
 from distbatch.errors import WireFormatError
@@ -55,6 +58,8 @@ RECORD_VERSION = 1
 LOG_DIR = "log"
 DROPPED_DIR = "dropped"
 LOCK_FILE = "lock"
+SNAPSHOT_DIR = "snapshot"
+_SNAPSHOT_NAME = re.compile(r"^\d{16}$")
 _NAME = re.compile(r"^(\d{16})-(\d{1,6})-(\d{1,6})\.safetensors$")
 
 # The record's CRC field in the container header: a JSON string inside a JSON string.
@@ -80,6 +85,7 @@ class Record:
     nbytes: int = 0
     queued_at: float = 0.0
     paths: list[Path] = field(default_factory=list)  # its files, once read back
+    snapshot: bool = False  # read from the snapshot the log continues (not a log record)
 
 
 @dataclass
@@ -94,6 +100,8 @@ class LogStats:
     written_bytes: int
     disk_bytes: int
     failed: str | None
+    snapshot_seq: int = 0  # the record the newest snapshot stands for (0: none)
+    compactions: int = 0  # snapshots written by this process
 
 
 class DurableLog:
@@ -128,6 +136,8 @@ class DurableLog:
         self._written_records = 0
         self._written_bytes = 0
         self._disk_bytes = self.recovered.disk_bytes
+        self._snapshot_seq = self.recovered.snapshot_seq
+        self._compactions = 0
         self._failed: str | None = None
         self._closed = False
         self._cond = threading.Condition()
@@ -231,6 +241,8 @@ class DurableLog:
                 written_bytes=self._written_bytes,
                 disk_bytes=self._disk_bytes,
                 failed=self._failed,
+                snapshot_seq=self._snapshot_seq,
+                compactions=self._compactions,
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -291,27 +303,44 @@ class DurableLog:
         else:
             n = len(record.bundles)
             parts = [_put_parts(record, k, n, bundle) for k, bundle in enumerate(record.bundles)]
-        total = 0
         n = len(parts)
-        for k, file_parts in enumerate(parts):
-            name = record_name(record.seq, k, n)
-            hidden = self.log_dir / f".{name}.tmp"
-            fd = os.open(hidden, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for part in file_parts:
-                    view = byte_view(part)
-                    done = 0
-                    while done < len(view):
-                        done += os.write(fd, view[done:])
-                    total += len(view)
-                os.fsync(fd)
-            except BaseException:
-                _remove_quietly(hidden)  # a full disk gets back what the torn file took
-                raise
-            finally:
-                os.close(fd)
-            os.replace(hidden, self.log_dir / name)
-        return total
+        return sum(_write_file(self.log_dir, record_name(record.seq, k, n), p) for k, p in enumerate(parts))
+
+    # ------------------------------------------------------------------ compaction
+
+    def write_snapshot(self, seq: int, puts: Sequence[tuple[int, Bundle]]) -> bool:
+        """Write `puts` ((generation, bundle) each, in replay order: `snapshot.snapshot_bundles`)
+        as the snapshot of the store after record `seq`, then drop the log records it replaces
+        and the older snapshot. Crash-safe at every step: the snapshot is written in a hidden
+        directory, fsynced, and renamed into place (until then recovery ignores it and replays
+        the whole log); records up to `seq` are deleted only after, and a recovery finding some
+        left deletes them. False if the newest snapshot already stands for `seq` (nothing
+        changed since). Raises `OSError` (the log and the older snapshot are kept)."""
+        root = self.directory / SNAPSHOT_DIR
+        with self._cond:
+            if seq <= self._snapshot_seq:
+                return False
+        _make_dir(root)
+        name = f"{seq:016d}"
+        hidden = root / f".{name}.tmp"
+        shutil.rmtree(hidden, ignore_errors=True)
+        hidden.mkdir()
+        written = 0
+        for i, (generation, bundle) in enumerate(puts, 1):
+            record = Record(i, "put", generation)
+            written += _write_file(hidden, record_name(i, 0, 1), _put_parts(record, 0, 1, bundle))
+        _fsync_dir(hidden)
+        os.replace(hidden, root / name)
+        _fsync_dir(root)
+        # The snapshot stands for records 1..seq: once they are all written (none is written after
+        # its file is deleted), they and the older snapshot go.
+        self.wait(seq)
+        freed = _remove_superseded(self.directory, seq)
+        with self._cond:
+            self._snapshot_seq = seq
+            self._compactions += 1
+            self._disk_bytes += written - freed
+        return True
 
 
 def record_name(seq: int, k: int, n: int) -> str:
@@ -367,7 +396,13 @@ def _with_crc(parts: list[Any]) -> list[Any]:
 
 
 def _put_parts(record: Record, k: int, n: int, bundle: Bundle) -> list[Any]:
-    return _with_crc(build_bundle(bundle, extra_metadata=_metadata(record, k, n)))
+    metadata = _metadata(record, k, n)
+    sizes = {key: c.json_sizes.tolist() for key, c in bundle.columns.items() if c.json_sizes is not None}
+    if sizes:  # a snapshot's JSON values keep the sizes they were accounted at
+        info = json.loads(metadata[RECORD_KEY])
+        info["json_sizes"] = sizes
+        metadata[RECORD_KEY] = json.dumps(info, separators=(",", ":"))
+    return _with_crc(build_bundle(bundle, extra_metadata=metadata))
 
 
 def _delete_parts(record: Record) -> list[Any]:
@@ -383,6 +418,53 @@ def _file_crc(data: memoryview) -> tuple[int, int] | None:
         return None
     blank = header[: found.start(1)] + _NO_CRC.encode() + header[found.end(1) :]
     return int(found.group(1)), zlib.crc32(data[header_end:], zlib.crc32(blank))
+
+
+def _write_file(directory: Path, name: str, parts: Sequence[Any]) -> int:
+    """`parts` as file `name` in `directory`: written hidden, fsynced, renamed; the bytes written.
+    A file that cannot be written whole is deleted (a full disk gets back what it took)."""
+    hidden = directory / f".{name}.tmp"
+    total = 0
+    fd = os.open(hidden, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            view = byte_view(part)
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            total += len(view)
+        os.fsync(fd)
+    except BaseException:
+        _remove_quietly(hidden)
+        raise
+    finally:
+        os.close(fd)
+    os.replace(hidden, directory / name)
+    return total
+
+
+def _remove_superseded(directory: Path, seq: int) -> int:
+    """Delete the log records up to `seq` and every snapshot but the one of `seq` (the snapshot of
+    `seq` is on disk); the bytes freed."""
+    freed = 0
+    log_dir = directory / LOG_DIR
+    for path in log_dir.iterdir():
+        match = _NAME.match(path.name)
+        if match is not None and int(match.group(1)) <= seq:
+            freed += path.stat().st_size
+            path.unlink()
+    _fsync_dir(log_dir)
+    root = directory / SNAPSHOT_DIR
+    for old in root.iterdir():
+        if old.name != f"{seq:016d}":
+            freed += _tree_bytes(old) if _SNAPSHOT_NAME.match(old.name) else 0
+            shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)
+    return freed
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def _remove_quietly(path: Path) -> None:
@@ -421,49 +503,70 @@ def _fsync_dir(path: Path) -> None:
 
 @dataclass
 class Recovered:
-    """What `read_log` found: the records to replay, in order, and what it set aside."""
+    """What `read_log` found: the records to replay, in order (the snapshot's first), and what
+    it set aside."""
 
     records: list[Record]
     dropped: list[str]
     last_seq: int
     disk_bytes: int
+    snapshot_seq: int = 0
 
 
 def read_log(directory: Path, set_aside: bool = False) -> Recovered:
-    """The durable records of `directory`'s log, in order, up to the first that is not whole: a
-    torn (hidden) file, a record missing a part or a number, a file that does not parse or whose
-    CRC does not match. It and every later record (which may build on it: an append, a delete)
-    are `dropped`; with `set_aside`, moved to ``dropped/<time>/`` (the log's owner only: see
-    `DurableLog`). A file that cannot be read (an I/O error), or a record of a newer format,
-    raises: nothing is set aside for a reason that is not the file's."""
-    log_dir = Path(directory) / LOG_DIR
-    if not log_dir.is_dir():
-        return Recovered([], [], 0, 0)
+    """The durable records of `directory`: the newest snapshot's (see `DurableLog.write_snapshot`),
+    then the log's after it, in order, up to the first that is not whole: a torn (hidden) file,
+    a record missing a part or a number, a file that does not parse or whose CRC does not match.
+    It and every later record (which may build on it: an append, a delete) are `dropped`; with
+    `set_aside` (the log's owner only: see `DurableLog`), moved to ``dropped/<time>/``, and what
+    a compaction left behind (records the snapshot replaces, a snapshot half written or
+    replaced) is deleted. A file that cannot be read (an I/O error), a record of a newer format,
+    or a damaged snapshot raises: nothing is set aside for a reason that is not the file's, and
+    a snapshot is all that is left of the records it replaced."""
+    directory = Path(directory)
+    snapshot_seq, snapshot_files = _newest_snapshot(directory, tidy=set_aside)
+    log_dir = directory / LOG_DIR
     dropped: list[str] = []
     groups: dict[int, dict[int, tuple[int, Path]]] = {}
-    for path in sorted(log_dir.iterdir()):
+    superseded: list[Path] = []
+    for path in sorted(log_dir.iterdir()) if log_dir.is_dir() else []:
         match = _NAME.match(path.name)
         if match is None:
             dropped.append(path.name)  # a .tmp file a crash left, or a stranger
             continue
         seq, k, n = (int(g) for g in match.groups())
+        if seq <= snapshot_seq:
+            superseded.append(path)  # the snapshot holds what it did
+            continue
         groups.setdefault(seq, {})[k] = (n, path)
     # Every file is mapped and checked (CRC) on a few threads (zlib lets the GIL go), then the
     # records are taken in order up to the first that is not whole.
-    ordered = [(seq, k, n, path) for seq in sorted(groups) for k, (n, path) in sorted(groups[seq].items())]
+    ordered = [(i, 0, 1, path) for i, path in enumerate(snapshot_files, 1)]
+    ordered += [(seq, k, n, path) for seq in sorted(groups) for k, (n, path) in sorted(groups[seq].items())]
     may_map = len(ordered) <= mappable_files()
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        found = pool.map(lambda entry: _check_file(entry, may_map), ordered)
-        checked = dict(zip(((seq, k) for seq, k, _, _ in ordered), found))
+        checked = dict(
+            zip((path for *_, path in ordered), pool.map(lambda e: _check_file(e, may_map), ordered))
+        )
     records: list[Record] = []
-    disk_bytes = 0
-    last_seq = 0
+    for i, path in enumerate(snapshot_files, 1):
+        record = _record_of(i, {0: (1, path)}, checked)
+        if record is None or record.kind != "put":
+            raise DurableLogError(
+                f"the snapshot {path.parent} is damaged ({path.name}): it cannot be replayed"
+            )
+        record.snapshot = True
+        records.append(record)
+    disk_bytes = sum(path.stat().st_size for path in snapshot_files)
+    last_seq = snapshot_seq
     broken = False
     for seq in sorted(groups):
         parts = groups[seq]
         record = None
-        # The first record may have any number (the log's head may be gone), then no gaps.
-        if not broken and (not records or seq == last_seq + 1):
+        # After a snapshot, the record that follows it; without one, any number (the log's
+        # head may be gone); then no gaps.
+        follows = seq == last_seq + 1 or (not snapshot_seq and not records)
+        if not broken and follows:
             record = _record_of(seq, parts, checked)
         if record is None:
             broken = True
@@ -472,12 +575,39 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
         records.append(record)
         disk_bytes += sum(path.stat().st_size for _, path in parts.values())
         last_seq = seq
-    if dropped and set_aside:
-        _set_aside(log_dir, Path(directory) / DROPPED_DIR, dropped)
-        logger.warning(
-            "durable log %s: set %d file(s) aside in %s/: %s", log_dir, len(dropped), DROPPED_DIR, dropped[:5]
-        )
-    return Recovered(records, dropped, last_seq, disk_bytes)
+    if set_aside:
+        for path in superseded:
+            path.unlink(missing_ok=True)
+        if dropped:
+            _set_aside(log_dir, directory / DROPPED_DIR, dropped)
+            logger.warning(
+                "durable log %s: set %d file(s) aside in %s/: %s",
+                log_dir,
+                len(dropped),
+                DROPPED_DIR,
+                dropped[:5],
+            )
+    return Recovered(records, dropped, last_seq, disk_bytes, snapshot_seq)
+
+
+def _newest_snapshot(directory: Path, tidy: bool) -> tuple[int, list[Path]]:
+    """(the record the newest whole snapshot stands for, its files in order); (0, []) if none.
+    With `tidy`, a snapshot half written (hidden) or replaced by a newer one is deleted."""
+    root = directory / SNAPSHOT_DIR
+    if not root.is_dir():
+        return 0, []
+    whole = sorted(path for path in root.iterdir() if _SNAPSHOT_NAME.match(path.name))
+    if tidy:
+        for path in root.iterdir():
+            if path not in whole[-1:]:
+                shutil.rmtree(path, ignore_errors=True)
+    if not whole:
+        return 0, []
+    files = sorted(whole[-1].iterdir())
+    expected = [record_name(i, 0, 1) for i in range(1, len(files) + 1)]
+    if [path.name for path in files] != expected:
+        raise DurableLogError(f"the snapshot {whole[-1]} is damaged: its files are not 1..{len(files)}")
+    return int(whole[-1].name), files
 
 
 def mappable_files() -> int:
@@ -531,16 +661,14 @@ def _mapped(path: Path, populate: bool = True) -> memoryview:
         return memoryview(mapped)
 
 
-def _record_of(
-    seq: int, parts: dict[int, tuple[int, Path]], checked: dict[tuple[int, int], Any]
-) -> Record | None:
+def _record_of(seq: int, parts: dict[int, tuple[int, Path]], checked: dict[Path, Any]) -> Record | None:
     """The record of one sequence number, or None if a part is missing or damaged."""
     counts = {n for n, _ in parts.values()}
     if len(counts) != 1 or set(parts) != set(range(counts.pop())):
         return None
     record: Record | None = None
     for k in sorted(parts):
-        found = checked.get((seq, k))
+        found = checked.get(parts[k][1])
         if found is None:
             return None
         info, data = found
@@ -549,9 +677,15 @@ def _record_of(
         record.paths.append(parts[k][1])
         if info["kind"] != "delete":
             try:
-                record.bundles.append(parse_bundle(data))
-            except WireFormatError:
+                bundle = parse_bundle(data)
+                for key, sizes in (info.get("json_sizes") or {}).items():
+                    column = bundle.columns[key]
+                    if column.dtype is not None or len(sizes) != column.count:
+                        return None
+                    column.json_sizes = np.asarray(sizes, dtype=np.int64)
+            except (WireFormatError, KeyError, TypeError, ValueError):
                 return None
+            record.bundles.append(bundle)
     return record
 
 

@@ -37,6 +37,7 @@ from rpc_server.store.records import PutReceipt, StoreStats, bundle_from_raw
 from rpc_server.store.regions import RegionMover, RegionSlots, SharedBudget
 from rpc_server.store.segments import Buffer
 from rpc_server.store.shards import Shards
+from rpc_server.store.snapshot import capture, snapshot_bundles
 from rpc_server.store.spill import Spiller
 from rpc_server.store.stages import StageBook, StagedPart
 from rpc_server.store.sweeper import StageSweeper, sweep_interval
@@ -53,6 +54,11 @@ logger = logging.getLogger(__name__)
 # replayed one: puts acknowledged but lost with the write-behind tail had generations above it,
 # and batch handles naming them must never match a new value.
 GENERATION_MARGIN = 1 << 24
+
+# A durable store compacts its log once the log holds this many times the bytes the store does,
+# and at least COMPACT_MIN_BYTES (a snapshot writes everything held: not for a few deleted bytes).
+COMPACT_RATIO = 2.0
+COMPACT_MIN_BYTES = 64 << 20
 
 # A same-host fetch looks again this often when the rows it moves into shared memory change meanwhile.
 SHARE_ATTEMPTS = 3
@@ -112,6 +118,7 @@ class ShardStore:
         self.sync = sync
         # Past `max_bytes`, a durable store spills its coldest shards to their record files.
         self._spiller = None if log is None else Spiller(log)
+        self._compacting = threading.Lock()  # one snapshot at a time (`compact`)
 
     def _next_generation(self) -> int:
         """A new put's generation (caller holds the lock)."""
@@ -255,7 +262,11 @@ class ShardStore:
             for at, record in enumerate(records):
                 try:
                     self._replay(record)
-                except Exception:
+                except Exception as exc:
+                    if record.snapshot:  # all that is left of the records it replaced
+                        raise DurableLogError(
+                            f"the snapshot cannot be replayed ({record.paths}): {exc}"
+                        ) from exc
                     logger.error(
                         "durable log: record %d cannot be replayed; it and %d later set aside",
                         record.seq,
@@ -325,6 +336,40 @@ class ShardStore:
         with self._lock:
             need = self._memory_bytes() if nbytes is None else nbytes
             return self._spiller.free(self._shards.segments, need)
+
+    def compact(self) -> bool:
+        """Write a snapshot of everything the store holds and drop the log records it replaces
+        (`snapshot`, `DurableLog.write_snapshot`), so the disk holds what the store holds rather
+        than every change since the directory was new. The store serves meanwhile: its lock is
+        held only to read the index. False if nothing changed since the last snapshot, or one is
+        being written now. A durable store only (`ValueError`)."""
+        if self._log is None:
+            raise ValueError("only a durable store (one with a data directory) has a log to compact")
+        if not self._compacting.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                seq = self._log.last_queued
+                fields = capture(self._shards)
+            return self._log.write_snapshot(seq, snapshot_bundles(fields))
+        finally:
+            self._compacting.release()
+
+    def _compact_if_due(self) -> None:
+        """After a delete (caller holds nothing): compact in the background once the log holds
+        more than `COMPACT_RATIO` times what the store does (and at least `COMPACT_MIN_BYTES`)."""
+        if self._log is None or self._compacting.locked():
+            return
+        disk = self._log.stats().disk_bytes
+        if disk < COMPACT_MIN_BYTES or disk < COMPACT_RATIO * self._shards.segments.nbytes:
+            return
+        threading.Thread(target=self._compact_quietly, name="durable-compaction", daemon=True).start()
+
+    def _compact_quietly(self) -> None:
+        try:
+            self.compact()
+        except Exception:  # a full disk, say: the log is whole, and the next delete tries again
+            logger.warning("durable log compaction failed; the log is kept as it was", exc_info=True)
 
     def durable_stats(self) -> LogStats | None:
         """How the durable log stands (None: not a durable worker)."""
@@ -451,10 +496,12 @@ class ShardStore:
             return self._stages.expire(self._clock())
 
     def close(self) -> None:
-        """Stop the stage sweeper for good (a server shutting down), and write what the durable
-        log still holds; stored data stays readable."""
+        """Stop the stage sweeper for good (a server shutting down), let a compaction under way
+        finish, and write what the durable log still holds; stored data stays readable."""
         self._sweeper.close()
         if self._log is not None:
+            with self._compacting:
+                pass
             self._log.close()
 
     # ------------------------------------------------------------------ fetching
@@ -560,6 +607,7 @@ class ShardStore:
             result = self._shards.delete_rows(held, self._shards.index.names())
             seq = self._record("delete", delete={"tasks": task_ids, "fields": None}) if len(held) else 0
         self._settle(seq)
+        self._compact_if_due()
         return result
 
     def delete_product(
@@ -581,6 +629,7 @@ class ShardStore:
             result = self._shards.delete_rows(held, fields)
             seq = self._record("delete", delete={"tasks": task_ids, "fields": fields}) if result[0] else 0
         self._settle(seq)
+        self._compact_if_due()
         return result
 
     def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
@@ -593,6 +642,7 @@ class ShardStore:
             result = self._shards.delete_keys(by_field)
             seq = self._record("delete", delete={"keys": by_field}) if result[0] else 0
         self._settle(seq)
+        self._compact_if_due()
         return result
 
     def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
@@ -605,6 +655,7 @@ class ShardStore:
             result = self._shards.delete_put(receipt)
             seq = self._record("delete", delete={"keys": keys}) if keys else 0
         self._settle(seq)
+        self._compact_if_due()
         return result
 
     def evict_idle(self) -> tuple[int, int]:
@@ -627,6 +678,7 @@ class ShardStore:
                     )
             self._evicted_shards += count
             self._evicted_bytes += freed
+        self._compact_if_due()
         return count, freed
 
     # ------------------------------------------------------------------ reporting

@@ -23,6 +23,8 @@ from safetensors import safe_open
 from test_store import StoreModel, appending, decoded, u8
 
 from distbatch.ids import ShardKey
+from distbatch.wire.bundle import Bundle, RawColumn
+from distbatch.wire.shapes import RowShapes
 from rpc_server.errors import DurableLogError, StoreCapacityError
 from rpc_server.store import ShardStore, bundle_from_raw
 from rpc_server.store.durable import DROPPED_DIR, LOG_DIR, RECORD_KEY, DurableLog, read_log
@@ -59,6 +61,18 @@ class DurableStoreModel(StoreModel):
         self.store = restarted(self.store, self.directory)
         self.restarts += 1
         self.fresh_from = self.puts_done
+
+    @rule()
+    def compact(self) -> None:
+        """A snapshot replaces the log so far: every later step, and the restart after, work
+        from it (and the records after it)."""
+        before = self.store.stats()
+        self.store.compact()
+        stats = self.store.durable_stats()
+        assert stats is not None and stats.snapshot_seq == stats.durable_seq or not self.store.compact()
+        assert self.store.stats() == before  # the store itself does not change
+        log = self.directory / LOG_DIR
+        assert all(int(p.name[:16]) > stats.snapshot_seq for p in log.iterdir())
 
     @rule(half=st.booleans())
     def spill(self, half: bool) -> None:
@@ -398,3 +412,108 @@ def test_only_a_durable_store_spills() -> None:
     with pytest.raises(ValueError, match="durable"):
         store.spill()
     store.close()
+
+
+# ---------------------------------------------------------------------- compaction
+
+
+def _share(store: ShardStore, source: str, members: list[str], field: str = "x") -> None:
+    column = RawColumn("U8", RowShapes.uniform(0, ()), [], 0, rows=np.zeros(0, dtype=np.int64))
+    column.alias, column.alias_of = np.arange(len(members), dtype=np.int64), [source] * len(members)
+    store.put(Bundle(members, {field: column}))
+
+
+def _state(store: ShardStore) -> dict[tuple[str, str], Any]:
+    """Every value with its generation (what batch handles name)."""
+    keys = _keys(store)
+    out = {}
+    for task, field in keys:
+        value = decoded(store.fetch([task], [field]))[(task, field)]
+        generation = store._shards.index.generations(field, store._shards.index.rows.lookup([task]))
+        out[(task, field)] = (value, int(generation[0]))
+    return out
+
+
+def _history(store: ShardStore) -> None:
+    """Puts, a shared value whose owner is replaced, an append, deletes of every kind."""
+    store.put(_rows("a", 1, n=4))
+    store.put({(f"m{i}", "meta"): {"i": i} for i in range(3)})
+    _share(store, "a0", ["s1", "s2"])
+    store.put({("a0", "x"): u8(b"replaced")})  # the shared row now belongs to s1 and s2 only
+    store.put(appending({"a1": b"++"}, "x"))
+    store.delete_keys([ShardKey("a2", "x")])
+    store.delete_tasks(["m1"])
+    store.put(_rows("b", 2, n=3))
+    store.delete_product(["b0", "b1"], ["x"])
+
+
+def test_a_compacted_log_recovers_the_same_store(tmp_path: Path) -> None:
+    """After a compaction the log holds a snapshot and nothing before it; a restart gives every
+    value with its generation, the shared value still stored once, and the disk holds less."""
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    before, stats = _state(store), store.stats()
+    disk = store.durable_stats().disk_bytes  # type: ignore[union-attr]
+    assert store.compact() and not store.compact()  # nothing changed since
+    log = store.durable_stats()
+    assert log is not None and log.snapshot_seq == log.durable_seq and log.compactions == 1
+    assert log.disk_bytes < disk and not list((tmp_path / LOG_DIR).iterdir())
+    assert log.disk_bytes == sum(p.stat().st_size for p in (tmp_path / "snapshot").rglob("*") if p.is_file())
+    store.put({("c", "x"): u8(b"after")})  # a record after the snapshot
+    store.close()
+    again, _ = durable_store(tmp_path)
+    after = _state(again)
+    assert after.pop(("c", "x"))[0] == ("U8", (5,), b"after")
+    assert after == before
+    stats_again = again.stats()
+    # c added; s1 and s2 share one row, counted once, as before
+    assert (stats_again.shards, stats_again.bytes) == (stats.shards + 1, stats.bytes + 5)
+    again.close()
+
+
+def test_a_compaction_cut_short_leaves_the_log_as_it_was(tmp_path: Path) -> None:
+    """A crash while the snapshot is written (a hidden directory with part of it): recovery
+    ignores it, deletes it, and replays the whole log."""
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    before = _state(store)
+    store.close()
+    half = tmp_path / "snapshot" / f".{99:016d}.tmp"
+    half.mkdir(parents=True)
+    (half / "0000000000000001-0-1.safetensors").write_bytes(b"half a file")
+    again, _ = durable_store(tmp_path)
+    assert _state(again) == before
+    assert not half.exists()
+    again.close()
+
+
+def test_records_a_finished_snapshot_replaces_are_dropped_at_recovery(tmp_path: Path) -> None:
+    """A crash after the snapshot is in place but before the records it replaces are deleted:
+    recovery replays the snapshot, not those records, and deletes them."""
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    before = _state(store)
+    kept = {p.name: p.read_bytes() for p in (tmp_path / LOG_DIR).iterdir()}
+    store.compact()
+    store.close()
+    for name, data in kept.items():  # as if the deletes never happened
+        (tmp_path / LOG_DIR / name).write_bytes(data)
+    again, replayed = durable_store(tmp_path)
+    assert _state(again) == before
+    assert not list((tmp_path / LOG_DIR).iterdir())
+    again.close()
+
+
+def test_a_damaged_snapshot_stops_the_start(tmp_path: Path) -> None:
+    """A snapshot is all that is left of the records it replaced: a damaged one is not skipped."""
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    store.compact()
+    store.close()
+    (first,) = sorted((tmp_path / "snapshot").iterdir())[:1]
+    victim = sorted(first.iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DurableLogError, match="snapshot .* is damaged"):
+        DurableLog(tmp_path)
