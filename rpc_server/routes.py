@@ -467,6 +467,10 @@ def _durable_counters(log: LogStats | None, stats: StoreStats) -> dict[str, tupl
             stats.read_back_bytes,
         ),
         "distbatch_durable_records_total": ("Records written to the durable log.", log.written_records),
+        "distbatch_durable_compactions_total": (
+            "Snapshots written to replace the durable log so far (compactions).",
+            log.compactions,
+        ),
         "distbatch_durable_written_bytes_total": ("Bytes written to the durable log.", log.written_bytes),
     }
 

@@ -321,3 +321,52 @@ def test_a_full_disk_refuses_changes_and_keeps_every_acknowledged_put(
                 .get_data()
             )
             assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
+
+
+def test_a_worker_killed_while_it_compacts_its_log_comes_back_whole(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """30 MB kept, 60 MB put and cleared: the clear leaves the log holding three times what the
+    worker does, so it compacts (writes a snapshot of the 30 MB). SIGKILL the moment the
+    snapshot's hidden directory appears: the restarted worker drops the half snapshot, replays
+    the log, and holds the kept batch intact and nothing of the cleared one."""
+    import os
+    import signal
+
+    flags = ["--data-dir", str(tmp_path), "--sync"]  # the clear is on disk when answered
+    first = start_worker(*flags, env=NO_TOKEN)
+    gen = torch.Generator().manual_seed(11)
+    kept = {"blob": torch.randn(120, 1 << 16, generator=gen)}  # 120 x 256 KiB
+    with ShardClient() as client:
+        handle = DistributedBatchMemory.from_dict(kept).to_remote(first.node, client)
+        dropped = DistributedBatchMemory.from_dict({"blob": torch.randn(240, 1 << 16, generator=gen)})
+        dropped = dropped.to_remote(first.node, client)
+        seen: list[str] = []
+
+        def kill_when_compacting() -> None:
+            root = tmp_path / "snapshot"
+            stop = time.monotonic() + 30
+            while time.monotonic() < stop:
+                found = [p.name for p in root.iterdir() if p.name.startswith(".")] if root.is_dir() else []
+                if found:
+                    os.kill(first.pid, signal.SIGKILL)
+                    seen.extend(found)
+                    return
+                time.sleep(0.0002)
+
+        watcher = threading.Thread(target=kill_when_compacting)
+        watcher.start()
+        cleared = dropped.to_json()
+        dropped.clear()  # answered before the compaction it starts
+        watcher.join(40)
+    first.kill()
+    assert seen, "the worker never began a compaction"
+    assert [p.name for p in (tmp_path / "snapshot").iterdir()] == seen  # killed mid-snapshot
+    second = start_worker(*flags, env=NO_TOKEN)
+    assert not (tmp_path / "snapshot").exists() or not list((tmp_path / "snapshot").iterdir())
+    assert _stats(second.node)["tasks"] == 120
+    with ShardClient() as client:
+        got = handle.moved(first.node, second.node).get_data()
+        assert torch.equal(got["blob"], kept["blob"])
+        with pytest.raises(ShardNotFoundError):
+            DistributedBatchMemory.from_json(cleared, client).moved(first.node, second.node).get_data()
