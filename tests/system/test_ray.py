@@ -155,6 +155,19 @@ def test_store_flags_reach_the_ray_workers() -> None:
         assert client.stats(node)["tasks"] == 16  # the refused put stored nothing
 
 
+def test_ray_workers_are_durable_with_a_data_dir(tmp_path: Path) -> None:
+    """`--data-dir DIR/w{rank}` through Ray actors: each worker its own directory, each put on
+    disk (`--sync`) when answered, where a worker started again on it would find it."""
+    flags = ["--data-dir", str(tmp_path / "w{rank}"), "--sync"]
+    with WorkerGroup.ray(2, ECHO, env=ENV, args=flags) as g, ShardClient(timeout=10.0) as client:
+        batch = DistributedBatchMemory.from_dict({"x": torch.arange(8.0)})
+        batch.to_remote(g.nodes[1], client)
+        assert client.stats(g.nodes[0])["durable"]["durable_seq"] == 0
+        assert client.stats(g.nodes[1])["durable"]["durable_seq"] == 1
+        assert [(tmp_path / f"w{r}" / "node").read_text().split() for r in (0, 1)] == [[n] for n in g.nodes]
+        assert len(list((tmp_path / "w1" / "log").iterdir())) == 1
+
+
 def test_runtime_env_reaches_the_engine() -> None:
     runtime_env = {"env_vars": {"DISTBATCH_TEST_MARK": "from-runtime-env"}}
     with WorkerGroup.ray(1, ECHO, env=ENV, runtime_env=runtime_env) as g:
