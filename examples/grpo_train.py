@@ -29,7 +29,8 @@ With `--data-dir DIR` every worker is durable (`DIR/rollout<i>`, `DIR/train<i>`)
 the middle of step S, once its samples are made, and started again on its directory: it comes
 back holding them, the step's handles follow it to its new address, its engine loads the
 current weights, and the step goes on; `--compare` then checks that the run is the run without
-the kill.
+the kill. With `--async K`, the kill comes at the start of training step S, with rollout steps
+queued in the controller, which is told the worker's new address (`Controller.move_node`).
 
 `python` is one that has distbatch: the venv `scripts/demo` made, `.venv/bin/python`.
 """
@@ -326,6 +327,7 @@ class RunReport:
     staleness: dict[str, Any] = field(default_factory=dict)  # async: the controller's counters
     interrupted: int = 0  # --partial: rollout steps a weight update interrupted (and that resumed)
     restarts: int = 0  # --kill-rollout: rollout workers killed mid-step and started again
+    moved_tasks: int = 0  # --async --kill-rollout: tasks the controller moved to the restarted worker
 
     @property
     def rewards(self) -> list[float]:
@@ -469,6 +471,7 @@ class AsyncJob:
         self.loaded = 0  # the version the rollout workers hold
         self.rewards: dict[int, float] = {}
         self.interrupted = 0  # --partial: steps whose generation a weight update interrupted
+        self.moved_tasks = 0  # --kill-rollout: tasks the controller moved to a restarted worker
         self.failure: BaseException | None = None
         self.stopping = False  # set when training is done or failed: the producer stops
         self.producer = threading.Thread(target=self.produce, name="rollout", daemon=True)
@@ -507,10 +510,13 @@ class AsyncJob:
         common = {"step": step, "n": args.n, "seed": args.seed}
         with self.turns:
             version = self.loaded
-            if args.partial is None:
+            if args.partial is None:  # made, put and counted in one turn (a restart comes between turns)
                 parts = rollout.call("generate", chunks, **common)
-            else:
-                parts = rollout.call("start", chunks, max_new=args.partial, **common)
+                self.controller.put(
+                    "rollout", DistributedBatchMemory.concat([p for p in parts if len(p)]), version=version
+                )
+                return _mean_reward(rollout.call_all("take_metrics"))
+            parts = rollout.call("start", chunks, max_new=args.partial, **common)
         interrupted = False
         while not all(_whole(p) for p in parts):  # prompts of one length finish together
             growing = DistributedBatchMemory.concat([p for p in parts if not _whole(p)])
@@ -528,8 +534,21 @@ class AsyncJob:
         produced = DistributedBatchMemory.concat([p for p in parts if len(p)])
         self.controller.put("rollout", produced, version=version)
         with self.turns:
-            metrics = rollout.call_all("take_metrics")
-        return sum(m["reward_sum"] for m in metrics) / max(sum(m["responses"] for m in metrics), 1)
+            return _mean_reward(rollout.call_all("take_metrics"))
+
+    def kill_and_restart_rollout(self, rank: int) -> None:
+        """SIGKILL rollout worker `rank` between two training steps (no gather in flight) and in a
+        turn of its own (no generation either), start it again on its data directory, and tell
+        the controller where it now is: its tasks are trained on from there. Its engine loads
+        the weights the others hold."""
+        job = self.job
+        with self.turns:
+            old = job.rollout.nodes[rank]
+            next(p for p in job.rollout.processes if p.node == old).kill()
+            new = job.rollout.restart(rank)
+            self.moved_tasks += self.controller.move_node(old, new)
+            job.publish_weights(self.loaded)
+            job.restarts += 1
 
     def next_batch(self, size: int) -> DistributedBatchMemory:
         """A step's worth of whole groups, at most `ahead` versions old (older ones dropped)."""
@@ -564,6 +583,8 @@ class AsyncJob:
         reports = []
         for step in steps:
             started = time.perf_counter()
+            if args.kill_rollout == step:
+                self.kill_and_restart_rollout(0)
             batch = self.next_batch(args.prompts * args.n)
             chunks = batch.chunk_balanced(len(job.train), group_size=args.n, length_field="input_ids")
             gradients, tokens, count = job.gradients(chunks, step)
@@ -593,6 +614,10 @@ class AsyncJob:
             )
             steps.set_postfix(reward=f"{reports[-1].reward:.3f}")
         return reports
+
+
+def _mean_reward(metrics: list[dict[str, float]]) -> float:
+    return sum(m["reward_sum"] for m in metrics) / max(sum(m["responses"] for m in metrics), 1)
 
 
 def _whole(part: DistributedBatchMemory) -> bool:
@@ -654,6 +679,7 @@ def run(args: argparse.Namespace, centralised: bool = False, quiet: bool = False
             report.steps = asynchronous.train(steps)
             report.staleness = asynchronous.controller.summary()["staleness"]
             report.interrupted = asynchronous.interrupted
+            report.moved_tasks = asynchronous.moved_tasks
         else:
             for step in steps:
                 report.steps.append(job.step(step))
@@ -755,8 +781,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-rollout",
         type=int,
         metavar="S",
-        help="SIGKILL rollout worker 0 in the middle of step S and start it again on its data directory "
-        "(distributed, local launcher)",
+        help="SIGKILL rollout worker 0 in the middle of step S (with --async: before training step S, the "
+        "controller told where it went) and start it again on its data directory (local launcher)",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--centralised", action="store_true", help="every batch through the controller")
@@ -775,9 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.partial is not None and (args.ahead is None or args.partial < 1):
         print("grpo_train.py: --partial T (T >= 1) goes with --async K", file=sys.stderr)
         return 2
-    if args.kill_rollout is not None and (args.ahead is not None or args.launcher != "local"):
+    if args.kill_rollout is not None and (args.partial is not None or args.launcher != "local"):
         print(
-            "grpo_train.py: --kill-rollout S runs the synchronous job on the local launcher", file=sys.stderr
+            "grpo_train.py: --kill-rollout S runs on the local launcher, without --partial", file=sys.stderr
         )
         return 2
     modes = [False, True] if args.compare else [args.centralised]
@@ -810,9 +836,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{report.mode}] trained on {served}; dropped as stale: {report.staleness['dropped']}")
         if report.restarts:
             print(
-                f"[{report.mode}] rollout worker 0 was killed (SIGKILL) in the middle of step"
-                f" {args.kill_rollout} and started again on its data directory; the step went on with"
-                " every sample it held"
+                f"[{report.mode}] rollout worker 0 was killed (SIGKILL) in step {args.kill_rollout} and"
+                " started again on its data directory; the step went on with every sample it held"
+                + (f" (the controller moved {report.moved_tasks} tasks to it)" if report.moved_tasks else "")
             )
         if args.partial is not None:
             print(

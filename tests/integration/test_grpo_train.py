@@ -203,6 +203,23 @@ def test_the_asynchronous_job_trains_on_policies_at_most_k_versions_old(job: Mod
     assert report.shards_left == 0
 
 
+def test_the_asynchronous_job_trains_on_every_task_of_a_rollout_worker_killed_between_steps(
+    job: ModuleType, tmp_path: Path
+) -> None:
+    """`--async 1 --kill-rollout 2`: rollout worker 0 is SIGKILLed before training step 2, with
+    rollout steps it made queued in the controller; started again on its directory, the
+    controller is told where it went (`move_node`), and every task is trained on exactly once,
+    none dropped, none lost; every store is empty at the end."""
+    args = job.parse_args(
+        ["--steps", "4", "--prompts", "4", "--async", "1", "--kill-rollout", "2"]
+        + ["--rollout-workers", "2", "--train-workers", "1", "--data-dir", str(tmp_path)]
+    )
+    report = job.run(args, quiet=True)
+    assert report.restarts == 1 and report.moved_tasks > 0
+    assert sum(report.staleness["served"].values()) == 4 * 4 * 8 and report.staleness["dropped"] == 0
+    assert report.shards_left == 0
+
+
 def test_a_generation_resumed_chunk_by_chunk_is_the_generation_made_at_once(job: ModuleType) -> None:
     """`--partial`'s engine calls, with no weight update between them: `start` and `resume`, two
     digits a call, each growing the tasks' fields where they are (`extend`), give exactly what
