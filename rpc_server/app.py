@@ -83,6 +83,9 @@ def _new_store(config: ServerConfig) -> ShardStore:
     if log is not None:
         began = time.monotonic()
         puts, deletes = store.recover(log.recovered.records)
+        # The store keeps what it needs of them; the rest (deleted values' mapped files, which a
+        # compaction would delete) goes now.
+        log.recovered.records = []
         logger.info(
             "recovered %d put(s) and %d delete(s) from %s in %.2f s: %d shard(s), %d byte(s)",
             puts,

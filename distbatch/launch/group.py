@@ -144,17 +144,23 @@ class WorkerGroup:
         node = self._node(worker)
         rank = self.nodes.index(node)
         old = next(p for p in self.processes if p.node == node)
-        old.stop()
         args, env, startup_timeout = self._respawn
-        (new,) = spawn_workers(
-            1,
-            args=args,
-            env=env if env is None or isinstance(env, Mapping) else [env[rank]],
-            startup_timeout=startup_timeout,
-            log_dir=old.logs,
-            first_rank=rank,
-            world_size=len(self.nodes),
-        )
+        if old.logs is not None:
+            old.logs.started(None)  # the log directory stays while its worker is replaced
+        try:
+            old.stop()
+            (new,) = spawn_workers(
+                1,
+                args=args,
+                env=env if env is None or isinstance(env, Mapping) else [env[rank]],
+                startup_timeout=startup_timeout,
+                log_dir=old.logs,
+                first_rank=rank,
+                world_size=len(self.nodes),
+            )
+        finally:
+            if old.logs is not None:
+                old.logs.stopped(clean=True)
         self.processes[self.processes.index(old)] = new
         self.nodes[rank] = new.node
         self.client.health(new.node)

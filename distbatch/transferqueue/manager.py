@@ -115,6 +115,7 @@ class DistbatchStorageManager(StorageManager):
         self.here = local_addresses()  # once: a lookup on the event loop during a fault could hang
         self.home = home_worker(options.endpoints, self.here, os.getpid())
         self.slot = options.endpoints.index(self.home)
+        self._followed: dict[str, int] = {}  # addresses of restarted workers -> their slots
         if options.fast_schema:
             fast_schema.install()
         if options.freeze_gc:
@@ -177,7 +178,7 @@ class DistbatchStorageManager(StorageManager):
             try:
                 await self.client.aput_bundle(home, bundle)
             except WorkerUnavailableError as exc:
-                if not self._follow_restart(exc.node):
+                if not await self._follow_restart(exc.node):
                     raise
                 home = self.options.endpoints[slot]  # the same worker, started again elsewhere
                 await self.client.aput_bundle(home, bundle)
@@ -200,27 +201,37 @@ class DistbatchStorageManager(StorageManager):
         except Exception:  # the put's error says what went wrong; this one would hide it
             logger.warning("TransferQueue's controller was not told of a failed put's samples", exc_info=True)
 
-    def _follow_restart(self, node: str) -> bool:
+    async def _follow_restart(self, node: str) -> bool:
         """Whether the worker that was at `node` serves elsewhere now: started again on its data
         directory, whose ``node`` file names a newer address (and `node` among the earlier
-        ones). Then that address is its slot's endpoint in this process (the home too, if it
-        was `node`). True also if a concurrent call followed it already; False without
-        `data_dir`, or if the directory names no newer address (call again: it may still be
-        starting)."""
+        ones), where a worker of the same rank answers. Then that address is its slot's endpoint
+        in this process (the home too, if it was `node`). True also if this process followed it
+        already; False without `data_dir`, or if the directory names no newer address (it may
+        still be starting) or its worker is not the slot's."""
         if self.options.data_dir is None:
             return False
-        endpoints = list(self.options.endpoints)
-        if node not in endpoints:  # only a follow takes an address out: a concurrent call's
+        if node in self._followed:
             return True
+        endpoints = list(self.options.endpoints)
+        if node not in endpoints:
+            return False
         slot = endpoints.index(node)
         known = served_at(worker_data_dir(self.options.data_dir, slot))
         if node not in known[:-1]:
             return False
-        endpoints[slot] = known[-1]
+        new = known[-1]
+        try:
+            health = await self.client.ahealth(new)
+        except NodeError:
+            return False
+        if health.get("rank") != slot or self.options.endpoints[slot] != node:
+            return self.options.endpoints[slot] != node  # not ours; or a concurrent call followed it
+        endpoints[slot] = new
         self.options = replace(self.options, endpoints=tuple(endpoints))
+        self._followed[node] = slot
         if self.home == node:
-            self.home = known[-1]
-        logger.warning("distbatch worker %d: %s restarted on its data directory at %s", slot, node, known[-1])
+            self.home = new
+        logger.warning("distbatch worker %d: %s restarted on its data directory at %s", slot, node, new)
         return True
 
     async def _again_where_followed(
@@ -230,10 +241,15 @@ class DistbatchStorageManager(StorageManager):
         started again elsewhere (`_follow_restart`); its new address and result replace the old."""
         again: dict[int, str] = {}
         for at, (node, result) in enumerate(zip(nodes, results)):
-            if isinstance(result, WorkerUnavailableError) and node in self.options.endpoints:
-                slot = self.options.endpoints.index(node)
-                if self._follow_restart(node):
-                    again[at] = self.options.endpoints[slot]
+            if not isinstance(result, WorkerUnavailableError):
+                continue
+            slot = (
+                self.options.endpoints.index(node)
+                if node in self.options.endpoints
+                else self._followed.get(node)
+            )
+            if slot is not None and await self._follow_restart(node):
+                again[at] = self.options.endpoints[slot]
         answers = await asyncio.gather(*(call(node) for node in again.values()), return_exceptions=True)
         for at, node, answer in zip(again, again.values(), answers):
             nodes[at], results[at] = node, answer
@@ -291,7 +307,7 @@ class DistbatchStorageManager(StorageManager):
             try:
                 gathered = await self._gather(metadata, names)
             except WorkerUnavailableError as exc:
-                if not self._follow_restart(exc.node):
+                if not await self._follow_restart(exc.node):
                     raise
                 gathered = await self._gather(metadata, names)  # from where it serves now
         except WorkerUnavailableError as exc:

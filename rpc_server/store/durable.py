@@ -326,10 +326,14 @@ class DurableLog:
         shutil.rmtree(hidden, ignore_errors=True)
         hidden.mkdir()
         written = 0
-        for i, (generation, bundle) in enumerate(puts, 1):
-            record = Record(i, "put", generation)
-            written += _write_file(hidden, record_name(i, 0, 1), _put_parts(record, 0, 1, bundle))
-        _fsync_dir(hidden)
+        try:
+            for i, (generation, bundle) in enumerate(puts, 1):
+                record = Record(i, "put", generation)
+                written += _write_file(hidden, record_name(i, 0, 1), _put_parts(record, 0, 1, bundle))
+            _fsync_dir(hidden)
+        except BaseException:  # a full disk: what the half snapshot took goes back to the log
+            shutil.rmtree(hidden, ignore_errors=True)
+            raise
         os.replace(hidden, root / name)
         _fsync_dir(root)
         # The snapshot stands for records 1..seq: once they are all written (none is written after

@@ -186,8 +186,9 @@ class SegmentTable:
         return len(self.segments)
 
     def held_bytes(self) -> int:
-        """What the buffers hold, dead rows included (what the process holds for them)."""
-        return sum(b.size for b in self._buffers.values())
+        """What the buffers hold in memory, dead rows included (what the process holds for them;
+        a spilled buffer's file is held by the disk)."""
+        return sum(b.size for b in self._buffers.values() if not b.on_disk)
 
     def holds(self, buffer: Buffer) -> bool:
         return id(buffer) in self._buffers
@@ -299,6 +300,8 @@ class SegmentTable:
             self.keep_buffer(fresh.buffer)
             self.segments[seg.id] = fresh
             buffer.live_bytes -= fresh.buffer.size
+            if buffer.on_disk:  # its live rows are read back into memory; the file goes
+                self.disk_bytes -= fresh.buffer.size
         self.forget_buffer(buffer)
 
     def unshared(self, buffer: Buffer) -> list[Segment]:
@@ -331,8 +334,13 @@ class SegmentTable:
         self.keep_buffer(own)
         if not buffer.members:
             self.forget_buffer(buffer)
-        elif buffer.region is None and not any(self.segments[s].dtype is not None for s in buffer.members):
-            buffer.size = buffer.live_bytes  # only JSON values are left, which hold no body bytes
+        elif not any(self.segments[s].dtype is not None for s in buffer.members):
+            # Only JSON values are left, which hold no body bytes (nor any of a shared region).
+            if buffer.region is not None:
+                self.shared_bytes -= buffer.region.size
+                self.shared_regions -= 1
+                buffer.region = None
+            buffer.size = buffer.live_bytes
 
     def spill_candidates(self, durable_seq: int) -> list[Buffer]:
         """Buffers that can be spilled now (their record, if any, is on disk), used longest ago
@@ -340,10 +348,16 @@ class SegmentTable:
         found = [
             b
             for b in self._buffers.values()
-            if not b.on_disk and (b.record is None or b.record[0] <= durable_seq) and b.live_bytes
+            if not b.on_disk
+            and (b.record is None or b.record[0] <= durable_seq)
+            and any(self._has_bytes(self.segments[s]) for s in b.members)
         ]
         found.sort(key=lambda b: b.last_used)
         return found
+
+    @staticmethod
+    def _has_bytes(seg: Segment) -> bool:
+        return seg.dtype is not None and seg.data is not None and bool(seg.data.nbytes)
 
     def spill(self, buffer: Buffer, homes: dict[int, np.ndarray]) -> int:
         """Point `buffer`'s tensor segments at `homes` (by segment id: the same bytes in a mapped
@@ -356,7 +370,9 @@ class SegmentTable:
                 return 0
         if not moving:
             return 0
-        own = Buffer(0)
+        # Its size: the file's bytes it maps (compacted, as a buffer in memory is, once most of
+        # them are dead: else one live row would keep a whole put's file on disk).
+        own = Buffer(sum(homes[seg.id].nbytes for seg in moving))
         own.record, own.last_used, own.on_disk = buffer.record, buffer.last_used, True
         for seg in moving:
             live = int(seg.sizes[self._live(seg)].sum())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -119,6 +120,7 @@ class ShardStore:
         # Past `max_bytes`, a durable store spills its coldest shards to their record files.
         self._spiller = None if log is None else Spiller(log)
         self._compacting = threading.Lock()  # one snapshot at a time (`compact`)
+        self._closing = False  # set by `close` under `_compacting`: no compaction after it
 
     def _next_generation(self) -> int:
         """A new put's generation (caller holds the lock)."""
@@ -348,10 +350,17 @@ class ShardStore:
         if not self._compacting.acquire(blocking=False):
             return False
         try:
+            if self._closing:
+                return False
             with self._lock:
                 seq = self._log.last_queued
                 fields = capture(self._shards)
-            return self._log.write_snapshot(seq, snapshot_bundles(fields))
+                held, last_generation = self._shards.segments.nbytes, self._last_generation
+            free = shutil.disk_usage(self._log.directory).free
+            if free < held + COMPACT_MIN_BYTES:  # a snapshot writes everything held
+                logger.warning("durable log not compacted: %d bytes free, %d held", free, held)
+                return False
+            return self._log.write_snapshot(seq, snapshot_bundles(fields, last_generation))
         finally:
             self._compacting.release()
 
@@ -501,7 +510,7 @@ class ShardStore:
         self._sweeper.close()
         if self._log is not None:
             with self._compacting:
-                pass
+                self._closing = True
             self._log.close()
 
     # ------------------------------------------------------------------ fetching

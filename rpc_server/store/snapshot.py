@@ -64,8 +64,10 @@ def capture(shards: Shards) -> list[FieldState]:
     return fields
 
 
-def snapshot_bundles(fields: list[FieldState]) -> list[tuple[int, Bundle]]:
-    """(generation, put) for every generation the fields hold, ascending (see the module)."""
+def snapshot_bundles(fields: list[FieldState], last_generation: int) -> list[tuple[int, Bundle]]:
+    """(generation, put) for every generation the fields hold, ascending (see the module), and
+    last an empty put of `last_generation`, the newest the store gave: a recovery starts new
+    generations above it, not above the newest still held (handles may name deleted ones)."""
     by_generation: dict[int, list[tuple[FieldState, np.ndarray, np.ndarray, np.ndarray]]] = {}
     for field in fields:
         owner = _owners(field)
@@ -77,7 +79,8 @@ def snapshot_bundles(fields: list[FieldState]) -> list[tuple[int, Bundle]]:
             by_generation.setdefault(generation, []).append(
                 (field, group[own[group]], group[~own[group]], owner[group[~own[group]]])
             )
-    return [(g, _bundle(by_generation[g])) for g in sorted(by_generation)]
+    puts = [(g, _bundle(by_generation[g])) for g in sorted(by_generation)]
+    return [*puts, (last_generation, Bundle([], {}))]
 
 
 def _owners(field: FieldState) -> np.ndarray:

@@ -143,6 +143,10 @@ def test_a_local_group_restarts_a_worker_on_its_directory(tmp_path: Path) -> Non
         assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], columns["input_ids"]))
         with pytest.raises(InvalidArgumentError, match="WorkerGroup.local"):
             WorkerGroup.connect(group.nodes).restart(0)
+    with WorkerGroup.local(1, env=NO_TOKEN) as solo:  # its log directory outlives the swap
+        before = solo.nodes[0]
+        assert solo.restart(0) != before and solo.client.health(solo.nodes[0])["rank"] == 0
+        assert solo.log_dir is not None and solo.log_dir.is_dir()
 
 
 def test_a_put_killed_half_way_comes_back_whole_or_not_at_all(

@@ -517,3 +517,84 @@ def test_a_damaged_snapshot_stops_the_start(tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     with pytest.raises(DurableLogError, match="snapshot .* is damaged"):
         DurableLog(tmp_path)
+
+
+def test_a_snapshot_keeps_the_newest_generation_given_even_when_nothing_is_held(tmp_path: Path) -> None:
+    """Everything deleted, then compacted: the snapshot holds no value, yet a restarted store's
+    puts still start above every generation it gave (a handle may name a deleted value)."""
+    store, _ = durable_store(tmp_path, sync=True)
+    last = store.put({("a", "x"): u8(b"one")}).generation
+    store.delete_tasks(["a"])
+    assert store.compact()
+    store.close()
+    again, _ = durable_store(tmp_path)
+    assert len(again) == 0
+    assert again.put({("b", "x"): u8(b"two")}).generation > last + GENERATION_MARGIN - 1
+    again.close()
+
+
+def test_a_compaction_the_disk_refuses_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fails on the snapshot's second file: the half snapshot is deleted, the log is
+    kept whole, and the store serves and recovers as before."""
+    import rpc_server.store.durable as durable
+
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    before = _state(store)
+    real = durable._write_file
+    calls = []
+
+    def failing(directory: Path, name: str, parts: Any) -> int:
+        calls.append(name)
+        if len(calls) == 2 and directory.parent.name == "snapshot":
+            raise OSError(28, "No space left on device")
+        return real(directory, name, parts)
+
+    monkeypatch.setattr(durable, "_write_file", failing)
+    with pytest.raises(OSError, match="No space"):
+        store.compact()
+    monkeypatch.setattr(durable, "_write_file", real)
+    assert not list((tmp_path / "snapshot").iterdir())
+    assert store.durable_stats().snapshot_seq == 0  # type: ignore[union-attr]
+    store.close()
+    again, _ = durable_store(tmp_path)
+    assert _state(again) == before
+    again.close()
+
+
+def test_spilling_a_same_host_put_lets_its_shared_region_go(tmp_path: Path) -> None:
+    """A put whose body is a shared region, with a JSON field: spilled, the region goes too (the
+    JSON values left hold none of it), and memory, held and shared bytes all say so."""
+    from distbatch.transport.shm import SharedRegion
+    from distbatch.wire.bundle import build_bundle, parse_bundle
+
+    store = ShardStore(log=DurableLog(tmp_path))
+    raw = bundle_from_raw(
+        {**_rows("a", 1, n=10, size=10_000), **{(f"a{j}", "uid"): f"u{j}" for j in range(10)}}
+    )
+    region = SharedRegion.from_parts(build_bundle(raw))
+    store.put(parse_bundle(region.array), body_size=region.size, region=region)
+    assert store.stats().shared_bytes == region.size
+    assert store.spill() == 100_000
+    stats = store.stats()
+    assert (stats.shared_bytes, stats.shared_regions) == (0, 0)
+    assert stats.memory_bytes < 100 and stats.held_bytes < 10_000
+    assert not store._shards.segments.spill_candidates(1 << 62)  # JSON alone is not worth a look
+    assert bytes(store.fetch(["a3"], ["x"]).columns["x"].single_buffer()) == bytes([1]) * 10_000
+    store.close()
+
+
+def test_a_spilled_put_mostly_deleted_lets_its_file_go(tmp_path: Path) -> None:
+    """80 of 100 spilled rows deleted: the 20 left are copied back into memory (compacted, as
+    in memory), so the put's record file is no longer held for them; values intact."""
+    store = ShardStore(log=DurableLog(tmp_path))
+    store.put(_rows("a", 7, n=100, size=20_000))
+    assert store.spill() == 2_000_000
+    store.delete_tasks(_ids("a", 80))
+    stats = store.stats()
+    assert (stats.on_disk_bytes, stats.memory_bytes) == (0, 400_000)
+    column = store.fetch(_ids("a", 100)[80:], ["x"]).columns["x"]
+    assert bytes(column.single_buffer()) == bytes([7]) * 400_000
+    store.close()
