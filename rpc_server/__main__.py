@@ -52,6 +52,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shm_max_bytes=args.shm_max_bytes,
         data_dir=None if args.data_dir is None else str(worker_data_dir(args.data_dir, args.rank)),
         sync_writes=args.sync,
+        controller=args.controller,
     )
 
 

@@ -11,6 +11,7 @@ from flask import Flask, Response, request
 from distbatch.auth import bearer_ok
 from distbatch.serving.errors import error_response, register_json_errors
 from distbatch.serving.metrics import record_requests
+from rpc_server.announce import ControllerNotice
 from rpc_server.checks import ERROR_ANSWERS, missing_shards
 from rpc_server.config import UNBOUND, ServerConfig
 from rpc_server.context import ServerState, state
@@ -112,10 +113,15 @@ def _bound(server_state: ServerState, node: str) -> None:
     if server_state.config.data_dir is not None:
         previous = swap_node(Path(server_state.config.data_dir), node)
         server_state.previous_nodes = previous
-        if previous:
+        if previous and server_state.config.controller is not None:
+            server_state.controller_notice = ControllerNotice(
+                server_state.config.controller, server_state.config.token, previous, node
+            ).start()
+        elif previous:
             logger.warning(
                 "this worker's data directory %s was served at %s: tell whoever holds its tasks"
-                " (Controller.move_node(old, %r) for each, DistributedBatchMemory.moved)",
+                " (Controller.move_node(old, %r) for each, DistributedBatchMemory.moved; or start"
+                " it with --controller)",
                 server_state.config.data_dir,
                 ", ".join(previous),
                 node,

@@ -59,3 +59,5 @@ class ServerConfig:
     # a worker started on it recovers what it held. `sync_writes`: changes wait for the disk.
     data_dir: str | None = None
     sync_writes: bool = False
+    # A served controller (`host:port`) a durable worker restarted at a new address tells so.
+    controller: str | None = None

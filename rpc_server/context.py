@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from flask import current_app
 
 from distbatch.transport.recv_pool import RecvPool
+from rpc_server.announce import ControllerNotice
 from rpc_server.config import ServerConfig
 from rpc_server.metrics import Metrics
 from rpc_server.store.shard_store import ShardStore
@@ -61,6 +62,8 @@ class ServerState:
 
     # A durable worker restarted on its directory: the addresses it was served at before (oldest first).
     previous_nodes: list[str] = field(default_factory=list)
+    # ... and, with --controller, telling the served controller so (`announce`).
+    controller_notice: ControllerNotice | None = None
     started: float = field(default_factory=time.monotonic)  # for `uptime_seconds` in /v1/stats
     # The same-host endpoint, started by the first client that asks for it (`shared_memory`).
     shm: SharedMemoryService | None = None

@@ -21,6 +21,7 @@ from distbatch.protocol import CALL_ID_HEADER, MAX_LIST_LIMIT
 from distbatch.serving.handler import SENDS_BUFFERS
 from distbatch.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from distbatch.serving.server import connection_gauges
+from rpc_server.announce import ControllerNotice
 from rpc_server.checks import (
     answer_ids_as_count,
     check_field_count,
@@ -376,12 +377,16 @@ def stats() -> Response:
             **current.metrics.traffic(),
             "uptime_seconds": round(time.monotonic() - current.started, 3),
             "engine": current.engine.name if current.engine is not None else None,
-            "durable": _durable_stats(current.store.durable_stats(), current.previous_nodes),
+            "durable": _durable_stats(
+                current.store.durable_stats(), current.previous_nodes, current.controller_notice
+            ),
         }
     )
 
 
-def _durable_stats(log: LogStats | None, previous_nodes: list[str]) -> dict[str, Any] | None:
+def _durable_stats(
+    log: LogStats | None, previous_nodes: list[str], notice: ControllerNotice | None
+) -> dict[str, Any] | None:
     """A durable worker's log, for `/v1/stats` (None: shards live in memory only)."""
     if log is None:
         return None
@@ -389,6 +394,7 @@ def _durable_stats(log: LogStats | None, previous_nodes: list[str]) -> dict[str,
         **dataclasses.asdict(log),
         "lag_seconds": round(log.lag_seconds, 3),
         "previous_nodes": previous_nodes,
+        "controller": None if notice is None else notice.as_dict(),
     }
 
 

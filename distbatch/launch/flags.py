@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from distbatch.errors import InvalidArgumentError, InvalidTypeError
+from distbatch.ids import validate_node
 from distbatch.protocol import DEFAULT_MAX_THREADS, DEFAULT_READ_TIMEOUT
 
 __all__ = [
@@ -250,6 +251,14 @@ def _add_durability_flags(parser: argparse.ArgumentParser) -> None:
         help="with --data-dir: answer a put or delete only once its record is on disk (default: off,"
         " written behind)",
     )
+    parser.add_argument(
+        "--controller",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --data-dir: a served controller (serve_controller) this worker tells where it now"
+        " is when it starts again on DIR at another address (Controller.move_node for each earlier"
+        " one; the worker's token); default: none, tell it yourself",
+    )
 
 
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
@@ -314,6 +323,12 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--max-idle-seconds must be > 0")
     if args.sync and args.data_dir is None:
         raise InvalidArgumentError("--sync needs --data-dir: it waits for records written there")
+    if args.controller is not None:
+        if args.data_dir is None:
+            raise InvalidArgumentError(
+                "--controller needs --data-dir: it is told where a restarted worker is"
+            )
+        validate_node(args.controller)
     if args.shm_max_bytes is not None and args.shm_max_bytes < 0:
         raise InvalidArgumentError("--shm-max-bytes must be >= 0")
     for flag, value in (

@@ -374,3 +374,39 @@ def test_a_worker_killed_while_it_compacts_its_log_comes_back_whole(
         assert torch.equal(got["blob"], kept["blob"])
         with pytest.raises(ShardNotFoundError):
             DistributedBatchMemory.from_json(cleared, client).moved(first.node, second.node).get_data()
+
+
+def test_a_restarted_worker_tells_a_served_controller_where_it_is(
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """`--controller HOST:PORT`: a worker started again on its directory asks the served
+    controller to move its tasks to the new address itself; trainers gather them from there
+    with no one calling `move_node`."""
+    from distbatch.controller.server import serve_controller
+
+    columns = _batch(16, seed=12)
+    controller = Controller()
+    with serve_controller(controller) as server:
+        flags = ["--data-dir", str(tmp_path), "--sync", "--controller", server.address]
+        first = start_worker(*flags, env=NO_TOKEN)
+        with ShardClient() as client:
+            controller.put("p", DistributedBatchMemory.from_dict(columns).to_remote(first.node, client))
+            first.kill()
+            second = start_worker(*flags, env=NO_TOKEN)
+            deadline = time.monotonic() + 30
+            while not (_durable(second.node)["controller"] or {}).get("done") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            notice = _durable(second.node)["controller"]
+            assert notice == {
+                "address": server.address,
+                "moved": {first.node: 16},
+                "done": True,
+                "error": None,
+            }
+            got = controller.get_meta("p", "train", ["input_ids"], 16, timeout=5)
+            assert set(got.meta.nodes) == {second.node}
+            data = got.get_data()
+            order = [int(t.rsplit("-", 1)[-1]) for t in got.task_ids]
+            assert all(
+                torch.equal(data["input_ids"][k], columns["input_ids"][i]) for k, i in enumerate(order)
+            )

@@ -193,6 +193,17 @@ def test_sync_without_a_data_dir_is_refused() -> None:
         server_config(parse_args(["--sync"]))
 
 
+def test_a_controller_to_tell_needs_a_data_dir_and_an_address() -> None:
+    from rpc_server.__main__ import server_config
+
+    config = server_config(parse_args(["--data-dir", "/d", "--controller", "10.0.0.2:7000"]))
+    assert config.controller == "10.0.0.2:7000"
+    with pytest.raises(ValueError, match="--controller needs --data-dir"):
+        server_config(parse_args(["--controller", "10.0.0.2:7000"]))
+    with pytest.raises(ValueError, match="node"):
+        server_config(parse_args(["--data-dir", "/d", "--controller", "http://10.0.0.2:7000/x"]))
+
+
 def test_the_transferqueue_backend_starts_durable_workers_when_asked() -> None:
     from distbatch.transferqueue.options import BackendOptions
 
