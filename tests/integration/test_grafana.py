@@ -36,9 +36,11 @@ def sample_names(text: str) -> set[str]:
 
 
 def test_every_metric_the_dashboard_plots_is_exported(
-    start_worker: Callable[..., WorkerProcess], serve: Callable[..., ControllerServer]
+    start_worker: Callable[..., WorkerProcess], serve: Callable[..., ControllerServer], tmp_path: Path
 ) -> None:
-    worker = start_worker("--max-bytes", "100000000", "--max-idle-seconds", "3600")
+    worker = start_worker(
+        "--max-bytes", "100000000", "--max-idle-seconds", "3600", "--data-dir", str(tmp_path)
+    )
     controller = serve(Controller())
     RemoteController(controller.address).create_partition("train")
     with ShardClient() as client:
