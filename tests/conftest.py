@@ -75,7 +75,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #   bridges and skew each other's link timings;
 # - each Ray module starts a Ray cluster of its own (a dozen processes, an actor process per
 #   worker): on 2 cores, more than two at once starve each other and everything else. Two
-#   chains of about equal length (seconds alone: 311 in all).
+#   chains of about equal length: the longer is the suite's critical path (seconds in the suite,
+#   `DISTBATCH_TEST_TIMELINE`, 2026-11-29: ray-a 173 + 123 + 49 = 345, ray-b 52 + 178 + 70 + 34
+#   = 334; with the example in ray-a, 379 against 300).
 SHARED_GROUPS = {
     "simulated-hosts": (
         "test_cluster.py",
@@ -87,12 +89,12 @@ SHARED_GROUPS = {
         "test_bench.py",
         "test_transferqueue_faults.py",
         "test_ray.py",
-        "test_transferqueue_example.py",
     ),
     "ray-b": (
         "test_transferqueue_backend.py",
         "test_transferqueue_backend_options.py",
         "test_ray_cluster.py",
+        "test_transferqueue_example.py",
     ),
 }
 # The longest modules and groups (seconds alone, `--durations=0`), handed out first while the
