@@ -87,7 +87,10 @@ class AuthError(NodeError, PermissionError):
 
 
 class CapacityError(NodeError):
-    """The node is out of capacity (HTTP 507); nothing of the request was stored."""
+    """The node is out of capacity (HTTP 507); nothing of the request was stored. One exception:
+    a durable worker with `--sync` whose disk refused the put's record (the message says the
+    durable log could not write) had applied the put in memory; it is not durable, and every
+    later change is refused."""
 
 
 class ServerError(NodeError):
