@@ -393,7 +393,7 @@ class Job:
         afresh and loads the trainers' current weights. `produced`, following it."""
         at = next(i for i, batch in enumerate(self.stored) if batch is produced)
         old = self.rollout.nodes[rank]
-        next(p for p in self.rollout.processes if p.node == old).kill()
+        next(p for p in self.rollout.processes if p.node == old).kill(meant=True)
         new = self.rollout.restart(rank)
         self.stored = [batch.moved(old, new) for batch in self.stored]
         self.publish_weights(step)  # the policy that generated this step, on every rollout worker
@@ -544,7 +544,7 @@ class AsyncJob:
         job = self.job
         with self.turns:
             old = job.rollout.nodes[rank]
-            next(p for p in job.rollout.processes if p.node == old).kill()
+            next(p for p in job.rollout.processes if p.node == old).kill(meant=True)
             new = job.rollout.restart(rank)
             self.moved_tasks += self.controller.move_node(old, new)
             job.publish_weights(self.loaded)

@@ -124,11 +124,12 @@ class WorkerProcess:
         if logs is not None:
             logs.started(log_file)
 
-    def _report_exit(self) -> None:
-        """Tell `logs`, once, how the process exited (call once it has)."""
+    def _report_exit(self, meant: bool = False) -> None:
+        """Tell `logs`, once, how the process exited (call once it has; `meant`: as the caller
+        wanted, so a kill is not a failure whose logs must be kept)."""
         if self.logs is not None and not self._reported:
             self._reported = True
-            self.logs.stopped(clean=self.process.returncode == 0)
+            self.logs.stopped(clean=meant or self.process.returncode == 0)
 
     @property
     def pid(self) -> int:
@@ -155,12 +156,14 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
-    def kill(self) -> None:
-        """SIGKILL at once (for failure tests)."""
-        if self.process.poll() is None:
+    def kill(self, meant: bool = False) -> None:
+        """SIGKILL at once (for failure tests). `meant`: the kill is the point (a drill, such as
+        the main job's `--kill-rollout`), not a failure: the group's logs need not be kept for it."""
+        alive = self.process.poll() is None
+        if alive:
             self.process.kill()
             self.process.wait()
-        self._report_exit()
+        self._report_exit(meant=meant and alive)
 
     def __repr__(self) -> str:
         return f"WorkerProcess(node={self.node!r}, pid={self.pid})"

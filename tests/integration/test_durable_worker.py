@@ -145,8 +145,11 @@ def test_a_local_group_restarts_a_worker_on_its_directory(tmp_path: Path) -> Non
             WorkerGroup.connect(group.nodes).restart(0)
     with WorkerGroup.local(1, env=NO_TOKEN) as solo:  # its log directory outlives the swap
         before = solo.nodes[0]
+        solo.processes[0].kill(meant=True)  # a drill, not a failure
         assert solo.restart(0) != before and solo.client.health(solo.nodes[0])["rank"] == 0
         assert solo.log_dir is not None and solo.log_dir.is_dir()
+        logs = solo.processes[0].logs
+    assert logs is not None and not logs.failed  # every exit clean or meant: no logs kept for it
 
 
 def test_a_put_killed_half_way_comes_back_whole_or_not_at_all(
