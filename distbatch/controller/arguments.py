@@ -16,6 +16,7 @@ from distbatch.batch.meta import BatchMeta
 from distbatch.checks import check_int
 from distbatch.errors import BatchStatusError, InvalidArgumentError
 from distbatch.ids import validate_id, validate_node
+from distbatch.wire.bundle import validate_ids
 from distbatch.wire.container import ITEMSIZE
 
 # Keyword arguments the controller itself gives the sampler.
@@ -124,8 +125,7 @@ def refuse_local_batch(batch: DistributedBatchMemory) -> None:
 
 def check_put_meta(meta: BatchMeta) -> None:
     """Refuse metadata that `BatchMeta.from_dict` would refuse (a hand-built one may be anything)."""
-    for task_id in meta.task_ids:
-        validate_id(task_id, "task_id")
+    validate_ids(meta.task_ids, "task_id")
     if len(set(meta.task_ids)) != len(meta.task_ids):
         raise InvalidArgumentError("the batch lists a task id twice")
     for node in meta.nodes:

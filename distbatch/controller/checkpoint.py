@@ -133,8 +133,7 @@ def _load_tasks(p: Partition, tasks: Any) -> None:
     if rows and p.next_index <= max(rows):
         raise InvalidArgumentError(f"next_index {p.next_index} is not past every task index")
     p.reserve(p.next_index)
-    p.task_of[rows] = ids
-    p.index_of.update(zip(ids, rows))
+    p.index_of.add(ids, np.asarray(rows, dtype=np.int64))
 
 
 def _load_column(p: Partition, name: str, col: Mapping[str, Any]) -> None:

@@ -178,16 +178,16 @@ class Controller:
         partial_fields = partial_field_set(partial, meta.fields)
         with self._changed:
             partition = self._partitions.get(partition_id) or Partition(partition_id)
-            new = partition.check_put(meta, _group_size(self.sampler))
+            plan = partition.check_put(meta, _group_size(self.sampler))
             self._partitions[partition_id] = partition
-            partition.register(meta, new, partial_fields)
+            rows = partition.register(meta, plan, partial_fields)
             pending = self._reissue.get(partition_id)
             if pending:  # put again since the restore: its producer has it, no reissue
-                pending.difference_update(partition.index_of[t] for t in meta.task_ids)
+                pending.difference_update(rows.tolist())
             if versions is not None:
-                partition.set_versions(meta.task_ids, versions)
+                partition.set_versions(rows, versions)
             self._changed.notify_all()
-        return len(new)
+        return len(plan.new)
 
     def inflight(self, partition_id: str) -> DistributedBatchMemory:
         """The partition's tasks with a partial value (put with `partial=True`, not completed),
@@ -559,7 +559,8 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return 0
-            indexes = [partition.index_of[t] for t in ids if t in partition.index_of]
+            rows = partition.rows_of(ids)
+            indexes = rows[rows >= 0].tolist()
             plan = partition.keys_by_node(indexes)
             # While the deletes run (outside the lock), nobody is handed these tasks and no
             # producer adds a field to them: a new shard would outlive the forgotten task.
@@ -618,7 +619,7 @@ class Controller:
             partition = self._partitions.get(partition_id)
             if partition is None:
                 return 0
-            task_ids = list(partition.index_of)
+            task_ids = partition.task_ids()
         deleted = self.clear_tasks(partition_id, task_ids)
         with self._changed:
             partition = self._partitions.get(partition_id)

@@ -8,11 +8,11 @@ metadata of a batch); the `Controller` holds the lock around every use.
 task's index (a slot of the partition): its id (an object array), per field the node holding
 its shard (-1: none), its shape (a rank and its dims), the generation of the put that
 stored it, its share key and whether it is partial; per consumer a consumed mask; per task a
-policy version (-1: none) and how many clears hold it. A task costs its id's string, one entry
-in `index_of` (id -> index) and some 30 bytes a field, instead of a dict entry, an int and a
-tuple per field; a put, a `get_meta` and a clear each run as a few array operations over the
-batch's rows, and `ready` is a handful of boolean ANDs over the partition's slots (tens of
-microseconds for 100k tasks).
+policy version (-1: none) and how many clears hold it. A task costs its id's string, 16-30
+bytes of `index_of` (id <-> index, a hash table in numpy arrays: `TaskIndex`) and some 20
+bytes a field, instead of a dict entry, an int and a tuple per field; a put, a `get_meta` and a
+clear each run as a few array operations over the batch's rows, and `ready` is a handful of
+boolean ANDs over the partition's slots (tens of microseconds for 100k tasks).
 
 **Under the lock, no numpy call that lets the GIL go.** A served controller answers
 `get_meta` under its lock while hundreds of request threads want the interpreter. numpy
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta, pick
+from distbatch.controller.task_index import FEW_ROWS, TaskIndex
 from distbatch.errors import (
     ClearInProgressError,
     InvalidArgumentError,
@@ -57,9 +58,6 @@ from distbatch.wire.shapes import RowShapes
 
 NO_VERSION = -1  # a task put without a policy version: never stale
 _UNSET = object()  # a column no value was put into yet
-# Up to this many rows, a `get_meta`'s reads go item by item (`at`), never through numpy's
-# fancy indexing, which releases the GIL.
-FEW_ROWS = 256
 # (task name, fields) pairs whose ready set a partition keeps; past that, the least recently asked
 # is dropped (and rebuilt, once, if asked again).
 MAX_READY_SETS = 64
@@ -105,8 +103,13 @@ class _Ascending:
 
     def discard_many(self, indexes: Collection[int]) -> None:
         items = self.items
+        if isinstance(indexes, list) and items[: len(indexes)] == indexes:
+            # The lowest, in order: what a sampler mostly takes (checked before building a set
+            # of them, which for a large batch is the biggest object a `get_meta` makes).
+            del items[: len(indexes)]
+            return
         gone = sorted(set(indexes))
-        if items[: len(gone)] == gone:  # the lowest: what a sampler mostly takes
+        if items[: len(gone)] == gone:  # the lowest, in another order
             del items[: len(gone)]
         elif len(gone) > _BULK:
             drop = set(gone)
@@ -273,12 +276,22 @@ class Column:
         self.partial[rows] = False
 
 
+@dataclass(frozen=True)
+class PutPlan:
+    """What `Partition.check_put` found for a put: the tasks it adds (their ids, in batch
+    order) and the index of each task it names (-1: a new one)."""
+
+    new: list[str]
+    rows: np.ndarray
+
+
 @dataclass(eq=False)  # numpy columns have no one truth value: partitions compare by identity
 class Partition:
     """One partition: its tasks, where each field of each task lives, and who consumed what."""
 
     partition_id: str
-    index_of: dict[str, int] = field(default_factory=dict)
+    # Task id <-> slot: `index_of[task_id]` is the task's slot, `task_of[slot]` its id.
+    index_of: TaskIndex = field(default_factory=TaskIndex)
     nodes: list[str] = field(default_factory=list)
     node_index: dict[str, int] = field(default_factory=dict)
     columns: dict[str, Column] = field(default_factory=dict)
@@ -289,10 +302,8 @@ class Partition:
     custom_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
     # Indexes whose shards a clear is deleting (count of clears in flight): never handed out.
     clearing: dict[int, int] = field(default_factory=dict)
-    # Per slot: the task's id (None: free) and the policy version it was generated with
-    # (`put(..., version=)`; NO_VERSION: never stale; a task is as old as its oldest part: a
-    # later put keeps the older).
-    task_of: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+    # Per slot: the policy version the task was generated with (`put(..., version=)`;
+    # NO_VERSION: never stale; a task is as old as its oldest part: a later put keeps the older).
     versions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     versioned: bool = False  # whether `versions` ever held one
     # Per consumer (task name): a mask of the slots it consumed, and how many are set (a count
@@ -308,8 +319,13 @@ class Partition:
     # ------------------------------------------------------------------ slots and tasks
 
     @property
+    def task_of(self) -> np.ndarray:
+        """Per slot, the task's id (None: free); read-only by convention (`add_tasks`, `forget`)."""
+        return self.index_of.ids
+
+    @property
     def capacity(self) -> int:
-        return len(self.task_of)
+        return len(self.index_of.ids)
 
     @property
     def task_count(self) -> int:
@@ -320,7 +336,7 @@ class Partition:
         if needed <= self.capacity:
             return
         capacity = max(needed, self.capacity + self.capacity // 2, 64)
-        self.task_of = _grown(self.task_of, capacity, None)
+        self.index_of.reserve(capacity)
         self.versions = _grown(self.versions, capacity, NO_VERSION)
         for name, mask in self.consumed.items():
             self.consumed[name] = _grown(mask, capacity, False)
@@ -359,8 +375,8 @@ class Partition:
         return self.task_ids_at(np.flatnonzero(self.task_of != None))  # noqa: E711
 
     def rows_of(self, task_ids: Sequence[str]) -> np.ndarray:
-        """The index of each of `task_ids` (-1: not in this partition), in C-level passes."""
-        return np.fromiter(map(self.index_of.get, task_ids, repeat(-1)), np.int64, len(task_ids))
+        """The index of each of `task_ids` (-1: not in this partition)."""
+        return self.index_of.rows_of(task_ids)
 
     def knows(self, name: str) -> bool:
         """Whether `name` was ever put into this partition or declared for it."""
@@ -407,14 +423,14 @@ class Partition:
         """Give new `task_ids` one block of indexes, in order; the block's first index."""
         start = self.allocate(len(task_ids))
         self.reserve(start + len(task_ids))
-        self.task_of[start : start + len(task_ids)] = task_ids
-        self.index_of.update(zip(task_ids, range(start, start + len(task_ids))))
+        self.index_of.add(task_ids, np.arange(start, start + len(task_ids), dtype=np.int64))
         return start
 
     # ------------------------------------------------------------------ puts
 
-    def check_put(self, meta: BatchMeta, group_size: int) -> list[str]:
-        """The tasks a put of `meta` would add; raises, changing nothing, if it may not happen:
+    def check_put(self, meta: BatchMeta, group_size: int) -> PutPlan:
+        """The tasks a put of `meta` would add, and the slots of those it names that are here;
+        raises, changing nothing, if it may not happen:
         a field's dtype differs from this partition's (`SchemaConflictError`), a task is being
         cleared (`ClearInProgressError`), or the new tasks are not whole groups of `group_size`
         (`InvalidArgumentError`)."""
@@ -442,7 +458,7 @@ class Partition:
                 f"groups of n_samples_per_prompt={group_size}: put each prompt's {group_size} responses "
                 "together (groups are aligned blocks of indexes, so a partial group could never be completed)"
             )
-        return new
+        return PutPlan(new, rows)
 
     def _check_same_nodes(self, meta: BatchMeta, rows: np.ndarray) -> None:
         """`ShardElsewhereError` if a field this partition has for a task comes from another node."""
@@ -465,13 +481,16 @@ class Partition:
                     " A task's field lives on one worker: put it there, or clear_tasks it first"
                 )
 
-    def register(self, meta: BatchMeta, new: Sequence[str], partial: AbstractSet[str] = frozenset()) -> None:
-        """Give the `new` tasks one block of indexes, in batch order, and record where each of
-        `meta`'s fields lives and its shape (checked first with `check_put`); the fields in
-        `partial` are still growing: not produced until a later put that does not name them."""
-        if new:
-            self.add_tasks(new)
-        rows = self.rows_of(meta.task_ids)
+    def register(self, meta: BatchMeta, plan: PutPlan, partial: AbstractSet[str] = frozenset()) -> np.ndarray:
+        """Give the plan's new tasks one block of indexes, in batch order, and record where each
+        of `meta`'s fields lives and its shape (`plan`: what `check_put` said, nothing changed
+        since); the fields in `partial` are still growing: not produced until a later put that
+        does not name them. The index of each task of `meta`, in order."""
+        rows = plan.rows
+        if plan.new:
+            start = self.add_tasks(plan.new)
+            rows = rows.copy()
+            rows[rows < 0] = np.arange(start, start + len(plan.new), dtype=np.int64)
         local_nodes = np.asarray([self.intern_node(n) for n in meta.nodes], dtype=NODE_INDEX)
         for name, fm in meta.fields.items():
             column = self.column(name, fm.dtype)
@@ -486,6 +505,7 @@ class Partition:
         complete = meta.fields.keys() - partial
         if complete:
             self._add_ready(rows, complete)
+        return rows
 
     def _drop_ready(self, rows: np.ndarray, put_fields: AbstractSet[str]) -> None:
         """Rows whose `put_fields` just became partial: out of every kept ready set asking for them."""
@@ -508,10 +528,9 @@ class Partition:
                 have &= ~consumed[rows]
             ready.add_many(rows[have].tolist())
 
-    def set_versions(self, task_ids: Sequence[str], versions: Sequence[int]) -> None:
-        """Record each task's policy version (registered tasks; the older of two wins, also
+    def set_versions(self, rows: np.ndarray, versions: Sequence[int]) -> None:
+        """Record the policy version of the task at each of `rows` (the older of two wins, also
         for a task named twice in one call)."""
-        rows = self.rows_of(task_ids)
         known = self.versions[rows]
         older = np.minimum(
             np.where(known == NO_VERSION, _NEWEST, known), np.asarray(versions, dtype=np.int64)
@@ -601,7 +620,7 @@ class Partition:
         mask = self.consumed.get(task_name)
         if mask is None:
             mask = self.consumed[task_name] = np.zeros(self.capacity, dtype=bool)
-        taken = list(indexes)
+        taken = indexes if isinstance(indexes, list) else list(indexes)
         if len(taken) > FEW_ROWS:
             rows = np.unique(np.asarray(taken, dtype=np.int64))
             added = len(rows) - int(np.count_nonzero(mask[rows]))
@@ -765,9 +784,7 @@ class Partition:
         rows = np.unique(self.live(indexes))
         if not len(rows):
             return
-        for task_id in self.task_of[rows].tolist():
-            del self.index_of[task_id]
-        self.task_of[rows] = None
+        self.index_of.remove(rows)
         self.versions[rows] = NO_VERSION
         if self.custom_meta:
             for i in rows.tolist():

@@ -102,15 +102,21 @@ def _check_column_key(key: str) -> None:
 _ID_LIST = re.compile(r"(?:[A-Za-z0-9._:@=+-]{1,200}\n)*")
 
 
-def validate_id_list(ids: Any, what: str = "task_id") -> list[str]:
-    """`ids` as a list of valid, distinct ids, checked with one regex pass (not one call per id)."""
-    if not isinstance(ids, list):
-        raise InvalidIdError(f"{what}s must be a list")
+def validate_ids(ids: Sequence[Any], what: str = "task_id") -> None:
+    """Raise `InvalidIdError` naming the first of `ids` that is not a valid id; checked with one
+    regex pass over them all, not one call per id."""
     text = "\n".join(ids) + "\n" if ids and set(map(type, ids)) == {str} else None
     # The newline count rules out an id that holds a newline itself (it would pass as two ids).
     if ids and (text is None or text.count("\n") != len(ids) or _ID_LIST.fullmatch(text) is None):
         for value in ids:
             validate_id(value, what)  # names the first bad one
+
+
+def validate_id_list(ids: Any, what: str = "task_id") -> list[str]:
+    """`ids` as a list of valid, distinct ids (`validate_ids`)."""
+    if not isinstance(ids, list):
+        raise InvalidIdError(f"{what}s must be a list")
+    validate_ids(ids, what)
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
         dup = next(t for t in ids if t in seen or seen.add(t))  # type: ignore[func-returns-value]
