@@ -178,7 +178,7 @@ lengths_st = st.lists(st.integers(min_value=0, max_value=5000), max_size=60)
 k_st = st.integers(min_value=1, max_value=8)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lengths=lengths_st, k=k_st)
 def test_property_karmarkar_karp_unequal(lengths: list[int], k: int) -> None:
     parts = karmarkar_karp(lengths, k, False)
@@ -191,7 +191,7 @@ def test_property_karmarkar_karp_unequal(lengths: list[int], k: int) -> None:
         assert max(s) - min(s) <= max(lengths)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), k=k_st)
 def test_property_karmarkar_karp_equal_size(data: st.DataObject, k: int) -> None:
     per = data.draw(st.integers(min_value=0, max_value=8))
@@ -204,7 +204,7 @@ def test_property_karmarkar_karp_equal_size(data: st.DataObject, k: int) -> None
         assert max(s) - min(s) <= max(lengths)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lengths=lengths_st, k=k_st, equal_size=st.booleans())
 def test_property_get_seqlen_balanced_partitions(lengths: list[int], k: int, equal_size: bool) -> None:
     if len(lengths) < k or (equal_size and len(lengths) % k):
@@ -218,7 +218,7 @@ def test_property_get_seqlen_balanced_partitions(lengths: list[int], k: int, equ
         assert {len(p) for p in parts} == {len(lengths) // k}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lengths=lengths_st, k=k_st)
 def test_property_balanced_group_partitions(lengths: list[int], k: int) -> None:
     parts = balanced_group_partitions(lengths, k)
@@ -244,7 +244,7 @@ def _spread(parts: list[list[int]], lengths: list[int]) -> int:
     lengths=st.lists(st.integers(min_value=0, max_value=10_000), min_size=2, max_size=80),
     k=st.integers(min_value=2, max_value=6),
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_property_refine_by_swaps_keeps_counts_and_never_widens(lengths: list[int], k: int) -> None:
     from distbatch.batch.balance import refine_by_swaps
 

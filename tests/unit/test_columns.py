@@ -25,7 +25,7 @@ from distbatch.ids import ShardKey, ShardRef
 from distbatch.wire import ITEMSIZE
 from distbatch.wire.shapes import MAX_DIMS, RowShapes, ShapeError
 
-PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Shape = tuple[int, ...]
 
