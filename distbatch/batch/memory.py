@@ -57,12 +57,14 @@ from distbatch.errors import (
 )
 from distbatch.ids import shown, validate_id, validate_node
 from distbatch.twins import AWAITED, BLOCKING, Twin, run_blocking
+from distbatch.wire.bundle import validate_ids
 
 __all__ = ["BatchStatus", "DistributedBatchMemory", "new_task_ids"]
 
 
 def _check_task_ids(task_ids: Iterable[Any], count: int) -> list[str]:
-    ids = [validate_id(t, "task_id") for t in task_ids]
+    ids = list(task_ids)
+    validate_ids(ids, "task_id")
     if len(ids) != count:
         raise InvalidArgumentError(f"{len(ids)} task ids given for {count} tasks")
     if len(set(ids)) != len(ids):

@@ -18,6 +18,7 @@ from distbatch.client.results import DeleteResult
 from distbatch.client.transport import HttpTransport
 from distbatch.errors import InvalidArgumentError, InvalidIdError, NodeError
 from distbatch.ids import ShardKey, validate_id, validate_key
+from distbatch.wire.bundle import validate_ids
 
 Outcomes = dict[str, DeleteResult | NodeError]
 """Per node, what its deletes freed or why they failed."""
@@ -36,7 +37,9 @@ def check_delete_args(
             raise InvalidIdError(f"{name} must be a list of ids, not one string")
     checked_fields = None if fields is None else [validate_id(f, "field") for f in fields]
     if task_ids is not None:
-        return [validate_id(t, "task_id") for t in task_ids], None, checked_fields
+        ids = list(task_ids)
+        validate_ids(ids, "task_id")
+        return ids, None, checked_fields
     return None, [validate_key(k) for k in keys or ()], None
 
 

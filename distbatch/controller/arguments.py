@@ -66,7 +66,9 @@ def id_list(values: Any, name: str, what: str) -> list[str]:
     """`values` as a list of valid ids (`what`: "field" or "task_id"); one string is refused, as a
     caller who passed ``"x"`` for ``["x"]`` would otherwise get one id per character."""
     refuse_one_string(values, name, what)
-    return [validate_id(v, what) for v in names_iterable(values, name)]
+    ids = list(names_iterable(values, name))
+    validate_ids(ids, what)
+    return ids
 
 
 def refuse_one_string(values: Any, name: str, what: str) -> None:

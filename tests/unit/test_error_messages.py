@@ -127,3 +127,28 @@ def test_numpy_string_arrays_are_per_task_values_and_other_dtypes_name_the_field
     assert batch["x"].dtype == torch.float64
     with pytest.raises(ValueError, match=r"field 'raw': a numpy array of dtype \|S1 cannot be a column"):
         DistributedBatchMemory.from_dict({"raw": np.array([b"a", b"b"])})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["has space", "new\nline", "", "x" * 201, 7, None, b"bytes"],
+    ids=["space", "newline", "empty", "long", "int", "none", "bytes"],
+)
+def test_one_bad_id_among_many_is_named_wherever_ids_are_checked_at_once(bad: object) -> None:
+    """Task ids are checked with one regex pass over the whole list (a batch's, a clear's, a
+    controller call's), not a call per id: a bad one anywhere, even one that would join two
+    lines into a valid-looking pair, is still named, and the same way in each place."""
+    from distbatch.client.deletes import check_delete_args
+    from distbatch.controller.arguments import id_list
+
+    ids = [f"t{i}" for i in range(1000)]
+    ids[617] = bad  # type: ignore[call-overload]
+    checks = [
+        lambda: DistributedBatchMemory.from_dict({"x": torch.zeros(1000)}, task_ids=ids),
+        lambda: check_delete_args(ids, None, None),
+        lambda: id_list(ids, "task_ids", "task_id"),
+    ]
+    for check in checks:
+        with pytest.raises(InvalidIdError, match="invalid task_id") as info:
+            check()
+        assert repr(bad)[:20] in str(info.value)
