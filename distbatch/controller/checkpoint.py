@@ -15,15 +15,13 @@ import numpy as np
 from distbatch.checks import check_int
 from distbatch.controller.arguments import custom_meta_object
 from distbatch.controller.partitions import NO_VERSION, Column, Partition
+from distbatch.controller.task_index import MAX_SLOTS
 from distbatch.errors import InvalidArgumentError
 from distbatch.ids import validate_id, validate_node
 from distbatch.wire.container import ITEMSIZE
 from distbatch.wire.shapes import RowShapes
 
 CHECKPOINT_VERSION = 1
-# The most task indexes a checkpoint's partition may claim (slots are arrays: a forged next_index
-# must not make the next put allocate them).
-MAX_SLOTS = 1 << 31
 
 
 def partitions_to_state(partitions: Mapping[str, Partition]) -> dict[str, Any]:
@@ -87,6 +85,7 @@ def _count(value: Any) -> int:
 
 def _partition_from_state(pid: str, raw: Mapping[str, Any]) -> Partition:
     p = Partition(validate_id(pid, "partition_id"), next_index=_count(raw["next_index"]))
+    # Slots are arrays: a forged next_index must not make the next put allocate them.
     if p.next_index > MAX_SLOTS:
         raise InvalidArgumentError(f"next_index {p.next_index} is past {MAX_SLOTS} task indexes")
     _load_tasks(p, raw["tasks"])

@@ -8,7 +8,7 @@ metadata of a batch); the `Controller` holds the lock around every use.
 task's index (a slot of the partition): its id (an object array), per field the node holding
 its shard (-1: none), its shape (a rank and its dims), the generation of the put that
 stored it, its share key and whether it is partial; per consumer a consumed mask; per task a
-policy version (-1: none) and how many clears hold it. A task costs its id's string, 16-30
+policy version (-1: none) and how many clears hold it. A task costs its id's string, 20-34
 bytes of `index_of` (id <-> index, a hash table in numpy arrays: `TaskIndex`) and some 20
 bytes a field, instead of a dict entry, an int and a tuple per field; a put, a `get_meta` and a
 clear each run as a few array operations over the batch's rows, and `ready` is a handful of
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from distbatch.batch.meta import NODE_INDEX, BatchMeta, FieldMeta, pick
-from distbatch.controller.task_index import FEW_ROWS, TaskIndex
+from distbatch.controller.task_index import FEW_ROWS, MAX_SLOTS, TaskIndex
 from distbatch.errors import (
     ClearInProgressError,
     InvalidArgumentError,
@@ -335,8 +335,8 @@ class Partition:
         """Room for slots [0, needed): every per-slot array grows (by half at least)."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, self.capacity + self.capacity // 2, 64)
-        self.index_of.reserve(capacity)
+        capacity = max(needed, min(self.capacity + self.capacity // 2, MAX_SLOTS), 64)
+        self.index_of.reserve(capacity)  # first: past MAX_SLOTS it refuses, nothing changed
         self.versions = _grown(self.versions, capacity, NO_VERSION)
         for name, mask in self.consumed.items():
             self.consumed[name] = _grown(mask, capacity, False)

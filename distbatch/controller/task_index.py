@@ -3,13 +3,16 @@
 Why not a dict: a dict entry and an int object cost some 80 bytes a task, more than all of a
 task's columns, and for a controller holding a million tasks that is 80 MB of lookup structure
 for 20 MB of metadata. Here a task costs a pointer to its id (the slot's entry in `ids`, which
-the partition reads as its ids column) and 4-byte buckets of a table at most half full (made
-3/16 to 3/8 full when it is rebuilt): 16 to 30 bytes. A str caches its hash, so probing and
-rebuilding never hash an id twice.
+the partition reads as its ids column), the low 32 bits of its hash (4 bytes) and 4-byte buckets
+of a table at most half full (made 3/16 to 3/8 full when it is rebuilt): 20 to 34 bytes.
 
 Linear probing: a lookup walks from bucket ``hash(id) & mask`` to the id's bucket or to an empty
 one; a removed task leaves a tombstone (`GONE`) so the walks past it still find what follows, and
-the table is rebuilt when tombstones fill a quarter of it.
+the table is rebuilt when tombstones fill a quarter of it, or bigger when it is half full (once
+per doubling of the tasks). The kept hash bits make a rebuild array operations only (hashing a
+million ids again would take 50 ms more of the 60 it takes at that size, under the lock) and let
+a batch lookup skip comparing ids whose bits differ. The table is this process's: `hash` of a str
+differs between processes, so a pickled index keeps its ids alone and rebuilds on load.
 
 Like the partition's other reads (see `distbatch.controller.partitions`), a lookup or change of
 at most `FEW_ROWS` ids goes item by item, never through numpy's fancy indexing, which releases
@@ -23,7 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from distbatch.errors import NotFoundError
+from distbatch.errors import InvalidArgumentError, NotFoundError
 
 # Up to this many rows, reads and writes under the controller's lock go item by item (`item`),
 # never through numpy's fancy indexing, which releases the GIL.
@@ -32,6 +35,7 @@ EMPTY = -1  # a bucket never used since the last rebuild: a walk stops here
 GONE = -2  # a bucket whose task was removed: a walk goes on past it, an insert may reuse it
 MIN_BUCKETS = 16
 MAX_SLOTS = np.iinfo(np.int32).max  # a bucket holds a slot as an int32
+LOW_BITS = 0xFFFFFFFF  # the hash bits kept per slot: the widest table's mask has 31
 
 
 class TaskIndex:
@@ -40,13 +44,25 @@ class TaskIndex:
     Holds distinct ids; `add` is given ids not held yet (the partition checks a put first).
     """
 
-    __slots__ = ("ids", "_table", "_count", "_gone")
+    __slots__ = ("ids", "_low", "_table", "_count", "_gone")
 
     def __init__(self) -> None:
         self.ids: np.ndarray = np.empty(0, dtype=object)  # per slot: the task's id, None when free
+        self._low = np.zeros(0, dtype=np.uint32)  # per slot: hash(id) & LOW_BITS
         self._table = np.full(MIN_BUCKETS, EMPTY, dtype=np.int32)  # per bucket: a slot, EMPTY or GONE
         self._count = 0
         self._gone = 0
+
+    def __getstate__(self) -> dict[str, np.ndarray]:
+        return {"ids": self.ids}  # hashes are this process's: rebuilt where it is loaded
+
+    def __setstate__(self, state: dict[str, np.ndarray]) -> None:
+        self.ids = state["ids"]
+        held = np.flatnonzero(self.ids != None)  # noqa: E711 (elementwise, on an object array)
+        self._count, self._gone = len(held), 0
+        self._low = np.zeros(len(self.ids), dtype=np.uint32)
+        self._low[held] = _low_bits(self.ids[held].tolist())
+        self._rebuild()
 
     def __len__(self) -> int:
         return self._count
@@ -71,7 +87,7 @@ class TaskIndex:
 
     def nbytes(self) -> int:
         """Bytes of the arrays (the ids' strings not counted)."""
-        return int(self.ids.nbytes + self._table.nbytes)
+        return int(self.ids.nbytes + self._low.nbytes + self._table.nbytes)
 
     # ------------------------------------------------------------------ slots
 
@@ -80,10 +96,14 @@ class TaskIndex:
         if capacity <= len(self.ids):
             return
         if capacity > MAX_SLOTS:
-            raise OverflowError(f"a partition holds at most {MAX_SLOTS} task slots")
+            raise InvalidArgumentError(
+                f"a partition holds at most {MAX_SLOTS:,} task slots, not {capacity:,}"
+            )
         ids = np.full(capacity, None, dtype=object)
         ids[: len(self.ids)] = self.ids
-        self.ids = ids
+        low = np.zeros(capacity, dtype=np.uint32)
+        low[: len(self._low)] = self._low
+        self.ids, self._low = ids, low
 
     def rows_of(self, task_ids: Sequence[str]) -> np.ndarray:
         """The slot of each of `task_ids` (-1: not held), as int64."""
@@ -92,26 +112,31 @@ class TaskIndex:
             return np.fromiter(map(self._find_one, task_ids), np.int64, count)
         wanted = np.empty(count, dtype=object)
         wanted[:] = task_ids
-        return self._find_many(np.fromiter(map(hash, task_ids), np.int64, count), wanted)
+        return self._find_many(_low_bits(task_ids), wanted)
 
     def add(self, task_ids: Sequence[str], slots: np.ndarray) -> None:
         """Hold new, distinct `task_ids` at the free `slots` (int64, one each)."""
         count = len(task_ids)
         if not count:
             return
-        if count <= FEW_ROWS:
-            for task_id, slot in zip(task_ids, slots.tolist()):
+        few = count <= FEW_ROWS
+        if few:
+            pairs = list(zip(slots.tolist(), [hash(task_id) & LOW_BITS for task_id in task_ids]))
+            for (slot, low), task_id in zip(pairs, task_ids):
                 self.ids[slot] = task_id
+                self._low[slot] = low
         else:
+            lows = _low_bits(task_ids)
             self.ids[slots] = task_ids
+            self._low[slots] = lows
         self._count += count
         if 2 * (self._count + self._gone) > len(self._table):
             self._rebuild()
-        elif count <= FEW_ROWS:
-            for task_id, slot in zip(task_ids, slots.tolist()):
-                self._place_one(slot, hash(task_id))
+        elif few:
+            for slot, low in pairs:
+                self._place_one(slot, low)
         else:
-            self._place(slots, np.fromiter(map(hash, task_ids), np.int64, count))
+            self._place(slots, lows)
 
     def remove(self, slots: np.ndarray) -> None:
         """Stop holding the tasks at `slots` (distinct slots that hold one)."""
@@ -122,13 +147,13 @@ class TaskIndex:
         table = self._table
         if count <= FEW_ROWS:
             for slot in slots.tolist():
-                bucket = hash(self.ids.item(slot)) & mask
+                bucket = self._low.item(slot) & mask
                 while table.item(bucket) != slot:
                     bucket = (bucket + 1) & mask
                 table[bucket] = GONE
                 self.ids[slot] = None
         else:
-            buckets = np.fromiter(map(hash, self.ids[slots].tolist()), np.int64, count) & mask
+            buckets = self._low[slots].astype(np.int64) & mask
             todo = np.arange(count)
             while len(todo):
                 found = table[buckets] == slots[todo]
@@ -154,16 +179,18 @@ class TaskIndex:
                 return slot
             bucket = (bucket + 1) & mask
 
-    def _find_many(self, hashes: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-        """The slots of the ids in `wanted` (an object array; -1: not held): every id walks one
-        bucket a round, those neither found nor at an empty bucket go on."""
+    def _find_many(self, lows: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+        """The slots of the ids in `wanted` (an object array; -1: not held), given their hashes'
+        low bits: every id walks one bucket a round, those neither found nor at an empty bucket
+        go on. Ids are compared only where the bits match."""
         mask = len(self._table) - 1
         found = np.full(len(wanted), -1, dtype=np.int64)
         todo = np.arange(len(wanted))
-        buckets = hashes & mask
+        buckets = lows.astype(np.int64) & mask
         while len(todo):
             slots = self._table[buckets].astype(np.int64)
             live = np.flatnonzero(slots >= 0)
+            live = live[self._low[slots[live]] == lows[todo[live]]]
             same = np.zeros(len(todo), dtype=bool)
             same[live] = self.ids[slots[live]] == wanted[todo[live]]
             found[todo[same]] = slots[same]
@@ -181,14 +208,14 @@ class TaskIndex:
             self._gone -= 1
         table[bucket] = slot
 
-    def _place(self, slots: np.ndarray, hashes: np.ndarray) -> None:
+    def _place(self, slots: np.ndarray, lows: np.ndarray) -> None:
         """Put each of `slots` in the first free bucket from its hash's. A round writes every
         slot whose bucket is free into it: where several asked for one bucket, the one written
         last holds it (read back), and the others walk on with those whose bucket was taken."""
         table = self._table
         mask = len(table) - 1
         slots = slots.astype(np.int32)
-        buckets = hashes & mask
+        buckets = lows.astype(np.int64) & mask
         while len(slots):
             seen = table[buckets]
             free = seen < 0
@@ -206,4 +233,9 @@ class TaskIndex:
         self._table = np.full(buckets, EMPTY, dtype=np.int32)
         self._gone = 0
         held = np.flatnonzero(self.ids != None)  # noqa: E711 (elementwise, on an object array)
-        self._place(held, np.fromiter(map(hash, self.ids[held].tolist()), np.int64, len(held)))
+        self._place(held, self._low[held])
+
+
+def _low_bits(task_ids: Sequence[str]) -> np.ndarray:
+    """`hash(id) & LOW_BITS` of each id, as uint32."""
+    return (np.fromiter(map(hash, task_ids), np.int64, len(task_ids)) & LOW_BITS).astype(np.uint32)

@@ -105,9 +105,10 @@ _ID_LIST = re.compile(r"(?:[A-Za-z0-9._:@=+-]{1,200}\n)*")
 def validate_ids(ids: Sequence[Any], what: str = "task_id") -> None:
     """Raise `InvalidIdError` naming the first of `ids` that is not a valid id; checked with one
     regex pass over them all, not one call per id."""
-    text = "\n".join(ids) + "\n" if ids and set(map(type, ids)) == {str} else None
+    count = len(ids)  # not `if ids`: a numpy array of ids has no one truth value
+    text = "\n".join(ids) + "\n" if count and set(map(type, ids)) == {str} else None
     # The newline count rules out an id that holds a newline itself (it would pass as two ids).
-    if ids and (text is None or text.count("\n") != len(ids) or _ID_LIST.fullmatch(text) is None):
+    if count and (text is None or text.count("\n") != count or _ID_LIST.fullmatch(text) is None):
         for value in ids:
             validate_id(value, what)  # names the first bad one
 

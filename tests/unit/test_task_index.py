@@ -78,15 +78,59 @@ def test_churn_reuses_the_table_instead_of_growing_it() -> None:
         index.remove(slots)
         assert len(index) == 0
         sizes.add(index.nbytes())
-    assert max(sizes) <= 2_000 * 8 + 4 * 4_096, sizes
+    assert max(sizes) <= 2_000 * (8 + 4) + 4 * 4_096, sizes  # ids and hash bits, the table
 
 
-def test_a_task_costs_at_most_thirty_bytes_beside_its_id() -> None:
-    """What a dict would cost some 80 bytes for (an entry and an int object): a pointer to the id
-    and 4-byte buckets of a table made at least 3/16 full."""
+def test_a_task_costs_at_most_34_bytes_beside_its_id() -> None:
+    """What a dict would cost some 80 bytes for (an entry and an int object): a pointer to the id,
+    4 bytes of its hash and 4-byte buckets of a table made at least 3/16 full."""
     index = TaskIndex()
     count = 100_000
     index.reserve(count)
     index.add([f"t{i}" for i in range(count)], np.arange(count, dtype=np.int64))
-    assert index.nbytes() / count <= 8 + 4 * 16 / 3
+    assert index.nbytes() / count <= 8 + 4 + 4 * 16 / 3
     assert index.rows_of(["t0", f"t{count - 1}", "nope"]).tolist() == [0, count - 1, -1]
+
+
+def test_a_pickled_index_is_rebuilt_with_the_loading_processs_hashes() -> None:
+    """`hash` of a str is per process (PYTHONHASHSEED): an index pickled in one process and
+    loaded in another still finds every id, because it keeps its ids alone and rebuilds."""
+    import pickle
+    import subprocess
+    import sys
+
+    index = TaskIndex()
+    index.reserve(1_000)
+    index.add([f"p{i}" for i in range(900)], np.arange(900, dtype=np.int64))
+    index.remove(np.arange(0, 900, 3, dtype=np.int64))
+    probe = (
+        "import pickle, sys; index = pickle.loads(sys.stdin.buffer.read()); "
+        "print(len(index), index.rows_of(['p1', 'p3', 'p898']).tolist(), "
+        "index.rows_of([f'p{i}' for i in range(900)]).tolist().count(-1))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        input=pickle.dumps(index),
+        capture_output=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    )
+    assert out.stdout.decode().split() == ["600", "[1,", "-1,", "898]", "300"]
+
+
+def test_past_the_slot_limit_a_partition_and_a_checkpoint_refuse_clearly() -> None:
+    """A bucket holds a slot as an int32: asking for more slots than that (a forged checkpoint's
+    next_index, say) is an `InvalidArgumentError` that changes nothing, not an overflow."""
+    from distbatch.controller.checkpoint import partitions_from_state
+    from distbatch.controller.partitions import Partition
+    from distbatch.controller.task_index import MAX_SLOTS
+    from distbatch.errors import InvalidArgumentError
+
+    partition = Partition("p")
+    partition.reserve(100)
+    with pytest.raises(InvalidArgumentError, match="at most 2,147,483,647 task slots"):
+        partition.reserve(MAX_SLOTS + 1)
+    assert partition.capacity == 100
+    forged = {"next_index": MAX_SLOTS + 1, "tasks": [], "nodes": [], "columns": {}, "consumed": {}}
+    with pytest.raises(InvalidArgumentError, match="past 2147483647 task indexes"):
+        partitions_from_state({"version": 1, "partitions": {"p": forged}})
