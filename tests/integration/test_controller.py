@@ -37,7 +37,6 @@ def tokens(lengths: Sequence[int]) -> list[torch.Tensor]:
     return [torch.arange(n, dtype=torch.int64) for n in lengths]
 
 
-
 def group_batch(
     node: str, pre: str, groups: Sequence[int], n: int, lengths: Sequence[int] | None = None
 ) -> DistributedBatchMemory:
@@ -59,7 +58,6 @@ def assert_whole_groups(batch: DistributedBatchMemory, n: int) -> list[str]:
     counts = Counter(uids)
     assert all(c == n for c in counts.values()), counts
     return sorted(counts)
-
 
 
 @pytest.fixture(scope="module")
@@ -843,3 +841,35 @@ def test_sampler_returning_unknown_indexes_is_an_error(shared_workers: list[Work
     with pytest.raises(DistBatchError):
         ctl.get_meta("p", "train", ["x"], 1)
     assert ctl.consumption_status("p", "train") == {"tasks": 1, "consumed": 0}
+
+
+def test_a_pickled_index_is_rebuilt_with_the_loading_processs_hashes() -> None:
+    """A partition's task index (tests/unit/test_task_index.py): `hash` of a str is per process
+    (PYTHONHASHSEED), so an index pickled in one process and loaded in another still finds every
+    id only because it keeps its ids alone and rebuilds (here, not in the unit tier: the other
+    process imports the package, 1.5 s)."""
+    import pickle
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from distbatch.controller.task_index import TaskIndex
+
+    index = TaskIndex()
+    index.reserve(1_000)
+    index.add([f"p{i}" for i in range(900)], np.arange(900, dtype=np.int64))
+    index.remove(np.arange(0, 900, 3, dtype=np.int64))
+    probe = (
+        "import pickle, sys; index = pickle.loads(sys.stdin.buffer.read()); "
+        "print(len(index), index.rows_of(['p1', 'p3', 'p898']).tolist(), "
+        "index.rows_of([f'p{i}' for i in range(900)]).tolist().count(-1))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        input=pickle.dumps(index),
+        capture_output=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    )
+    assert out.stdout.decode().split() == ["600", "[1,", "-1,", "898]", "300"]

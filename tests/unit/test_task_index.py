@@ -92,32 +92,6 @@ def test_a_task_costs_at_most_34_bytes_beside_its_id() -> None:
     assert index.rows_of(["t0", f"t{count - 1}", "nope"]).tolist() == [0, count - 1, -1]
 
 
-def test_a_pickled_index_is_rebuilt_with_the_loading_processs_hashes() -> None:
-    """`hash` of a str is per process (PYTHONHASHSEED): an index pickled in one process and
-    loaded in another still finds every id, because it keeps its ids alone and rebuilds."""
-    import pickle
-    import subprocess
-    import sys
-
-    index = TaskIndex()
-    index.reserve(1_000)
-    index.add([f"p{i}" for i in range(900)], np.arange(900, dtype=np.int64))
-    index.remove(np.arange(0, 900, 3, dtype=np.int64))
-    probe = (
-        "import pickle, sys; index = pickle.loads(sys.stdin.buffer.read()); "
-        "print(len(index), index.rows_of(['p1', 'p3', 'p898']).tolist(), "
-        "index.rows_of([f'p{i}' for i in range(900)]).tolist().count(-1))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        input=pickle.dumps(index),
-        capture_output=True,
-        check=True,
-        env={"PYTHONHASHSEED": "12345", "PATH": ""},
-    )
-    assert out.stdout.decode().split() == ["600", "[1,", "-1,", "898]", "300"]
-
-
 def test_past_the_slot_limit_a_partition_and_a_checkpoint_refuse_clearly() -> None:
     """A bucket holds a slot as an int32: asking for more slots than that (a forged checkpoint's
     next_index, say) is an `InvalidArgumentError` that changes nothing, not an overflow."""
