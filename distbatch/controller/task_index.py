@@ -108,35 +108,52 @@ class TaskIndex:
     def rows_of(self, task_ids: Sequence[str]) -> np.ndarray:
         """The slot of each of `task_ids` (-1: not held), as int64."""
         count = len(task_ids)
-        if count <= FEW_ROWS:
-            return np.fromiter(map(self._find_one, task_ids), np.int64, count)
-        wanted = np.empty(count, dtype=object)
-        wanted[:] = task_ids
-        return self._find_many(_low_bits(task_ids), wanted)
+        if count > FEW_ROWS:
+            wanted = np.empty(count, dtype=object)
+            wanted[:] = task_ids
+            return self._find_many(_low_bits(task_ids), wanted)
+        # One walk per id, inlined: a put of a few hundred tasks makes this walk under the lock.
+        table_item, id_item = self._table.item, self.ids.item
+        mask = len(self._table) - 1
+        found = []
+        for task_id in task_ids:
+            bucket = hash(task_id) & mask
+            while True:
+                slot = table_item(bucket)
+                if slot == EMPTY or (slot >= 0 and id_item(slot) == task_id):
+                    break
+                bucket = (bucket + 1) & mask
+            found.append(slot if slot >= 0 else -1)
+        return np.array(found, dtype=np.int64)
 
     def add(self, task_ids: Sequence[str], slots: np.ndarray) -> None:
         """Hold new, distinct `task_ids` at the free `slots` (int64, one each)."""
         count = len(task_ids)
         if not count:
             return
-        few = count <= FEW_ROWS
-        if few:
-            pairs = list(zip(slots.tolist(), [hash(task_id) & LOW_BITS for task_id in task_ids]))
-            for (slot, low), task_id in zip(pairs, task_ids):
-                self.ids[slot] = task_id
-                self._low[slot] = low
-        else:
+        self._count += count
+        if count > FEW_ROWS or 2 * (self._count + self._gone) > len(self._table):
             lows = _low_bits(task_ids)
             self.ids[slots] = task_ids
             self._low[slots] = lows
-        self._count += count
-        if 2 * (self._count + self._gone) > len(self._table):
-            self._rebuild()
-        elif few:
-            for slot, low in pairs:
-                self._place_one(slot, low)
-        else:
-            self._place(slots, lows)
+            if 2 * (self._count + self._gone) > len(self._table):
+                self._rebuild()
+            else:
+                self._place(slots, lows)
+            return
+        # A few: each id stored and placed in one pass, item by item (no fancy indexing).
+        table, ids, low_bits = self._table, self.ids, self._low
+        mask = len(table) - 1
+        for slot, task_id in zip(slots.tolist(), task_ids):
+            low = hash(task_id) & LOW_BITS
+            ids[slot] = task_id
+            low_bits[slot] = low
+            bucket = low & mask
+            while (held := table.item(bucket)) >= 0:
+                bucket = (bucket + 1) & mask
+            if held == GONE:
+                self._gone -= 1
+            table[bucket] = slot
 
     def remove(self, slots: np.ndarray) -> None:
         """Stop holding the tasks at `slots` (distinct slots that hold one)."""
@@ -197,16 +214,6 @@ class TaskIndex:
             walk = ~same & (slots != EMPTY)
             todo, buckets = todo[walk], (buckets[walk] + 1) & mask
         return found
-
-    def _place_one(self, slot: int, hashed: int) -> None:
-        table = self._table
-        mask = len(table) - 1
-        bucket = hashed & mask
-        while (held := table.item(bucket)) >= 0:
-            bucket = (bucket + 1) & mask
-        if held == GONE:
-            self._gone -= 1
-        table[bucket] = slot
 
     def _place(self, slots: np.ndarray, lows: np.ndarray) -> None:
         """Put each of `slots` in the first free bucket from its hash's. A round writes every

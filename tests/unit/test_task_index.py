@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from distbatch.controller.task_index import FEW_ROWS, TaskIndex
+from distbatch.controller.task_index import FEW_ROWS, GONE, TaskIndex
 
 
 def _check(index: TaskIndex, model: dict[str, int], asked: list[str]) -> None:
@@ -62,6 +62,12 @@ def test_the_index_answers_as_a_dict_after_random_adds_and_removes(seed: int) ->
         assert index.ids[list(model.values())].tolist() == list(model)
         assert sorted(index) == held
         assert int(np.count_nonzero(index.ids != None)) == len(model)  # noqa: E711
+        # The table's own books: tombstones counted right (they decide when it is rebuilt) and
+        # an empty bucket left, without which a walk for an unknown id would never end.
+        table = index._table
+        assert int(np.count_nonzero(table == GONE)) == index._gone
+        assert int(np.count_nonzero(table >= 0)) == len(model)
+        assert 2 * (len(model) + index._gone) <= len(table)
 
 
 def test_churn_reuses_the_table_instead_of_growing_it() -> None:
