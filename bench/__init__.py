@@ -9,7 +9,8 @@ Lives at the repo root, outside the installed package: run `python -m bench` fro
 - `baselines` (raw TCP, pickle/HTTP, base64 JSON, Ray), `transferqueue` (TransferQueue's
   SimpleStorage and our backend), `areal` (AReaL's RTensor: its HTTP backend and ours),
   `servers` (the worker app on other WSGI servers), `same_host` (shared memory next to Ray's
-  same-node put/get and a memcpy);
+  same-node put/get and a memcpy), `cuda` (a GPU batch's put and gather against the
+  host-device copy limit, where there is a GPU);
 - `scaling` (1k-100k tasks), `control_plane` (hundreds of ranks polling one controller),
   `partition_scale` (a controller partition's bytes and times per task, in one process),
   `durable` (a worker with `--data-dir` against one in memory; recovery after SIGKILL),

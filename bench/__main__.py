@@ -4,9 +4,11 @@ Every number is a median over `--repeats` runs (min and max kept), and every
 comparison is a ratio against a baseline measured in the same run on the same
 machine. For the `--peers` workloads (grpo by default) the peers also move a dense
 variant of the batch ([tasks, width] tensors, e.g. 5,120 x 1,536): Ray's object store
-(its best case) and TransferQueue's SimpleStorage, next to distbatch on the same batch.
-The `scaling` workload times put, one-field gather, clear, chunk_balanced(8) and a pickle
-round trip of a REMOTE batch from 1k to 100k tasks (`--max-tasks` caps it). The
+(its best case) and TransferQueue's SimpleStorage, next to distbatch on the same batch; where
+a CUDA device is present, both batches are also put from and gathered to it, beside the
+device's copy bandwidth to and from pinned memory (`bench.cuda`). The `scaling` workload
+times put, one-field gather, clear, chunk_balanced(8) and a pickle round trip of a REMOTE
+batch from 1k to 100k tasks (`--max-tasks` caps it). The
 `multimodal` workload puts and gathers a GRPO batch whose n responses per prompt share a ~1 MB
 image, shared (stored and moved once) vs n copies vs TransferQueue (`bench.shared_fields`). The
 `control_plane` workload has 256 consumers in 4 groups poll `get_meta` on one served
@@ -43,6 +45,7 @@ from bench import (
     areal,
     baselines,
     control_plane,
+    cuda,
     durable,
     rss,
     same_host,
@@ -542,6 +545,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if not args.no_areal:
                     bar.set_postfix_str(f"{name} AReaL RTensor")
                     result["areal"] = areal.run(name, args.seed, args.repeats, args.peer_timeout, args.out)
+                if cuda.default_device() is not None:  # the GPU rows, where there is a GPU
+                    bar.set_postfix_str(f"{name} GPU")
+                    result["cuda"] = cuda.run(name, args.workers, args.repeats)
                 bar.update()
             if not args.no_pipeline:
                 bar.set_postfix_str(f"{name} traffic job")
@@ -624,6 +630,8 @@ def summary(results: dict[str, Any]) -> str:
             lines.append(rss.table(name, r["rss"]))
         if r.get("areal"):
             lines.append(areal.table(name, r["areal"]))
+        if r.get("cuda"):
+            lines.append(cuda.table(r["cuda"]))
     if SCALING in results:
         lines.append(scaling.table(results[SCALING]))
     if CONTROL_PLANE in results:

@@ -133,3 +133,16 @@ def test_the_pinned_ring_copies_any_tensor_exactly(make: Callable[[], torch.Tens
         copied = ring.to_host(value.cuda())
         assert copied.device.type == "cpu" and copied.is_contiguous()
         assert copied.dtype == value.dtype and torch.equal(copied, value)
+
+
+def test_the_bench_gpu_rows_run_on_the_device() -> None:
+    """`bench.cuda` (issue 34's GPU rows) on this device: the put from it and the gather to it
+    move the batch intact (the bench checks every field) and each row has its limit beside it."""
+    from bench import cuda
+
+    result = cuda.run("tiny", workers=1, repeats=2)
+    assert result["device"].startswith("cuda")
+    for entry in result["kinds"].values():
+        assert entry["d2h"]["gbps"] > 0 and entry["h2d"]["gbps"] > 0
+        assert entry["put_over_d2h"] > 0 and entry["gather_over_h2d"] > 0
+    assert "put/d2h" in cuda.table(result)
