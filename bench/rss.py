@@ -101,13 +101,24 @@ def role_main(role: str, workload: str, nodes: list[str], meta_path: Path, shm: 
     bytes it must hold: a producer its batch (built, then put on `nodes`), a consumer the batch
     it gathers, the controller the metadata of `CONTROLLER_STEPS` such batches (registered, one
     put each, then handed out in one answer: its state and that answer, both pickled; counted
-    from the announcements' arrival)."""
+    from the announcements' arrival). Each role first does its work once on a few tasks, so what
+    is counted is a step's, not the process's first use of its modules and threads."""
     if not shm:
         os.environ[ENV_SWITCH] = "0"
     from bench.workloads import WORKLOADS, make_columns, payload_bytes
     from distbatch import Controller, DistributedBatchMemory, ShardClient
     from distbatch.controller.partitions import FEW_ROWS
 
+    if role != "controller":
+        # A first put and gather of a few tasks import what the data path uses (aiohttp, the
+        # client's loop thread): modules and threads, not the data, as for the controller below.
+        with ShardClient() as client:
+            first = DistributedBatchMemory.from_dict(make_columns(WORKLOADS["tiny"], 1)).to_remote(
+                nodes[0], client
+            )
+            first.get_data()
+            first.clear()
+        del first
     start = peak_since_reset()
     if role == "producer":
         columns = make_columns(WORKLOADS[workload], 0)
