@@ -9,15 +9,15 @@ of a table at most half full (made 3/16 to 3/8 full when it is rebuilt): 20 to 3
 Linear probing: a lookup walks from bucket ``hash(id) & mask`` to the id's bucket or to an empty
 one; a removed task leaves a tombstone (`GONE`) so the walks past it still find what follows, and
 the table is rebuilt when tombstones fill a quarter of it, or bigger when it is half full (once
-per doubling of the tasks). The kept hash bits make a rebuild array operations only (hashing a
-million ids again would take 50 ms more of the 60 it takes at that size, under the lock) and let
-a batch lookup skip comparing ids whose bits differ. The table is this process's: `hash` of a str
+per doubling of the tasks). The kept hash bits make a rebuild array operations only (64 ms for
+a million tasks, under the lock; hashing their ids again made it 134) and let a batch lookup
+skip comparing ids whose bits differ. The table is this process's: `hash` of a str
 differs between processes, so a pickled index keeps its ids alone and rebuilds on load.
 
 Like the partition's other reads (see `distbatch.controller.partitions`), a lookup or change of
 at most `FEW_ROWS` ids goes item by item, never through numpy's fancy indexing, which releases
-the GIL: a batch of them runs as a few array operations a probing round (about two rounds for a
-table at most half full).
+the GIL; a larger batch runs as a few array operations a probing round (most ids are done in
+the first two rounds of a table at most half full).
 """
 
 from __future__ import annotations
