@@ -372,7 +372,7 @@ class Partition:
 
     def task_ids(self) -> list[str]:
         """Every task's id, by index."""
-        return self.task_ids_at(np.flatnonzero(self.task_of != None))  # noqa: E711
+        return list(self.index_of)
 
     def rows_of(self, task_ids: Sequence[str]) -> np.ndarray:
         """The index of each of `task_ids` (-1: not in this partition)."""

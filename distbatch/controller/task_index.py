@@ -112,19 +112,7 @@ class TaskIndex:
             wanted = np.empty(count, dtype=object)
             wanted[:] = task_ids
             return self._find_many(_low_bits(task_ids), wanted)
-        # One walk per id, inlined: a put of a few hundred tasks makes this walk under the lock.
-        table_item, id_item = self._table.item, self.ids.item
-        mask = len(self._table) - 1
-        found = []
-        for task_id in task_ids:
-            bucket = hash(task_id) & mask
-            while True:
-                slot = table_item(bucket)
-                if slot == EMPTY or (slot >= 0 and id_item(slot) == task_id):
-                    break
-                bucket = (bucket + 1) & mask
-            found.append(slot if slot >= 0 else -1)
-        return np.array(found, dtype=np.int64)
+        return np.array(self._walk(task_ids), dtype=np.int64)
 
     def add(self, task_ids: Sequence[str], slots: np.ndarray) -> None:
         """Hold new, distinct `task_ids` at the free `slots` (int64, one each)."""
@@ -185,16 +173,23 @@ class TaskIndex:
     # ------------------------------------------------------------------ the table
 
     def _find_one(self, task_id: str) -> int:
-        table, ids = self._table, self.ids
-        mask = len(table) - 1
-        bucket = hash(task_id) & mask
-        while True:
-            slot = table.item(bucket)
-            if slot == EMPTY:
-                return -1
-            if slot >= 0 and ids.item(slot) == task_id:
-                return slot
-            bucket = (bucket + 1) & mask
+        return self._walk((task_id,))[0]
+
+    def _walk(self, task_ids: Sequence[str]) -> list[int]:
+        """The slot of each of `task_ids` (-1: not held), one walk each, item by item (a loop of
+        its own, not a call per id: a put of a few hundred tasks walks under the lock)."""
+        table_item, id_item = self._table.item, self.ids.item
+        mask = len(self._table) - 1
+        found = []
+        for task_id in task_ids:
+            bucket = hash(task_id) & mask
+            while True:
+                slot = table_item(bucket)
+                if slot == EMPTY or (slot >= 0 and id_item(slot) == task_id):
+                    break
+                bucket = (bucket + 1) & mask
+            found.append(slot if slot >= 0 else -1)
+        return found
 
     def _find_many(self, lows: np.ndarray, wanted: np.ndarray) -> np.ndarray:
         """The slots of the ids in `wanted` (an object array; -1: not held), given their hashes'
