@@ -452,7 +452,7 @@ def _remove_superseded(directory: Path, seq: int) -> int:
     `seq` is on disk); the bytes freed."""
     freed = 0
     log_dir = directory / LOG_DIR
-    for path in log_dir.iterdir():
+    for path in log_dir.iterdir() if log_dir.is_dir() else ():
         match = _NAME.match(path.name)
         if match is not None and int(match.group(1)) <= seq:
             freed += path.stat().st_size
@@ -528,11 +528,10 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
     or a damaged snapshot raises: nothing is set aside for a reason that is not the file's, and
     a snapshot is all that is left of the records it replaced."""
     directory = Path(directory)
-    snapshot_seq, snapshot_files = _newest_snapshot(directory, tidy=set_aside)
+    snapshot_seq, snapshot_files = _newest_snapshot(directory)
     log_dir = directory / LOG_DIR
     dropped: list[str] = []
     groups: dict[int, dict[int, tuple[int, Path]]] = {}
-    superseded: list[Path] = []
     for path in sorted(log_dir.iterdir()) if log_dir.is_dir() else []:
         match = _NAME.match(path.name)
         if match is None:
@@ -540,8 +539,7 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
             continue
         seq, k, n = (int(g) for g in match.groups())
         if seq <= snapshot_seq:
-            superseded.append(path)  # the snapshot holds what it did
-            continue
+            continue  # the snapshot holds what it did
         groups.setdefault(seq, {})[k] = (n, path)
     # Every file is mapped and checked (CRC) on a few threads (zlib lets the GIL go), then the
     # records are taken in order up to the first that is not whole.
@@ -580,8 +578,10 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
         disk_bytes += sum(path.stat().st_size for _, path in parts.values())
         last_seq = seq
     if set_aside:
-        for path in superseded:
-            path.unlink(missing_ok=True)
+        # Only now, the newest snapshot read whole: what a compaction left behind (the records
+        # it replaces, an older snapshot, one half written) goes as a finished compaction's does.
+        if (directory / SNAPSHOT_DIR).is_dir():
+            _remove_superseded(directory, snapshot_seq)
         if dropped:
             _set_aside(log_dir, directory / DROPPED_DIR, dropped)
             logger.warning(
@@ -594,17 +594,12 @@ def read_log(directory: Path, set_aside: bool = False) -> Recovered:
     return Recovered(records, dropped, last_seq, disk_bytes, snapshot_seq)
 
 
-def _newest_snapshot(directory: Path, tidy: bool) -> tuple[int, list[Path]]:
-    """(the record the newest whole snapshot stands for, its files in order); (0, []) if none.
-    With `tidy`, a snapshot half written (hidden) or replaced by a newer one is deleted."""
+def _newest_snapshot(directory: Path) -> tuple[int, list[Path]]:
+    """(the record the newest whole snapshot stands for, its files in order); (0, []) if none."""
     root = directory / SNAPSHOT_DIR
     if not root.is_dir():
         return 0, []
     whole = sorted(path for path in root.iterdir() if _SNAPSHOT_NAME.match(path.name))
-    if tidy:
-        for path in root.iterdir():
-            if path not in whole[-1:]:
-                shutil.rmtree(path, ignore_errors=True)
     if not whole:
         return 0, []
     files = sorted(whole[-1].iterdir())

@@ -10,6 +10,7 @@ check then runs against the recovered store.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -517,6 +518,34 @@ def test_a_damaged_snapshot_stops_the_start(tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     with pytest.raises(DurableLogError, match="snapshot .* is damaged"):
         DurableLog(tmp_path)
+
+
+def test_a_damaged_newest_snapshot_leaves_the_older_one_in_place(tmp_path: Path) -> None:
+    """The start refuses a damaged newest snapshot before it deletes anything: the snapshot it
+    replaced stays on disk (a crash can leave both until recovery tidies), so a person can still
+    recover from it."""
+    store, _ = durable_store(tmp_path, sync=True)
+    _history(store)
+    store.compact()
+    older = sorted((tmp_path / "snapshot").iterdir())
+    assert len(older) == 1
+    kept = tmp_path / "kept"
+    shutil.copytree(older[0], kept)  # as a crash between a compaction's rename and its tidy leaves it
+    store.put({("late", "x"): u8(b"after")})
+    store.compact()
+    store.close()
+    shutil.copytree(kept, older[0])
+    newest = max((tmp_path / "snapshot").iterdir())
+    assert newest != older[0]
+    victim = sorted(newest.iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DurableLogError, match="snapshot .* is damaged"):
+        DurableLog(tmp_path)
+    assert older[0].is_dir() and sorted(p.name for p in older[0].iterdir()) == sorted(
+        p.name for p in kept.iterdir()
+    )
 
 
 def test_a_snapshot_keeps_the_newest_generation_given_even_when_nothing_is_held(tmp_path: Path) -> None:
