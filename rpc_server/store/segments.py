@@ -118,14 +118,14 @@ class Segment:
         return self.shapes
 
     @property
+    def has_bytes(self) -> bool:
+        """A tensor value with bytes (what memory, a region or a spill file holds)."""
+        return self.dtype is not None and self.data is not None and bool(self.data.nbytes)
+
+    @property
     def outside_region(self) -> bool:
         """Tensor bytes not in a shared region yet (a same-host reader moves them into one)."""
-        return (
-            self.dtype is not None
-            and self.region_offset is None
-            and self.data is not None
-            and bool(self.data.nbytes)
-        )
+        return self.has_bytes and self.region_offset is None
 
     def rehomed(self, data: np.ndarray, buffer: Buffer, region_offset: int | None) -> Segment:
         """The same rows with their bytes at `data` (a copy of `self.data` in `buffer`'s region,
@@ -350,14 +350,10 @@ class SegmentTable:
             for b in self._buffers.values()
             if not b.on_disk
             and (b.record is None or b.record[0] <= durable_seq)
-            and any(self._has_bytes(self.segments[s]) for s in b.members)
+            and any(self.segments[s].has_bytes for s in b.members)
         ]
         found.sort(key=lambda b: b.last_used)
         return found
-
-    @staticmethod
-    def _has_bytes(seg: Segment) -> bool:
-        return seg.dtype is not None and seg.data is not None and bool(seg.data.nbytes)
 
     def spill(self, buffer: Buffer, homes: dict[int, np.ndarray]) -> int:
         """Point `buffer`'s tensor segments at `homes` (by segment id: the same bytes in a mapped

@@ -82,10 +82,13 @@ class Spiller:
             column = columns.get(buffer.keys.get(seg_id, ""))
             if seg.dtype is None:
                 continue
-            if column is None or column.dtype is None:
-                buffer.record = None
+            home = None
+            if column is not None and column.dtype is not None:
+                home = np.frombuffer(column.single_buffer(), dtype=np.uint8)
+            if home is None or seg.data is None or home.nbytes != seg.data.nbytes:
+                buffer.record = None  # not mapped and parsed again at every put past the bound
                 return None
-            homes[seg_id] = np.frombuffer(column.single_buffer(), dtype=np.uint8)
+            homes[seg_id] = home
         return homes
 
     def _written(self, buffer: Buffer, segments: SegmentTable) -> dict[int, np.ndarray]:

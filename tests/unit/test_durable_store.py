@@ -382,6 +382,25 @@ def test_memory_no_record_holds_is_written_to_a_file_of_its_own(tmp_path: Path) 
     store.close()
 
 
+def test_a_record_that_no_longer_matches_its_value_is_written_instead_and_not_tried_again(
+    tmp_path: Path,
+) -> None:
+    """A buffer's record file that no longer holds its bytes as they are (here: another put's
+    record copied over it, a value of another size under the same field): the spill writes the
+    value to a file of its own, and forgets the record, instead of mapping and parsing it again
+    at every later spill and keeping the value in memory."""
+    store, _ = durable_store(tmp_path, sync=True)
+    store.put(_rows("a", 1))  # 1,000 bytes, record 1
+    store.put(_rows("b", 2, n=5))  # 500 bytes, record 2
+    records = sorted((tmp_path / "log").iterdir())
+    assert len(records) == 2
+    shutil.copyfile(records[1], records[0])
+    assert store.spill() == 1500
+    assert store.stats().memory_bytes == 0
+    assert bytes(store.fetch(_ids("a"), ["x"]).columns["x"].single_buffer()) == bytes([1]) * 1000
+    store.close()
+
+
 def test_without_room_to_spill_a_put_is_still_refused(tmp_path: Path) -> None:
     """JSON values live in memory only: past the bound, the put is refused, nothing changes."""
     store = ShardStore(max_bytes=300, log=DurableLog(tmp_path))
