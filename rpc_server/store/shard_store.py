@@ -354,6 +354,8 @@ class ShardStore:
                 return False
             with self._lock:
                 seq = self._log.last_queued
+                if seq <= self._log.stats().snapshot_seq:
+                    return False  # nothing changed since the last snapshot: nothing captured
                 fields = capture(self._shards)
                 held, last_generation = self._shards.segments.nbytes, self._last_generation
             free = shutil.disk_usage(self._log.directory).free
@@ -363,6 +365,13 @@ class ShardStore:
             return self._log.write_snapshot(seq, snapshot_bundles(fields, last_generation))
         finally:
             self._compacting.release()
+
+    def _settle_delete(self, seq: int) -> None:
+        """After a delete (outside the lock): settle its record (`_settle`) and, when there was
+        one, see whether the log is due a compaction."""
+        self._settle(seq)
+        if seq:
+            self._compact_if_due()
 
     def _compact_if_due(self) -> None:
         """After a delete (caller holds nothing): compact in the background once the log holds
@@ -615,8 +624,7 @@ class ShardStore:
                 self._writable()
             result = self._shards.delete_rows(held, self._shards.index.names())
             seq = self._record("delete", delete={"tasks": task_ids, "fields": None}) if len(held) else 0
-        self._settle(seq)
-        self._compact_if_due()
+        self._settle_delete(seq)
         return result
 
     def delete_product(
@@ -637,8 +645,7 @@ class ShardStore:
                 self._writable()
             result = self._shards.delete_rows(held, fields)
             seq = self._record("delete", delete={"tasks": task_ids, "fields": fields}) if result[0] else 0
-        self._settle(seq)
-        self._compact_if_due()
+        self._settle_delete(seq)
         return result
 
     def delete_keys(self, keys: Iterable[ShardKey]) -> tuple[int, int]:
@@ -650,8 +657,7 @@ class ShardStore:
             self._writable()
             result = self._shards.delete_keys(by_field)
             seq = self._record("delete", delete={"keys": by_field}) if result[0] else 0
-        self._settle(seq)
-        self._compact_if_due()
+        self._settle_delete(seq)
         return result
 
     def delete_put(self, receipt: PutReceipt) -> tuple[int, int]:
@@ -663,8 +669,7 @@ class ShardStore:
                 self._writable()
             result = self._shards.delete_put(receipt)
             seq = self._record("delete", delete={"keys": keys}) if keys else 0
-        self._settle(seq)
-        self._compact_if_due()
+        self._settle_delete(seq)
         return result
 
     def evict_idle(self) -> tuple[int, int]:
@@ -687,7 +692,8 @@ class ShardStore:
                     )
             self._evicted_shards += count
             self._evicted_bytes += freed
-        self._compact_if_due()
+        if count:
+            self._compact_if_due()
         return count, freed
 
     # ------------------------------------------------------------------ reporting
